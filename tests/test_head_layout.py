@@ -1,0 +1,73 @@
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from ulysses_jax import plan_heads
+
+CASES = [
+    (h, hkv, p)
+    for h, hkv, p in itertools.product([1, 2, 3, 4, 6, 8, 12, 14, 16, 24, 28, 32, 64], [1, 2, 3, 4, 8, 12], [1, 2, 4, 8])
+    if h % hkv == 0
+]
+
+
+@pytest.mark.parametrize("h, hkv, p", CASES, ids=[f"H{h}-KV{k}-P{p}" for h, k, p in CASES])
+def test_layout_is_valid_and_minimal(h, hkv, p):
+    lay = plan_heads(h, hkv, p)
+    g, kl = lay.group, lay.kv_per_device
+    assert len(lay.q_slots) == p * kl * g and len(lay.kv_slots) == p * kl
+    # every real query head appears exactly once
+    real = [x for x in lay.q_slots if x >= 0]
+    assert sorted(real) == list(range(h))
+    # locally plain GQA: position i reads kv position i // g, which holds that query head's KV head
+    for i, qh in enumerate(lay.q_slots):
+        if qh >= 0:
+            assert lay.kv_slots[i // g] == qh // (h // hkv)
+    # attention compute per device is the least possible: ceil(H / P) query heads
+    assert lay.heads_per_device == math.ceil(h / p) or _no_uniform_layout_reaches(h, hkv, p)
+    assert lay.wasted_fraction == pytest.approx(1 - h / (p * lay.heads_per_device))
+    if h % p == 0 and hkv % p == 0:
+        assert lay.is_identity and lay.kv_heads_sent == hkv and lay.wasted_fraction == 0
+
+
+def _no_uniform_layout_reaches(h, hkv, p):
+    """Brute force: no (g, slots) choice gives ceil(H/P) query heads per device."""
+    G = h // hkv
+    best = min(math.ceil(hkv * math.ceil(G / g) / p) * g for g in range(1, G + 1))
+    return best > math.ceil(h / p)
+
+
+@pytest.mark.parametrize(
+    "h, hkv, p, q_dev, kv_dev, waste",
+    [
+        (32, 8, 8, 4, 1, 0.0),  # Llama-3 8B: contiguous
+        (32, 2, 8, 4, 1, 0.0),  # kv heads < sp: each KV head copied to 4 devices
+        (8, 1, 4, 2, 1, 0.0),  # MQA
+        (6, 3, 2, 3, 3, 0.0),  # kv heads not dividing sp
+        (12, 12, 8, 2, 2, 0.25),  # heads not divisible by sp
+        (12, 4, 8, 2, 1, 0.25),
+        (14, 2, 8, 2, 1, 0.125),  # Qwen2.5-0.5B
+        (28, 4, 8, 4, 1, 0.125),  # Qwen2.5-7B
+    ],
+)
+def test_documented_examples(h, hkv, p, q_dev, kv_dev, waste):
+    lay = plan_heads(h, hkv, p)
+    assert (lay.heads_per_device, lay.kv_per_device) == (q_dev, kv_dev)
+    assert lay.wasted_fraction == pytest.approx(waste)
+
+
+def test_gather_roundtrip():
+    lay = plan_heads(12, 4, 8)
+    x = np.arange(2 * 3 * 12 * 5, dtype=np.float32).reshape(2, 3, 12, 5)
+    padded = np.asarray(lay.gather_q(x))
+    assert padded.shape == (2, 3, 16, 5)
+    np.testing.assert_array_equal(np.asarray(lay.ungather_out(padded)), x)
+    dummies = [i for i, s in enumerate(lay.q_slots) if s < 0]
+    assert dummies and np.all(padded[:, :, dummies] == 0)
+
+
+def test_invalid():
+    with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of kv heads \(4\)"):
+        plan_heads(6, 4, 2)

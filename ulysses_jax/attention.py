@@ -1,0 +1,98 @@
+"""Local (single-device) attention behind one function, ``attention(..., impl=...)``.
+
+Shapes: ``q: [B, S, H, D]``, ``k, v: [B, S, Hkv, D]`` with ``H % Hkv == 0`` (MHA when
+``Hkv == H``, GQA when ``1 < Hkv < H``, MQA when ``Hkv == 1``); query head ``h`` reads
+KV head ``h // (H // Hkv)``. ``segment_ids: [B, S]`` integers: a token attends only to
+tokens with the same id (and, when ``causal``, not to later positions).
+
+Implementations:
+  * ``"xla"``: the reference below, plain ``jnp``; the softmax is computed in float32
+    whatever the input dtype, the output is cast back to the input dtype. It
+    materialises the ``[B, H, S, S]`` score matrix, so it is for checking and short
+    sequences, not for long contexts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("xla",)
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> None:
+    """Raise ``ValueError`` naming the values when shapes do not fit ``[B, S, H, D]`` / ``[B, S, Hkv, D]``."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    (b, s, h, d), (bk, sk, hkv, dk) = q.shape, k.shape
+    if (bk, sk, dk) != (b, s, d):
+        raise ValueError(
+            f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: batch, seq and head_dim "
+            f"must agree (self-attention), only the head count may differ"
+        )
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({hkv}) for MHA/GQA/MQA")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (b, s):
+            raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, s)}, got {tuple(segment_ids.shape)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers, got dtype {segment_ids.dtype}")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    scale: float | None = None,
+    impl: str = "xla",
+) -> jax.Array:
+    """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring)."""
+    check_qkv(q, k, v, segment_ids)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+
+
+def attention_mask(seq_len: int, *, causal: bool, segment_ids: jax.Array | None) -> jax.Array:
+    """Boolean ``[B or 1, 1, 1, S, S]`` mask (query, key) for the reference."""
+    mask = jnp.ones((1, 1, 1, seq_len, seq_len), dtype=bool)
+    if causal:
+        pos = jnp.arange(seq_len)
+        mask = mask & (pos[:, None] >= pos[None, :])
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, Sq, Sk]
+        mask = mask & same[:, None, None]
+    return mask
+
+
+def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float) -> jax.Array:
+    """Reference attention in plain jnp; softmax in float32; GQA by grouping query heads."""
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    q_bskgd = q.reshape(b, s, hkv, g, d).astype(jnp.float32)
+    k_bskd = k.astype(jnp.float32)
+    v_bskd = v.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    logits_bkgqs = jnp.einsum("bqkgd,bskd->bkgqs", q_bskgd, k_bskd, precision=hp) * scale
+    mask = attention_mask(s, causal=causal, segment_ids=segment_ids)
+    logits_bkgqs = jnp.where(mask, logits_bkgqs, -jnp.inf)
+    # Every row keeps at least its diagonal, so no row is fully masked; guard anyway.
+    row_max = jnp.max(logits_bkgqs, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(logits_bkgqs - jax.lax.stop_gradient(row_max))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out_bqkgd = jnp.einsum("bkgqs,bskd->bqkgd", p, v_bskd, precision=hp)
+    return out_bqkgd.reshape(b, s, h, d).astype(q.dtype)
