@@ -7,6 +7,7 @@ import pytest
 from np_reference import TOL, attention_f64, random_inputs, rel_err
 
 from ulysses_jax import attention
+from ulysses_jax.attention import resolve_impl
 
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -61,3 +62,49 @@ def test_invalid_inputs(shapes, kwargs, match):
     q, k, v = (jnp.ones(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "impl, dtype, d, seg, backend, want",
+    [
+        ("auto", "bfloat16", 128, False, "cpu", "xla"),
+        ("auto", "bfloat16", 128, True, "cpu", "xla"),
+        ("auto", "bfloat16", 128, False, "gpu", "cudnn"),
+        ("auto", "bfloat16", 128, True, "gpu", "pallas"),  # packed documents: cuDNN has no segment ids
+        ("auto", "float32", 128, False, "gpu", "pallas"),
+        ("auto", "bfloat16", 256, False, "gpu", "pallas"),
+        ("pallas", "float32", 64, True, "cpu", "pallas"),
+        ("xla", "bfloat16", 64, True, "gpu", "xla"),
+        ("cudnn", "bfloat16", 64, False, "gpu", "cudnn"),
+    ],
+)
+def test_resolve_impl(impl, dtype, d, seg, backend, want):
+    assert resolve_impl(impl, dtype=jnp.dtype(dtype), head_dim=d, has_segment_ids=seg, backend=backend) == want
+
+
+@pytest.mark.parametrize(
+    "dtype, seg, backend, match",
+    [
+        ("bfloat16", False, "cpu", r"cuDNN needs a GPU but the JAX backend is 'cpu'"),
+        ("bfloat16", True, "gpu", r"cuDNN attention takes no segment ids"),
+        ("float32", False, "gpu", r"cuDNN attention needs float16 or bfloat16 inputs, got float32"),
+    ],
+)
+def test_cudnn_refuses_what_it_cannot_do(dtype, seg, backend, match):
+    with pytest.raises(ValueError, match=r"impl='cudnn' cannot serve this call: " + match):
+        resolve_impl("cudnn", dtype=jnp.dtype(dtype), head_dim=64, has_segment_ids=seg, backend=backend)
+
+
+def test_cudnn_call_refused_on_cpu():
+    x = jnp.ones((1, 8, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"impl='cudnn' cannot serve this call"):
+        attention(x, x, x, impl="cudnn")
+
+
+def test_pallas_dispatch_matches_f64(seed):
+    q, k, v, do, seg = random_inputs(seed, 1, 40, 4, 2, 16, jnp.float32)
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids=seg, impl="pallas"), q, k, v)
+    ref_out, ref_grads = attention_f64(q, k, v, do, segment_ids=seg)
+    assert rel_err(out, ref_out) < TOL["float32"]
+    for g, rg in zip(vjp(do), ref_grads):
+        assert rel_err(g, rg) < TOL["float32"]

@@ -38,6 +38,12 @@ def mesh_for(name):
     return make_mesh(data=data, fsdp=fsdp, sp=sp, devices=jax.devices()[: data * fsdp * sp])
 
 
+def loss_single(q, k, v, do, seg, causal):
+    q, k, v, do = (jax.device_put(x, jax.devices()[0]) for x in (q, k, v, do))
+    out = attention(q, k, v, causal=causal, segment_ids=None if seg is None else jax.device_put(seg, jax.devices()[0]))
+    return jnp.sum(out * do), out
+
+
 def run_case(mesh_name, heads, causal, use_seg, dtype, presharded, jitted, seed):
     mesh = mesh_for(mesh_name)
     sp = mesh.shape["sp"]
@@ -68,23 +74,31 @@ def run_case(mesh_name, heads, causal, use_seg, dtype, presharded, jitted, seed)
         assert g.shape == rg.shape and rel_err(g, rg) < tol, name
 
     if dtype == "float32":  # SP=P equals SP=1 (the single-device XLA path)
-        single = jax.value_and_grad(
-            lambda q, k, v: jnp.sum(attention(q, k, v, causal=causal, segment_ids=seg) * do), argnums=(0, 1, 2)
-        )
-        _, single_grads = single(q, k, v)
-        np.testing.assert_allclose(out, attention(q, k, v, causal=causal, segment_ids=seg), rtol=1e-5, atol=1e-5)
+        single = jax.jit(jax.value_and_grad(lambda *a: loss_single(*a, do, seg, causal), argnums=(0, 1, 2), has_aux=True))
+        (_, single_out), single_grads = single(q, k, v)
+        np.testing.assert_allclose(out, single_out, rtol=1e-5, atol=1e-5)
         for g, sg in zip(grads, single_grads):
             np.testing.assert_allclose(g, sg, rtol=1e-5, atol=1e-5)
 
 
-# Every mesh x every head layout, in two mask settings; dtype, pre-sharding and jit rotate.
-MATRIX = []
-for i, (mesh_name, heads, (causal, use_seg)) in enumerate(
-    itertools.product(MESHES, HEADS, [(True, True), (False, False)])
-):
-    MATRIX.append((mesh_name, heads, causal, use_seg, ["float32", "bfloat16"][i % 2], bool(i // 2 % 2), bool(i // 4 % 2)))
-# One layout in the full product of the other switches.
-FULL = [("fsdp2xsp4", "kv<sp", *rest) for rest in itertools.product([True, False], [True, False], ["float32", "bfloat16"], [True, False], [True, False])]
+# Every mesh x every head layout, in two mask settings, jitted; dtype and pre-sharding rotate.
+MATRIX = [
+    (mesh_name, heads, causal, use_seg, ["float32", "bfloat16"][i % 2], bool(i // 2 % 2), True)
+    for i, (mesh_name, heads, (causal, use_seg)) in enumerate(
+        itertools.product(MESHES, HEADS, [(True, True), (False, False)])
+    )
+]
+# One layout in the full product of the other switches (jitted), plus eager (un-jitted) calls,
+# which are slow on CPU (op-by-op dispatch of the backward), in a few combinations.
+FULL = [
+    ("fsdp2xsp4", "kv<sp", causal, use_seg, dtype, presharded, True)
+    for causal, use_seg, dtype, presharded in itertools.product([True, False], [True, False], ["float32", "bfloat16"], [True, False])
+]
+EAGER = [
+    ("fsdp2xsp4", "kv<sp", True, True, "float32", False, False),
+    ("sp4", "h12", False, True, "bfloat16", True, False),
+    ("data2xfsdp2xsp2", "mqa", True, False, "float32", True, False),
+]
 
 
 def case_id(c):
@@ -95,7 +109,7 @@ def case_id(c):
     )
 
 
-@pytest.mark.parametrize("case", MATRIX + FULL, ids=case_id)
+@pytest.mark.parametrize("case", MATRIX + FULL + EAGER, ids=case_id)
 def test_matches_reference(case, seed):
     run_case(*case, seed=seed)
 
@@ -162,3 +176,19 @@ def test_unknown_axis_name():
     with pytest.raises(ValueError, match=r"axis_name 'seq' is not an axis of the mesh \('data', 'fsdp', 'sp'\)"):
         ulysses_attention(jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)),
                           mesh=mesh_for("sp2"), axis_name="seq")
+
+
+@pytest.mark.parametrize(
+    "mesh_name, heads, dtype", [("fsdp2xsp4", "kv<sp", "float32"), ("sp8", "h12", "bfloat16")], ids=["kv-copied", "padded"]
+)
+def test_pallas_kernel_inside_ulysses(mesh_name, heads, dtype, seed):
+    """Our Pallas kernel (interpret mode on CPU) between the two all-to-alls, against float64."""
+    mesh = mesh_for(mesh_name)
+    h, hkv = HEADS[heads]
+    q, k, v, do, seg = random_inputs(seed, B, S, h, hkv, D, jnp.dtype(dtype), shard=S // mesh.shape["sp"])
+    fn = jax.jit(lambda q, k, v: jax.vjp(lambda *a: ulysses_attention(*a, mesh=mesh, segment_ids=seg, impl="pallas"), q, k, v))
+    out, vjp = fn(q, k, v)
+    ref_out, ref_grads = attention_f64(q, k, v, do, segment_ids=seg)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    for g, rg in zip(vjp(do), ref_grads):
+        assert rel_err(g, rg) < TOL[dtype]

@@ -5,11 +5,18 @@ Shapes: ``q: [B, S, H, D]``, ``k, v: [B, S, Hkv, D]`` with ``H % Hkv == 0`` (MHA
 KV head ``h // (H // Hkv)``. ``segment_ids: [B, S]`` integers: a token attends only to
 tokens with the same id (and, when ``causal``, not to later positions).
 
-Implementations:
+Implementations (``impl=``):
   * ``"xla"``: the reference below, plain ``jnp``; the softmax is computed in float32
     whatever the input dtype, the output is cast back to the input dtype. It
     materialises the ``[B, H, S, S]`` score matrix, so it is for checking and short
     sequences, not for long contexts.
+  * ``"pallas"``: our FlashAttention-2 kernel (``kernels/flash_attention.py``): compiled
+    through Triton on GPU, Pallas interpret mode on CPU (exact but slow). Supports
+    everything the reference does; memory linear in the sequence length.
+  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only,
+    float16/bfloat16 only, head_dim a multiple of 8 up to 128; it has no segment ids, so
+    a call with ``segment_ids`` is refused (never silently unmasked).
+  * ``"auto"``: resolved per call by ``resolve_impl`` (rule in its docstring).
 """
 
 from __future__ import annotations
@@ -19,7 +26,41 @@ import math
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla",)
+IMPLS = ("xla", "pallas", "cudnn", "auto")
+
+
+def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, backend: str | None = None) -> str:
+    """The concrete implementation for a request; raises ``ValueError`` if ``impl`` cannot serve it.
+
+    ``"auto"``: on CPU (and any non-GPU backend) ``"xla"``. On GPU ``"cudnn"`` when cuDNN can
+    take the request (no segment ids, float16/bfloat16, head_dim a multiple of 8 and <= 128),
+    otherwise ``"pallas"``. This ranking (cuDNN ahead of our Triton-lowered kernel) follows the
+    published H100 kernel figures; ``experiments/bench_attention.py`` is the measurement that
+    must confirm it on the hardware at hand.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
+    backend = jax.default_backend() if backend is None else backend
+    cudnn_problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=has_segment_ids, backend=backend)
+    if impl == "auto":
+        if backend != "gpu":
+            return "xla"
+        return "pallas" if cudnn_problem else "cudnn"
+    if impl == "cudnn" and cudnn_problem:
+        raise ValueError(f"impl='cudnn' cannot serve this call: {cudnn_problem}; use impl='pallas' or 'auto'")
+    return impl
+
+
+def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, backend: str) -> str | None:
+    if backend != "gpu":
+        return f"cuDNN needs a GPU but the JAX backend is {backend!r}"
+    if has_segment_ids:
+        return "cuDNN attention takes no segment ids (packed documents would attend across boundaries)"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN attention needs float16 or bfloat16 inputs, got {jnp.dtype(dtype)}"
+    if head_dim % 8 or head_dim > 128:
+        return f"cuDNN attention needs head_dim a multiple of 8 and at most 128, got {head_dim}"
+    return None
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> None:
@@ -58,9 +99,14 @@ def attention(
 ) -> jax.Array:
     """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring)."""
     check_qkv(q, k, v, segment_ids)
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
+    impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if impl == "pallas":
+        from ulysses_jax.kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
     return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
 
 

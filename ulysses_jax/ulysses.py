@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.attention import attention, check_qkv
+from ulysses_jax.attention import attention, check_qkv, resolve_impl
 from ulysses_jax.head_layout import HeadLayout, plan_heads
 
 
@@ -106,6 +106,7 @@ def ulysses_attention(
     """
     axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name)
     b, s, h, d = q.shape
+    impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None)
     layout = plan_heads(h, k.shape[2], sp)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     spec = P(axes or None, axis_name, None, None)
@@ -139,6 +140,7 @@ def ulysses_attention(
         mesh=mesh,
         in_specs=tuple(in_specs),
         out_specs=spec,
-        check_vma=impl != "pallas",
+        # Kernels (Pallas, cuDNN custom calls) carry no varying-manual-axes annotations.
+        check_vma=impl == "xla",
     )
     return fn(*args)
