@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-gpu venv clean
+.PHONY: test test-slow test-gpu train venv clean
 
 venv: $(STAMP)
 
@@ -28,3 +28,11 @@ test-gpu: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info
+
+# The main job: the tiny preset on the built-in corpus (the Python standard library's sources),
+# fsdp=2 x sp=4 on 8 fake CPU devices when there is no GPU. A new run directory each time.
+TRAIN_ARGS ?=
+RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
+train: $(STAMP)
+	$(VENV)/bin/ulysses-jax train --preset tiny --mesh.fsdp 2 --mesh.sp 4 --seq-len 2048 --batch-size 4 \
+		--steps 150 --checkpoint-every 50 --optim.lr 3e-3 --run-dir $(RUN_DIR) $(TRAIN_ARGS)

@@ -1,19 +1,41 @@
 """Ulysses sequence parallelism in JAX."""
 
 from ulysses_jax.attention import attention
+from ulysses_jax.config import ModelConfig, RopeScaling
+from ulysses_jax.flops import flops_per_device, flops_per_token, mfu, param_count, peak_flops, training_flops
 from ulysses_jax.head_layout import HeadLayout, plan_heads
+from ulysses_jax.loss import IGNORE, LossOutput, next_token_loss, shift_labels
 from ulysses_jax.mesh import MESH_AXES, make_mesh
+from ulysses_jax.model import Transformer
+from ulysses_jax.sharding import LOGICAL_AXES, format_param_table, param_shardings, param_table
 from ulysses_jax.ulysses import exchange_bytes, heads_to_seq, seq_to_heads, ulysses_attention
 
 __all__ = [
     "HeadLayout",
+    "IGNORE",
+    "LOGICAL_AXES",
+    "LossOutput",
     "MESH_AXES",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
     "attention",
     "exchange_bytes",
+    "flops_per_device",
+    "flops_per_token",
+    "format_param_table",
     "heads_to_seq",
     "make_mesh",
+    "mfu",
+    "next_token_loss",
+    "param_count",
+    "param_shardings",
+    "param_table",
+    "peak_flops",
     "plan_heads",
     "seq_to_heads",
+    "shift_labels",
+    "training_flops",
     "ulysses_attention",
 ]
 __version__ = "0.1.0"

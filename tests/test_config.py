@@ -1,0 +1,122 @@
+"""ModelConfig presets against the published models, validation errors, and the FLOP count."""
+
+import dataclasses
+
+import pytest
+
+from ulysses_jax import ModelConfig, RopeScaling, flops_per_device, flops_per_token, mfu, param_count, peak_flops
+from ulysses_jax.config import PRESETS
+from ulysses_jax.flops import matmul_params, training_flops
+
+# Parameter counts of the published checkpoints (distinct tensors; a tied head counted once).
+PUBLISHED = {
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "mistral-7b": 7_248_023_552,
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_have_the_published_parameter_count(name):
+    cfg = ModelConfig.from_preset(name)
+    assert cfg.name == name and param_count(cfg) == PUBLISHED[name]
+    assert cfg.param_dtype == "float32" and cfg.compute_dtype == "bfloat16" and cfg.attention_impl == "xla"
+
+
+def test_preset_features():
+    assert set(PRESETS) == {"tiny", *PUBLISHED}
+    assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b"}
+    assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b"}
+    assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
+        "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b"
+    }
+    for name in ("llama3.2-1b", "llama3.2-3b"):
+        assert PRESETS[name].rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    for name in ("llama3.1-8b", "llama3.1-70b"):
+        assert PRESETS[name].rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+        assert PRESETS[name].rope_theta == 500_000.0
+    llama3 = {"llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b"}
+    assert {n for n, c in PRESETS.items() if c.rope_scaling} == llama3
+    assert PRESETS["qwen3-4b"].head_dim * PRESETS["qwen3-4b"].num_heads != PRESETS["qwen3-4b"].hidden
+    assert 2e6 < param_count(PRESETS["tiny"]) < 1e7 and PRESETS["tiny"].compute_dtype == "float32"
+
+
+def test_overrides_and_replace_revalidate():
+    cfg = ModelConfig.from_preset("llama3.1-8b", num_layers=2, remat="full")
+    assert (cfg.num_layers, cfg.remat, cfg.hidden) == (2, "full", 4096)
+    assert dataclasses.replace(cfg, loss_chunk=1024).loss_chunk == 1024
+    with pytest.raises(ValueError, match=r"num_heads \(32\) must be a multiple of num_kv_heads \(6\)"):
+        dataclasses.replace(cfg, num_kv_heads=6)
+    with pytest.raises(ValueError, match=r"unknown preset 'llama-7b'; choose one of tiny, llama3.2-1b"):
+        ModelConfig.from_preset("llama-7b")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden = 8
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(num_heads=8, num_kv_heads=3), r"num_heads \(8\) must be a multiple of num_kv_heads \(3\)"),
+        (dict(num_layers=0), r"num_layers \(0\) must be a positive integer"),
+        (dict(hidden=64.0), r"hidden \(64.0\) must be a positive integer"),
+        (dict(head_dim=7), r"head_dim \(7\) must be even for rotary embeddings"),
+        (dict(remat="selective"), r"remat 'selective' is not one of none, full, save_matmuls, offload"),
+        (dict(loss_chunk=-1), r"loss_chunk \(-1\) must be 0 \(off\) or a positive number"),
+        (dict(mlp_chunk=True), r"mlp_chunk \(True\) must be 0 \(off\) or a positive number"),
+        (dict(compute_dtype="fp8"), r"compute_dtype 'fp8' is not one of float32, bfloat16, float16"),
+        (dict(attention_impl=""), r"attention_impl \(''\) must be a non-empty string"),
+        (dict(rope_theta=1.0), r"rope_theta \(1.0\) must be > 1"),
+        (dict(rope_scaling={"factor": 8}), r"rope_scaling must be a RopeScaling or None, got dict"),
+    ],
+)
+def test_invalid_configs(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_invalid_rope_scaling():
+    with pytest.raises(ValueError, match=r"0 < low_freq_factor \(4.0\) < high_freq_factor \(1.0\)"):
+        RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0)
+    with pytest.raises(ValueError, match=r"rope scaling factor \(0.5\) must be >= 1"):
+        RopeScaling(factor=0.5)
+
+
+def test_flops_hand_count_for_tiny():
+    cfg = ModelConfig.from_preset("tiny")  # L=4, D=256, N=8, K=4, H=32, F=768, V=4096
+    per_layer = 256 * 8 * 32 + 2 * 256 * 4 * 32 + 8 * 32 * 256 + 3 * 256 * 768  # q, k+v, o, MLP = 786,432
+    assert per_layer == 786_432
+    assert matmul_params(cfg) == 4 * 786_432 + 4096 * 256 == 4_194_304  # + the unembedding matmul
+    # batch 2 x 1024 tokens, causal: 6 * 4,194,304 * 2048 + 12 * 4 * 2 * 1024^2 * 8 * 32 / 2
+    dense, attention = 6 * 4_194_304 * 2048, 12 * 4 * 2 * 1024**2 * 8 * 32 // 2
+    assert (dense, attention) == (51_539_607_552, 12_884_901_888)
+    assert training_flops(cfg, batch=2, seq_len=1024) == 64_424_509_440
+    assert training_flops(cfg, batch=2, seq_len=1024, causal=False) == dense + 2 * attention
+    assert flops_per_device(cfg, batch=2, seq_len=1024, n_devices=8) == 64_424_509_440 / 8
+    assert flops_per_token(cfg, 1024) == 64_424_509_440 / 2048
+
+
+def test_flops_of_llama3_8b_at_128k():
+    """The attention term grows with context: at 128K tokens it is ~2.3x the dense term for Llama-3.1-8B."""
+    cfg = ModelConfig.from_preset("llama3.1-8b")
+    dense = 6 * matmul_params(cfg)
+    attention = 12 * 32 * 32 * 128 * 131072 / 2
+    assert flops_per_token(cfg, 131072) == pytest.approx(dense + attention)
+    assert 2.2 < attention / dense < 2.4
+
+
+def test_peak_and_mfu():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("cpu") is None
+    assert mfu(494.5e12, 1.0, 989e12) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="must be positive"):
+        mfu(1.0, 0.0, 989e12)

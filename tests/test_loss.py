@@ -1,0 +1,156 @@
+"""next_token_loss: the token-weighted mean over the global batch (never a mean of shard means), empty shards
+and rows, gradient accumulation by tokens, and the tiled loss equal to the plain one without its logits."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_model import (
+    FAST_COMPILE,
+    S,
+    V,
+    VARIANTS,
+    assert_gathers_only_parameters,
+    assert_same,
+    build,
+    forward,
+    packed_batch,
+    rel_err,
+    run_model,
+)
+
+from ulysses_jax import IGNORE, next_token_loss, shift_labels
+
+
+def reference_loss(logits, labels):
+    """float64 NumPy: (mean, sum, count) of -log softmax(logits)[label] over labels >= 0."""
+    logits, labels = np.asarray(logits, np.float64), np.asarray(labels)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    valid = labels >= 0
+    nll = -np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0]
+    total, count = float(np.where(valid, nll, 0).sum()), int(valid.sum())
+    return total / max(count, 1), total, count
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def loss_and_grads(graphdef, state, batch):
+    def f(state):
+        out = next_token_loss(nnx.merge(graphdef, state), batch)
+        return out.sum, out
+
+    (_, out), grads_of_sum = jax.value_and_grad(f, has_aux=True)(state)
+    return out, grads_of_sum
+
+
+def test_shift_labels_before_the_split():
+    tokens = jnp.asarray([[10, 11, 12, 13, 14, 15, 16, 17]])
+    seg = jnp.asarray([[0, 0, 0, 1, 1, 1, 1, 2]])
+    np.testing.assert_array_equal(shift_labels(tokens), [[11, 12, 13, 14, 15, 16, 17, IGNORE]])
+    # the last token of each document has no target; with sp=4 positions 1, 3, 5 end a shard yet keep theirs
+    np.testing.assert_array_equal(shift_labels(tokens, seg), [[11, 12, IGNORE, 14, 15, 16, IGNORE, IGNORE]])
+
+
+def test_plain_loss_matches_reference(seed):
+    """Against float64 NumPy on the model's own logits, with ignored labels (-1 and -100) and packing."""
+    model = build(VARIANTS["gqa-llama3"](), "fsdp2xsp4", seed)
+    batch = packed_batch(seed, shard=S // 4)
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(batch["labels"])
+    labels = np.where(rng.random(labels.shape) < 0.2, rng.choice([-1, -100], labels.shape), labels)
+    batch["labels"] = jnp.asarray(labels)
+    out, _ = loss_and_grads(*nnx.split(model), batch)
+    logits = forward(model, batch["tokens"], segment_ids=batch["segment_ids"])
+    want_loss, want_sum, want_count = reference_loss(logits, labels)
+    assert int(out.count) == want_count and out.count.dtype == jnp.int32
+    np.testing.assert_allclose(float(out.sum), want_sum, rtol=1e-5)
+    np.testing.assert_allclose(float(out.loss), want_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh_name, variant", [("sp4", "gqa-llama3"), ("data2xfsdp2xsp2-zero3", "gqa-qknorm")])
+def test_tiled_loss_equals_plain(mesh_name, variant, seed):
+    """Value and gradients (tied head on sp4; untied head with ZeRO-3 over data x fsdp x sp)."""
+    cfg = VARIANTS[variant]()
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, mesh_name, seed), batch)
+    tiled = run_model(build(dataclasses.replace(cfg, loss_chunk=4), mesh_name, seed), batch)
+    assert_same(tiled, plain)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 8], ids=["plain", "tiled"])
+def test_shards_and_rows_without_valid_tokens(loss_chunk, seed):
+    """A sequence shard of every row and the whole of row 0 have no valid label: they add nothing (no NaN);
+    with no valid label at all the loss is 0 with zero gradients."""
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), loss_chunk=loss_chunk)
+    model = build(cfg, "fsdp2xsp4", seed)
+    graphdef, state = nnx.split(model)
+    batch = packed_batch(seed)
+    labels = np.asarray(batch["labels"]).copy()
+    labels[:, S // 4 : S // 2] = IGNORE  # the second of four sequence shards
+    labels[0] = IGNORE
+    batch["labels"] = jnp.asarray(labels)
+    out, grads = loss_and_grads(graphdef, state, batch)
+    logits = forward(model, batch["tokens"], segment_ids=batch["segment_ids"])
+    want_loss, _, want_count = reference_loss(logits, labels)
+    assert int(out.count) == want_count
+    np.testing.assert_allclose(float(out.loss), want_loss, rtol=1e-5)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+    batch["labels"] = jnp.full_like(batch["labels"], IGNORE)
+    out, grads = loss_and_grads(graphdef, state, batch)
+    assert int(out.count) == 0 and float(out.loss) == 0.0 and float(out.sum) == 0.0
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+
+
+def test_gradient_accumulation_normalises_by_tokens(seed):
+    """Two micro-batches with very different valid-token counts: summing the micro-batches' ``sum`` (and
+    its gradient) and dividing by their added ``count`` gives the whole batch's loss and gradient."""
+    model = build(VARIANTS["gqa-qknorm"](), "sp4", seed)
+    graphdef, state = nnx.split(model)
+    batch = packed_batch(seed)
+    labels = np.asarray(batch["labels"]).copy()
+    labels[4:, 8:] = IGNORE  # the second half of the batch keeps 8 labels per row
+    batch["labels"] = jnp.asarray(labels)
+    whole, whole_grads = loss_and_grads(graphdef, state, batch)
+    micro = [loss_and_grads(graphdef, state, {k: v[i : i + 4] for k, v in batch.items()}) for i in (0, 4)]
+    total, count = sum(float(m.sum) for m, _ in micro), sum(int(m.count) for m, _ in micro)
+    assert count == int(whole.count)
+    np.testing.assert_allclose(total / count, float(whole.loss), rtol=1e-5)
+    mean_of_means = np.mean([float(m.loss) for m, _ in micro])
+    assert abs(mean_of_means - float(whole.loss)) > 1e-3  # the wrong normalisation would show
+    accumulated = jax.tree.map(lambda a, b: (np.asarray(a) + np.asarray(b)) / count, micro[0][1], micro[1][1])
+    for g, w in zip(jax.tree.leaves(accumulated), jax.tree.leaves(whole_grads), strict=True):
+        assert rel_err(g, np.asarray(w) / count) < 1e-4
+
+
+def test_tiled_loss_never_materialises_the_logits(seed):
+    """The compiled tiled step holds no per-device ``[b, S/sp, V]`` float32 buffer (the plain one does),
+    and all-gathers parameters only, never activations."""
+    cfg = VARIANTS["gqa-llama3"]()
+    batch = packed_batch(seed)
+    local_logits = f"f32[{8 // 2},{S // 4},{V}]"  # fsdp2 x sp4: local batch 4, local sequence 16
+
+    def hlo(cfg):
+        model = build(cfg, "fsdp2xsp4", seed)
+        return model, loss_and_grads.lower(*nnx.split(model), batch).compile().as_text()
+
+    _, plain = hlo(cfg)
+    assert local_logits in plain
+    model, tiled = hlo(dataclasses.replace(cfg, loss_chunk=4))
+    assert local_logits not in tiled
+    assert f"f32[{8 // 2},4,{V}]" in tiled  # one chunk's logits
+    assert_gathers_only_parameters(tiled, model)
+
+
+def test_invalid_inputs():
+    model = build(dataclasses.replace(VARIANTS["gqa-llama3"](), loss_chunk=5), "sp4", 0, perturb=False)
+    batch = packed_batch(0)
+    hidden = jnp.zeros((8, S, model.config.hidden))
+    with pytest.raises(ValueError, match=r"loss_chunk \(5\) must divide the per-device sequence length \(16 = "):
+        next_token_loss(model, batch, hidden=hidden)
+    with pytest.raises(ValueError, match=r"labels shape \(8, 63\) must equal the tokens' \(8, 64\)"):
+        next_token_loss(model, {**batch, "labels": batch["labels"][:, 1:]}, hidden=hidden)

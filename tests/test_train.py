@@ -1,0 +1,166 @@
+"""The training step, optimizer-state layout, gradient accumulation and checkpoint reshard."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ulysses_jax import make_mesh
+from ulysses_jax.checkpoint import Checkpointer, check_run_dir
+from ulysses_jax.config import ModelConfig
+from ulysses_jax.loss import shift_labels
+from ulysses_jax.train import (
+    OptimConfig,
+    abstract_state,
+    init_state,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+    state_shardings,
+)
+
+CFG = dataclasses.replace(ModelConfig.from_preset("tiny"), num_layers=1, compute_dtype="float32")
+SEQ = 32
+
+
+def random_batch(seed, rows, seq=SEQ, vocab=CFG.vocab_size):
+    """Packed rows of 1-3 documents; labels shifted before any split; some rows with few valid labels."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (rows, seq), dtype=np.int32)
+    seg = np.sort(rng.integers(1, 4, (rows, seq)), axis=1).astype(np.int32)
+    positions = np.zeros_like(seg)
+    for r in range(rows):
+        for t in range(1, seq):
+            positions[r, t] = positions[r, t - 1] + 1 if seg[r, t] == seg[r, t - 1] else 0
+    labels = np.array(shift_labels(jnp.asarray(tokens), jnp.asarray(seg)))
+    labels[0, 3:] = -1  # row 0 nearly empty: token weighting matters
+    return {"tokens": tokens, "labels": labels, "segment_ids": seg, "positions": positions}
+
+
+def fresh(mesh, tx):
+    return init_state(CFG, mesh, tx, seed=0)
+
+
+def test_optimizer_state_sharded_like_params():
+    mesh = make_mesh(fsdp=2, sp=4)
+    tx = make_optimizer(OptimConfig(), 10)
+    _, state = fresh(mesh, tx)
+    p_specs = {tuple(x.shape): x.sharding.spec for x in jax.tree.leaves(state["params"])}
+    for leaf in jax.tree.leaves(state["opt_state"]):
+        if leaf.ndim:  # mu, nu: same layout as their parameter
+            assert leaf.sharding.spec == p_specs[tuple(leaf.shape)]
+            assert any(ax for ax in leaf.sharding.spec)  # split, not replicated
+
+
+def test_schedule_warmup_then_cosine():
+    sched = make_schedule(OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1), 100)
+    assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
+    assert float(sched(100)) == pytest.approx(0.1) and float(sched(50)) < 1.0
+
+
+@pytest.mark.parametrize("mesh_kw", [dict(fsdp=2, sp=4), dict(data=2, fsdp=2, sp=2)], ids=["fsdp2xsp4", "dp2xfsdp2xsp2"])
+def test_grad_accumulation_equals_large_batch(mesh_kw, seed):
+    mesh = make_mesh(**mesh_kw)
+    tx = optax.sgd(1.0)  # new params = params - grads: compares the gradients themselves
+    batch = random_batch(seed, rows=8)
+    results = []
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    for accum in [a for a in (1, 2, 4) if 8 // a % batch_devices == 0]:
+        graphdef, state = fresh(mesh, tx)
+        step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state),
+                               grad_accum=accum)
+        new_state, metrics = step(state, batch)
+        results.append((metrics, jax.tree.leaves(new_state["params"])))
+    (m1, p1) = results[0]
+    assert int(m1["tokens"]) == int((batch["labels"] >= 0).sum())
+    for m, p in results[1:]:
+        np.testing.assert_allclose(float(m["loss"]), float(m1["loss"]), rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+        for a, b in zip(p, p1):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_training_reduces_loss_on_a_fixed_batch(seed):
+    mesh = make_mesh(fsdp=2, sp=4)
+    tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 20)
+    graphdef, state = fresh(mesh, tx)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(lr=1e-2, warmup_steps=0), 20), mesh,
+                           state_shardings(state))
+    batch = random_batch(seed, rows=2)
+    losses = []
+    for _ in range(8):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0] - 0.1
+    assert int(state["step"]) == 8
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+    """Saved on fsdp=2 x sp=4, restored onto fsdp=4 x sp=2 (and sp=8): same values, new layout."""
+    tx = make_optimizer(OptimConfig(), 10)
+    mesh_a = make_mesh(fsdp=2, sp=4)
+    graphdef, state = fresh(mesh_a, tx)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh_a, state_shardings(state))
+    state, _ = step(state, random_batch(0, rows=2))  # non-trivial optimizer state
+    saved = jax.tree.map(np.asarray, state)
+    ck = Checkpointer(tmp_path, keep=2)
+    ck.save(1, state, {"it": 1})
+    ck.close()
+    for mesh_kw in (dict(fsdp=4, sp=2), dict(fsdp=1, sp=8)):
+        mesh_b = make_mesh(**mesh_kw)
+        _, target = abstract_state(CFG, mesh_b, tx)
+        ck = Checkpointer(tmp_path, keep=2)
+        restored, data_state = ck.restore(ck.latest_step(), target)
+        ck.close()
+        assert data_state == {"it": 1}
+        for a, b, t in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(target)):
+            np.testing.assert_array_equal(np.asarray(a), b)
+            assert a.sharding.is_equivalent_to(t.sharding, a.ndim) and a.sharding.mesh.shape == mesh_b.shape
+
+
+def test_incomplete_save_is_never_the_latest(tmp_path):
+    """Orbax finalises a step by renaming its temporary directory: a half-written one is not listed."""
+    tx = make_optimizer(OptimConfig(), 10)
+    _, state = fresh(make_mesh(fsdp=2, sp=4), tx)
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(1, state, {})
+    ck.close()
+    partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1234"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "half_written").write_bytes(b"\0" * 10)
+    ck = Checkpointer(tmp_path, keep=3)
+    assert ck.latest_step() == 1 and ck.steps() == [1]
+    ck.close()
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    tx = make_optimizer(OptimConfig(), 10)
+    mesh = make_mesh(fsdp=2, sp=4)
+    _, state = fresh(mesh, tx)
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(1, state, {})
+    ck.close()
+    for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(b"garbage")
+    _, target = abstract_state(CFG, mesh, tx)
+    ck = Checkpointer(tmp_path, keep=3)
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/1 cannot be restored .* move it away"):
+        ck.restore(1, target)
+    ck.close()
+
+
+def test_run_dir_rules(tmp_path):
+    ident = {"model": {"hidden": 64}, "seq_len": 32}
+    with pytest.raises(ValueError, match=r"--resume: no checkpoint in"):
+        check_run_dir(tmp_path / "new", ident, resume=True)
+    check_run_dir(tmp_path / "run", ident, resume=False)
+    (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"already holds checkpoints; pass --resume .* \(nothing was overwritten\)"):
+        check_run_dir(tmp_path / "run", ident, resume=False)
+    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(seq_len: saved 32, requested 64\)"):
+        check_run_dir(tmp_path / "run", {**ident, "seq_len": 64}, resume=True)
+    check_run_dir(tmp_path / "run", ident, resume=True)

@@ -1,0 +1,361 @@
+"""The transformer users train: Flax NNX, parameters FSDP-sharded at rest, attention through Ulysses.
+
+Shape names. A shaped tensor carries its dimensions as a suffix of single letters (nanodo style):
+``B`` batch, ``S`` sequence, ``D`` model width (``hidden``), ``N`` query heads, ``K`` KV heads, ``H`` head
+dim, ``F`` MLP width, ``V`` vocabulary; e.g. ``x_BSD``, ``q_BSNH``, ``w_DF``. Shapes are global; under
+sharding each device holds ``[B / (data*fsdp), S / sp, ...]`` of an activation.
+
+Architecture (Llama 3 / Qwen 2.5 / Qwen 3 / Mistral): token embedding, ``num_layers`` pre-norm blocks
+``x + attn(norm(x))``, ``x + mlp(norm(x))`` with RMSNorm, RoPE (optionally Llama-3 scaled; half-split
+rotation as in the Hugging Face checkpoints), GQA attention with optional q/k/v bias (Qwen 2.5) and
+optional per-head RMSNorm of q and k before RoPE (Qwen 3), SwiGLU MLP, final RMSNorm, and an unembedding
+that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases.
+
+Sharding: every parameter is created already split at rest (``sharding.py``): a jitted initializer
+per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
+random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
+(constrained to their compute layout) where they are used; activations are constrained to batch over
+``("data", "fsdp")`` and sequence over ``sp``.
+
+Layers: one ``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and
+the forward is a ``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one
+layer's gathered weights and full-size gradients at a time (an unrolled loop lets it gather every
+layer's weights up front and combine every gradient reduction at the end).
+
+Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy;
+``mlp_chunk`` runs the MLP over sequence chunks of each device's local sequence inside ``shard_map``
+(so chunking never moves activations between devices), each chunk rematerialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.config import ModelConfig, local_chunks
+from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.sharding import (
+    check_batch,
+    check_param_shape,
+    check_seq,
+    compute_spec,
+    constrain,
+    fsdp_axes,
+    gather_param,
+    param_spec,
+)
+from ulysses_jax.ulysses import ulysses_attention
+
+RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters: born sharded
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_init(kind: str, std: float, shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    """A jitted initializer whose output is laid out as ``sharding`` (each device computes its shard)."""
+
+    def init(key):
+        if kind == "normal":
+            return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+    return jax.jit(init, out_shardings=sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMaker:
+    """Creates the parameters of one module: already sharded, and stacked ``[L, ...]`` when ``stack`` is set
+    (the layers of the scanned block carry a leading ``"layers"`` axis, whole on every device)."""
+
+    cfg: ModelConfig
+    mesh: Mesh
+    rngs: nnx.Rngs
+    stack: int | None = None
+
+    def __call__(self, name: str, shape, names, init: str = "normal") -> nnx.Param:
+        shape, names = tuple(shape), tuple(names)
+        if self.stack is not None:
+            shape, names = (self.stack, *shape), ("layers", *names)
+        spec = param_spec(names, over_data=self.cfg.shard_params_over_data)
+        check_param_shape(name, shape, spec, self.mesh)
+        key = self.rngs.params()  # drawn for every parameter, so the stream does not depend on the init kind
+        sharding = NamedSharding(self.mesh, spec)
+        value = sharded_init(init, self.cfg.init_std, shape, self.cfg.param_jnp_dtype, sharding)(key)
+        return nnx.Param(value, out_sharding=tuple(spec), logical_axes=names)
+
+
+def use(param: nnx.Param, mesh: Mesh, dtype) -> jax.Array:
+    """A parameter in its compute layout (whole: the FSDP all-gather), cast to ``dtype`` before the gather.
+
+    Inside the layer scan a stacked parameter arrives as one layer's slice: its ``"layers"`` name is dropped.
+    """
+    value, names = param.get_value(), param.get_metadata()["logical_axes"]
+    if len(names) == value.ndim + 1 and names[0] == "layers":
+        names = names[1:]
+    return jax.lax.with_sharding_constraint(value.astype(dtype), NamedSharding(mesh, compute_spec(names)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions and RoPE
+
+
+def document_positions(segment_ids_BS: jax.Array) -> jax.Array:
+    """Position of each token within its document: restarts at 0 wherever the segment id changes."""
+    s = segment_ids_BS.shape[1]
+    idx_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids_BS.shape)
+    start_BS = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BS[:, :1], bool), segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1
+    )
+    return idx_BS - jax.lax.cummax(jnp.where(start_BS, idx_BS, 0), axis=1)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies ``[H/2]`` (float64), with Llama-3 scaling when ``cfg.rope_scaling`` is set."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h)
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = sc.original_max_position / sc.low_freq_factor
+    high_freq_wavelen = sc.original_max_position / sc.high_freq_factor
+    smooth = (sc.original_max_position / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)  # long wavelengths: slowed
+    medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return np.where(medium, (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate halves ``(x1, x2)`` of the head dim by ``position * inv_freq`` (computed in float32)."""
+    angle_BSh = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    sin, cos = jnp.sin(angle_BSh)[:, :, None], jnp.cos(angle_BSh)[:, :, None]
+    x1, x2 = jnp.split(x_BSNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, make: ParamMaker, dim: int, names: tuple[str, ...]):
+        self.cfg, self.mesh = make.cfg, make.mesh
+        self.scale = make("norm.scale", (dim,), names, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, use(self.scale, self.mesh, jnp.float32), self.cfg.rms_eps)
+
+
+class Attention(nnx.Module):
+    def __init__(self, make: ParamMaker):
+        cfg = self.cfg = make.cfg
+        self.mesh = make.mesh
+        d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq_DNH = make("attn.wq", (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk_DKH = make("attn.wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKH = make("attn.wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo_NHD = make("attn.wo", (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.bq_NH = make("attn.bq", (n, h), ("heads", "head_dim"), init="zeros")
+            self.bk_KH = make("attn.bk", (k, h), ("kv_heads", "head_dim"), init="zeros")
+            self.bv_KH = make("attn.bv", (k, h), ("kv_heads", "head_dim"), init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(make, h, ("head_dim",))
+            self.k_norm = RMSNorm(make, h, ("head_dim",))
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt))
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt))
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt))
+        if cfg.qkv_bias:
+            q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
+            k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
+            v_BSKH = v_BSKH + use(self.bv_KH, mesh, dt)
+        if cfg.qk_norm:
+            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        inv_freq = rope_frequencies(cfg)
+        q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq), mesh, ("batch", "seq", "heads", "head_dim"))
+        k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq), mesh, ("batch", "seq", "kv_heads", "head_dim"))
+        v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
+        o_BSNH = ulysses_attention(
+            q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, causal=True, segment_ids=segment_ids_BS,
+            impl=cfg.attention_impl,
+        )
+        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
+        return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
+
+
+def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
+    h_BSF = jax.nn.silu(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
+    return h_BSF @ w_down_FD
+
+
+def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool):
+    """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
+
+    Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
+    chunking moves nothing between devices. Weights arrive in their at-rest layout and are all-gathered
+    here (the FSDP gather; its transpose is the reduce-scatter of the gradient). Only one chunk's
+    ``[b, chunk, F]`` intermediates exist at a time, forward and backward.
+    """
+    wa = fsdp_axes(over_data)
+    act = P((DATA, FSDP), SP, None)
+
+    def local(x_bsD, wg, wu, wd):
+        wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
+        wd = gather_param(wd, 1, over_data=over_data)
+        b, s, d = x_bsD.shape
+        n = local_chunks(chunk, s, "mlp_chunk")
+        x_nbcD = x_bsD.reshape(b, n, chunk, d).swapaxes(0, 1)
+        body = jax.checkpoint(swiglu, prevent_cse=False)
+        y_nbcD = jax.lax.map(lambda xc: body(xc, wg, wu, wd), x_nbcD)
+        return y_nbcD.swapaxes(0, 1).reshape(b, s, d)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(act, P(wa, None), P(wa, None), P(None, wa)), out_specs=act)
+    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD)
+
+
+class MLP(nnx.Module):
+    def __init__(self, make: ParamMaker):
+        self.cfg, self.mesh = make.cfg, make.mesh
+        d, f = self.cfg.hidden, self.cfg.mlp_dim
+        self.w_gate_DF = make("mlp.w_gate", (d, f), ("embed", "mlp"))
+        self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
+        self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
+
+    def __call__(self, x_BSD):
+        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        if cfg.mlp_chunk:
+            ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
+            return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
+                                over_data=cfg.shard_params_over_data)
+        ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
+        return constrain(swiglu(x_BSD, *ws), mesh, ("batch", "seq", "embed"))
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer; built with ``ParamMaker(stack=L)`` it holds all ``L`` layers stacked."""
+
+    def __init__(self, make: ParamMaker):
+        self.mesh = make.mesh
+        self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+        self.attn = Attention(make)
+        self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+        self.mlp = MLP(make)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        x_BSD = checkpoint_name(x_BSD, RESIDUAL)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+        h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
+        return constrain(h_BSD + self.mlp(self.mlp_norm(h_BSD)), self.mesh, ("batch", "seq", "embed"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Remat policies
+
+
+def remat_policy(name: str, mesh: Mesh):
+    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs)."""
+    if name == "full":
+        return None
+    if name == "save_matmuls":  # keep projection / MLP matmul outputs, recompute attention and elementwise
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        kinds = {m.kind for d in mesh.devices.flat for m in d.addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ValueError(
+                f"remat='offload' needs the 'pinned_host' memory kind, but the {mesh.devices.flat[0].platform} "
+                f"devices of this mesh offer only {sorted(kinds)}; use remat='full' on this backend"
+            )
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[RESIDUAL],
+            offload_src="device", offload_dst="pinned_host",
+        )
+    raise ValueError(f"no checkpoint policy for remat={name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nnx.Module):
+    """``Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))``; ``model(tokens)`` -> float32 logits ``[B, S, V]``.
+
+    ``hidden_states`` returns the final-normed hidden states ``[B, S, D]`` (what the tiled loss consumes);
+    ``logits`` maps them through the unembedding.
+    """
+
+    def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+        if tuple(mesh.axis_names) != (DATA, FSDP, SP):
+            raise ValueError(f"the mesh must have axes {(DATA, FSDP, SP)} (use make_mesh), got {mesh.axis_names}")
+        self.config, self.mesh = config, mesh
+        cfg = config
+        make = ParamMaker(cfg, mesh, rngs)
+        with nnx.use_eager_sharding(False):  # values are already laid out by ParamMaker
+            self.embed_VD = make("embed", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))
+            self.blocks = Block(dataclasses.replace(make, stack=cfg.num_layers))
+            self.final_norm = RMSNorm(make, cfg.hidden, ("embed",))
+            if not cfg.tie_embeddings:
+                self.lm_head_VD = make("lm_head", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))
+
+    @property
+    def unembedding(self) -> nnx.Param:
+        """The ``[V, D]`` output projection: the embedding table when tied."""
+        return self.embed_VD if self.config.tie_embeddings else self.lm_head_VD
+
+    def hidden_states(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
+        cfg, mesh = self.config, self.mesh
+        if tokens_BS.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, seq], got {tuple(tokens_BS.shape)}")
+        check_batch(tokens_BS.shape[0], mesh)
+        check_seq(tokens_BS.shape[1], mesh)
+        for name, arr in (("positions", positions_BS), ("segment_ids", segment_ids_BS)):
+            if arr is not None and tuple(arr.shape) != tuple(tokens_BS.shape):
+                raise ValueError(f"{name} shape {tuple(arr.shape)} must equal the tokens' {tuple(tokens_BS.shape)}")
+        tokens_BS = constrain(tokens_BS, mesh, ("batch", "seq"))
+        if segment_ids_BS is not None:
+            segment_ids_BS = constrain(segment_ids_BS, mesh, ("batch", "seq"))
+        if positions_BS is None:
+            if segment_ids_BS is None:
+                positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1], dtype=jnp.int32), tokens_BS.shape)
+            else:
+                positions_BS = document_positions(segment_ids_BS)
+        positions_BS = constrain(positions_BS, mesh, ("batch", "seq"))
+        x_BSD = jnp.take(use(self.embed_VD, mesh, cfg.compute_jnp_dtype), tokens_BS, axis=0)
+        x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS)
+
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat, mesh), prevent_cse=False)
+        x_BSD, _ = jax.lax.scan(lambda x, st: (layer(x, st, positions_BS, segment_ids_BS), None), x_BSD, stacked)
+        return self.final_norm(x_BSD)
+
+    def logits(self, h_BSD: jax.Array) -> jax.Array:
+        w_VD = use(self.unembedding, self.mesh, self.config.compute_jnp_dtype)
+        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, w_VD, preferred_element_type=jnp.float32)
+        return constrain(logits_BSV, self.mesh, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
+        return self.logits(self.hidden_states(tokens_BS, positions_BS, segment_ids_BS))

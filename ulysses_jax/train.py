@@ -1,0 +1,182 @@
+"""The training step: AdamW with warmup + cosine decay and global-norm clipping, gradient accumulation
+normalised by tokens, jitted with explicit shardings and the train state donated.
+
+The train state is a dict ``{"params": nnx.State, "opt_state": optax state, "step": int32, "rng": key data}``.
+Parameters are born sharded (see ``model.py``); the optimizer state is laid out like the parameters
+(``optax.tree_map_params``), so both are split over the whole fsdp x sp (x data) group.
+
+Gradient accumulation: a global batch of ``B`` rows is cut into ``A = grad_accum`` micro-batches
+(row ``i`` goes to micro-batch ``i % A``, which keeps every micro-batch split over the batch mesh
+axes); gradients of each micro-batch's *sum* of token losses are added and divided once by the token
+count of the whole batch. So ``A`` micro-batches give the same loss and gradients as one batch of
+``B`` rows, whatever the number of valid tokens in each micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.config import ModelConfig
+from ulysses_jax.loss import next_token_loss
+from ulysses_jax.model import Transformer
+from ulysses_jax.mesh import DATA, FSDP, SP
+
+BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 20  # linear warmup from 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
+    b1: float = 0.9
+    b2: float = 0.95
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.clip_norm < 0:
+            raise ValueError(
+                f"optimizer settings out of range (lr={self.lr}, warmup_steps={self.warmup_steps}, "
+                f"min_lr_ratio={self.min_lr_ratio}, clip_norm={self.clip_norm}): need lr > 0, warmup >= 0, "
+                f"0 <= min_lr_ratio <= 1, clip_norm >= 0"
+            )
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    adamw = optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """``[B, S]`` batch arrays: rows over ``("data", "fsdp")``, sequence over ``sp``."""
+    return NamedSharding(mesh, P((DATA, FSDP), SP))
+
+
+def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
+    return optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+
+
+def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int) -> tuple[nnx.GraphDef, dict]:
+    """A fresh train state, every array created in its final sharding."""
+    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(model)
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), param_shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    replicated = NamedSharding(mesh, P())
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.device_put(jnp.int32(0), replicated),
+        "rng": jax.device_put(jax.random.key_data(jax.random.key(seed)), replicated),
+    }
+    return graphdef, state
+
+
+def abstract_state(config: ModelConfig, mesh: Mesh, tx, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
+    """The train state as ``ShapeDtypeStruct``s carrying their shardings on ``mesh`` (nothing allocated)."""
+    abstract_model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(abstract_model)
+    specs = nnx.get_partition_spec(params)
+    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings)
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_shardings = _opt_shardings(tx, abstract_opt, param_shardings, mesh)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt, opt_shardings)
+    replicated = NamedSharding(mesh, P())
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated),
+    }
+    return graphdef, state
+
+
+def state_shardings(state: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def _loss_sums(graphdef, params, batch):
+    model = nnx.merge(graphdef, params)
+    out = next_token_loss(model, batch)
+    return out.sum, out.count
+
+
+def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
+    """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
+    grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SP))
+
+    def step(state, batch):
+        params = state["params"]
+        if grad_accum == 1:
+            (total, count), grads = grad_fn(params, batch)
+        else:
+
+            def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
+                x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+            def body(carry, micro):
+                g_acc, s_acc, c_acc = carry
+                (s, c), g = grad_fn(params, micro)
+                return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+            (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+        denom = jnp.maximum(count, 1).astype(jnp.float32)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+        }
+        metrics = {
+            "loss": total / denom,
+            "tokens": count,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": schedule(state["step"]),
+        }
+        return new_state, metrics
+
+    bsh = batch_sharding(mesh)
+    return jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=0)
+
+
+def make_eval_step(graphdef, mesh: Mesh, param_sh):
+    """``eval_step(params, batch) -> (sum of token losses, count)`` over the global batch."""
+    return jax.jit(lambda p, b: _loss_sums(graphdef, p, b), in_shardings=(param_sh, batch_sharding(mesh)))
