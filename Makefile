@@ -34,5 +34,5 @@ clean:
 TRAIN_ARGS ?=
 RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
 train: $(STAMP)
-	$(VENV)/bin/ulysses-jax train --preset tiny --mesh.fsdp 2 --mesh.sp 4 --seq-len 2048 --batch-size 4 \
-		--steps 150 --checkpoint-every 50 --optim.lr 3e-3 --run-dir $(RUN_DIR) $(TRAIN_ARGS)
+	$(VENV)/bin/ulysses-jax train --preset tiny --mesh.fsdp 2 --mesh.sp 4 --seq-len 2048 --batch-size 2 \
+		--steps 24 --checkpoint-every 8 --optim.lr 3e-3 --optim.warmup-steps 4 --run-dir $(RUN_DIR) $(TRAIN_ARGS)

@@ -38,7 +38,7 @@ def losses(run_dir):
 def test_pulse_train_then_eval(tmp_path):
     run = tmp_path / "run"
     p = cli("train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "2",
-            "--checkpoint-every", "1", "--run-dir", str(run))
+            "--checkpoint-every", "1", "--optim.clip-norm", "0", "--run-dir", str(run))
     assert "No accelerator found: running on 8 fake CPU devices" in p.stdout
     assert f"checkpoints: {run / 'checkpoints'}" in p.stdout and "tensorboard --logdir" in p.stdout
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -110,6 +110,8 @@ ERRORS = {
     "preset": (["--preset", "gpt5"], r"unknown preset 'gpt5'; choose one of"),
     "data": (["--data", "/no/such/file.txt"], r"/no/such/file.txt does not exist"),
     "resume-none": (["--resume"], r"--resume: no checkpoint in"),
+    "chunk": (["--loss-chunk", "7"], r"--loss-chunk \(7\) must divide the per-device sequence length \(64 = seq / sp\)"),
+    "cudnn": (["--attention", "cudnn"], r"impl='cudnn' cannot serve this call: cuDNN needs a GPU"),
 }
 
 
@@ -142,7 +144,7 @@ def test_run_dir_of_another_run_is_refused(existing_run, capsys):
 
 def test_corrupt_checkpoint_refused_without_traceback(tmp_path, capsys):
     run = make_run(tmp_path)
-    for f in (run / "checkpoints" / "1" / "state").rglob("*"):
+    for f in (run / "checkpoints" / "1" / "params").rglob("*"):
         if f.is_file() and f.stat().st_size:
             f.write_bytes(b"not a checkpoint")
     before = snapshot(run)

@@ -143,7 +143,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     ck = Checkpointer(tmp_path, keep=3)
     ck.save(1, state, {})
     ck.close()
-    for f in (tmp_path / "checkpoints" / "1" / "state").rglob("*"):
+    for f in (tmp_path / "checkpoints" / "1" / "params").rglob("*"):
         if f.is_file() and f.stat().st_size > 0:
             f.write_bytes(b"garbage")
     _, target = abstract_state(CFG, mesh, tx)
@@ -164,3 +164,19 @@ def test_run_dir_rules(tmp_path):
     with pytest.raises(ValueError, match=r"holds another run's checkpoints \(seq_len: saved 32, requested 64\)"):
         check_run_dir(tmp_path / "run", {**ident, "seq_len": 64}, resume=True)
     check_run_dir(tmp_path / "run", ident, resume=True)
+
+
+def test_weight_decay_skips_norms_and_biases():
+    from flax import nnx
+
+    from ulysses_jax.train import decay_mask
+
+    cfg = dataclasses.replace(ModelConfig.from_preset("qwen2.5-0.5b"), num_layers=2, hidden=64, num_heads=4,
+                              num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=256)
+    abstract = nnx.state(nnx.eval_shape(lambda: __import__("ulysses_jax").Transformer(
+        cfg, mesh=make_mesh(fsdp=8), rngs=nnx.Rngs(0))))
+    flags = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(abstract))}
+    decayed = sorted(k for k, m in flags.items() if m)
+    kept = sorted(k for k, m in flags.items() if not m)
+    assert all(("norm" in k or "['b" in k) for k in kept) and len(kept) == 6  # 3 norms, 3 biases
+    assert any("embed_VD" in k for k in decayed) and any("wq_DNH" in k for k in decayed)

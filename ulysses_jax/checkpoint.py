@@ -4,8 +4,9 @@ Layout of a run directory::
 
     run_dir/run.json            what the run is (model config, sequence length, vocabulary): a resume
                                 into a directory written by a different run is refused
-    run_dir/checkpoints/<step>/ one Orbax checkpoint: ``state`` (params, optimizer state, step, RNG,
-                                sharded arrays), ``data`` (the Grain iterator state, JSON)
+    run_dir/checkpoints/<step>/ one Orbax checkpoint: ``params`` and ``train`` (optimizer state, step,
+                                RNG): sharded arrays; ``data``: every process's Grain iterator state,
+                                as JSON keyed by process index. ``eval`` restores ``params`` alone.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a save cut short by
 a kill is never listed as a step: ``latest_step`` only ever returns finished checkpoints. Restoring with
@@ -20,7 +21,9 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 class Checkpointer:
@@ -37,23 +40,47 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
-        """Start an asynchronous save; returns once the arrays are copied off the devices."""
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state))
+    def save(self, step: int, state: dict, data_state: dict) -> None:
+        """Start an asynchronous save; returns once the arrays are copied off the devices.
+
+        ``state``: the train state dict (``params`` and the rest); ``data_state``: this process's
+        iterator state (JSON-serialisable). Every process must call it.
+        """
+        train = {k: v for k, v in state.items() if k != "params"}
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(state["params"]),
+            train=ocp.args.StandardSave(train),
+            data=ocp.args.JsonSave(_all_processes(data_state)),
+        )
         self.manager.save(step, args=args)
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restore ``step`` onto the shardings carried by ``abstract_state`` (ShapeDtypeStructs)."""
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore())
+    def restore(self, step: int, abstract_state: dict, *, params_only: bool = False) -> tuple[dict, dict | None]:
+        """Restore ``step`` onto the shardings carried by ``abstract_state`` (ShapeDtypeStructs).
+
+        Returns ``(state, this process's data state)``; with ``params_only``, ``({"params": ...}, None)``.
+        """
+        items = {"params": ocp.args.StandardRestore(abstract_state["params"])}
+        if not params_only:
+            train = {k: v for k, v in abstract_state.items() if k != "params"}
+            items.update(train=ocp.args.StandardRestore(train), data=ocp.args.JsonRestore())
         try:
-            restored = self.manager.restore(step, args=args)
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - any failure here means the files are not a usable checkpoint
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise ValueError(
                 f"checkpoint {self.directory / str(step)} cannot be restored ({type(e).__name__}: {reason}); "
                 f"it is corrupt or from an incompatible run: move it away to resume from an earlier step"
             ) from e
-        return restored["state"], restored["data"]
+        if params_only:
+            return {"params": restored["params"]}, None
+        data = restored["data"].get(str(jax.process_index()))
+        if data is None:
+            raise ValueError(
+                f"checkpoint {self.directory / str(step)} holds data-iterator states for processes "
+                f"{sorted(restored['data'])} but this is process {jax.process_index()}: resume with the same "
+                f"number of processes ({len(restored['data'])})"
+            )
+        return {"params": restored["params"], **restored["train"]}, data
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -63,10 +90,24 @@ class Checkpointer:
         self.manager.close()
 
 
+def _all_processes(state: dict) -> dict[str, dict]:
+    """``{process_index: state}`` for every process (Orbax writes JSON from the primary process only)."""
+    if jax.process_count() == 1:
+        return {"0": state}
+    raw = np.frombuffer(json.dumps(state).encode(), dtype=np.uint8)
+    lengths = multihost_utils.process_allgather(np.array([raw.size]))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: raw.size] = raw
+    every = multihost_utils.process_allgather(padded)
+    return {str(i): json.loads(bytes(every[i][: int(lengths[i][0])]).decode()) for i in range(jax.process_count())}
+
+
 def check_run_dir(run_dir: str | pathlib.Path, identity: dict, *, resume: bool) -> None:
     """Refuse to mix runs: raises ``ValueError`` with the fix; writes ``run.json`` for a new run.
 
-    ``identity``: what must match for a resume (JSON-serialisable: model config, sequence length, ...).
+    ``identity``: what must match for a resume (JSON-serialisable: model config, sequence length, ...);
+    its ``"compute"`` entry (how steps are computed: attention, remat, chunks, dtype) is recorded for
+    ``eval`` but free to change on resume.
     """
     run_dir = pathlib.Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -81,7 +122,8 @@ def check_run_dir(run_dir: str | pathlib.Path, identity: dict, *, resume: bool) 
             )
         if run_file.exists():
             saved = json.loads(run_file.read_text())
-            diffs = [k for k in sorted(set(saved) | set(identity)) if saved.get(k) != identity.get(k)]
+            keys = sorted((set(saved) | set(identity)) - {"compute"})
+            diffs = [k for k in keys if saved.get(k) != identity.get(k)]
             if diffs:
                 k = diffs[0]
                 raise ValueError(

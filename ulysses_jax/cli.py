@@ -36,6 +36,14 @@ def _setup_devices(cpu_devices: int, distributed: bool) -> None:
         print(f"Running on {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} processes).")
 
 
+def _impl_note(m) -> str:
+    from ulysses_jax.attention import resolve_impl
+
+    # training rows are packed documents: segment ids are always present
+    impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True)
+    return impl if impl == m.attention_impl else f"{m.attention_impl} -> {impl}"
+
+
 def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.trainer import TrainingDiverged, setup_train, train_run
 
@@ -49,7 +57,7 @@ def _train(cfg: TrainConfig) -> int:
     print(
         f"Training {m.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads}/{m.num_kv_heads} heads) "
         f"on mesh {dict(run.mesh.shape)}: {cfg.batch_size} x {cfg.seq_len} tokens per step, "
-        f"steps {run.start_step + 1}..{cfg.steps}, attention {m.attention_impl}"
+        f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m)}"
     )
     layout = plan_heads(m.num_heads, m.num_kv_heads, run.mesh.shape["sp"])
     if layout.wasted_fraction:
@@ -59,8 +67,10 @@ def _train(cfg: TrainConfig) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
+    tail = summary["losses"][-5:]
     print(
-        f"Done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps, "
+        f"Done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} over {summary['steps']} steps "
+        f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f}), "
         f"{summary['tokens_per_s']:,.0f} tokens/s after the first step.\n"
         f"  checkpoints: {summary['checkpoints']}\n"
         f"  metrics:     {summary['metrics']}\n"

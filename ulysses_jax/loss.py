@@ -43,7 +43,9 @@ class LossOutput(NamedTuple):
 def shift_labels(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None = None) -> jax.Array:
     """``labels[:, t] = tokens[:, t + 1]``; ``IGNORE`` at the last position and at each document's last token.
 
-    Call it on the whole (unsplit) batch, before the sequence is sharded.
+    Call it on the whole (unsplit) batch, before the sequence is sharded. Segment ids are only compared,
+    so padding that shares an id keeps next-token labels: mask it yourself (the data pipeline's own
+    labels, ``data.next_token_labels``, already ignore its padding, segment id 0).
     """
     ignore = jnp.full_like(tokens_BS[:, :1], IGNORE)
     labels_BS = jnp.concatenate([tokens_BS[:, 1:], ignore], axis=1)

@@ -62,8 +62,22 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def decay_mask(params):
+    """Weight decay on matrices and embeddings (names ``w*``, ``embed*``, ``lm_head*``), not on norm
+    scales or biases (which are stacked ``[L, ...]`` under the layer scan, so ``ndim`` cannot tell)."""
+
+    def decays(path, _):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        leaf = names[-1] if names else ""
+        return leaf.startswith(("w", "embed", "lm_head"))
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    adamw = optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    adamw = optax.adamw(
+        make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
 
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from ulysses_jax import flops
 from ulysses_jax.checkpoint import Checkpointer, check_run_dir
-from ulysses_jax.config import ModelConfig, RopeScaling
+from ulysses_jax.attention import resolve_impl
+from ulysses_jax.config import ModelConfig, RopeScaling, local_chunks
 from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
 from ulysses_jax.head_layout import plan_heads
 from ulysses_jax.mesh import make_mesh
@@ -119,11 +120,25 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
         )
     if batch_size % jax.process_count():
         raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {jax.process_count()} processes")
+    if jax.process_count() > 1 and jax.local_device_count() % sp:
+        raise ValueError(
+            f"--mesh.sp ({sp}) must divide the {jax.local_device_count()} devices of each process, so that an sp "
+            f"group stays within one host"
+        )
+    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk)):
+        if chunk:
+            local_chunks(chunk, seq_len // sp, flag)
+    # training rows are packed documents, so segment ids are always present
+    resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True)
 
 
-def run_identity(cfg: ModelConfig, seq_len: int, tokenizer: str | None) -> dict:
-    model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in COMPUTE_ONLY}
-    return {"model": model, "seq_len": seq_len, "tokenizer": tokenizer}
+def run_identity(cfg: ModelConfig, seq_len: int, tokenizer: str | None, optim: OptimConfig) -> dict:
+    fields = dataclasses.asdict(cfg)
+    model = {k: v for k, v in fields.items() if k not in COMPUTE_ONLY}
+    # the optimizer-state tree differs with and without clipping: a resume must keep that choice
+    return {"model": model, "seq_len": seq_len, "tokenizer": tokenizer,
+            "optimizer": "adamw+clip" if optim.clip_norm else "adamw",
+            "compute": {k: fields[k] for k in COMPUTE_ONLY}}
 
 
 def model_config_from_run(run_dir: pathlib.Path) -> tuple[ModelConfig, dict]:
@@ -131,7 +146,7 @@ def model_config_from_run(run_dir: pathlib.Path) -> tuple[ModelConfig, dict]:
     if not path.is_file():
         raise ValueError(f"{path} not found: {run_dir} is not a training run directory; pass --run-dir of a run")
     identity = json.loads(path.read_text())
-    fields = dict(identity["model"])
+    fields = {**identity["model"], **identity.get("compute", {})}
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     return ModelConfig(**fields), identity
@@ -184,7 +199,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     )
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
-    check_run_dir(cfg.run_dir, run_identity(model, cfg.seq_len, cfg.tokenizer), resume=cfg.resume)
+    check_run_dir(cfg.run_dir, run_identity(model, cfg.seq_len, cfg.tokenizer, cfg.optim), resume=cfg.resume)
     tx = make_optimizer(cfg.optim, cfg.steps)
     checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
     start = 0
@@ -280,7 +295,7 @@ def train_run(run: Run) -> dict:
 def evaluate(cfg: EvalConfig) -> dict:
     """Loss and perplexity of the run's latest checkpoint on held-out documents, with SP on."""
     run_dir = pathlib.Path(cfg.run_dir)
-    model, identity = model_config_from_run(run_dir)
+    model, identity = model_config_from_run(run_dir)  # with the run's compute settings (dtype, chunks, ...)
     model = dataclasses.replace(model, attention_impl=cfg.attention)
     seq_len = identity["seq_len"]
     tokenizer = cfg.tokenizer if cfg.tokenizer is not None else identity.get("tokenizer")
@@ -290,9 +305,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     step = checkpointer.latest_step()
     if step is None:
         raise ValueError(f"no checkpoint in {checkpointer.directory}; train first or pass the --run-dir of a run")
-    tx = make_optimizer(OptimConfig(), 1)  # structure only: the optimizer state is restored and dropped
+    tx = make_optimizer(OptimConfig(), 1)  # structure only: only the parameters are read
     graphdef, target = abstract_state(model, mesh, tx)
-    state, _ = checkpointer.restore(step, target)
+    state, _ = checkpointer.restore(step, target, params_only=True)
     checkpointer.close()
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"]))
     data_cfg = DataConfig(paths=tuple(cfg.data), tokenizer=tokenizer)

@@ -105,7 +105,9 @@ def q_block_range(kv_block, *, block_q: int, block_k: int, seq_len: int, causal:
 def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     """2-D matmul with a float32 accumulator; the transposes are folded into the contraction."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    # float32 inputs: full float32 products (Triton would otherwise use TF32 for DEFAULT precision)
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 and b.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: _Config):
