@@ -27,7 +27,7 @@ PUBLISHED = {
 def test_presets_have_the_published_parameter_count(name):
     cfg = ModelConfig.from_preset(name)
     assert cfg.name == name and param_count(cfg) == PUBLISHED[name]
-    assert cfg.param_dtype == "float32" and cfg.compute_dtype == "bfloat16" and cfg.attention_impl == "xla"
+    assert cfg.param_dtype == "float32" and cfg.compute_dtype == "bfloat16" and cfg.attention_impl == "auto"
 
 
 def test_preset_features():

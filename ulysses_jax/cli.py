@@ -19,17 +19,25 @@ EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 
 
-def _setup_devices(cpu_devices: int, distributed: bool) -> None:
+def _setup_devices(cfg) -> None:
+    """Fake CPU devices (no effect on GPUs) and, for multi-host runs, ``jax.distributed.initialize``."""
     import jax
 
-    if distributed:
-        jax.distributed.initialize()
-    if cpu_devices < 1:
-        raise ValueError(f"--cpu-devices ({cpu_devices}) must be at least 1")
+    if cfg.cpu_devices < 1:
+        raise ValueError(f"--cpu-devices ({cfg.cpu_devices}) must be at least 1")
+    explicit = (cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    if any(x is not None for x in explicit) and any(x is None for x in explicit):
+        raise ValueError(
+            "--coordinator-address, --num-processes and --process-id go together: give all three "
+            "(or --distributed alone under a cluster manager such as SLURM)"
+        )
     try:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)  # only affects the CPU backend
+        jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)  # only affects the CPU backend
     except RuntimeError:  # backends already initialised (called in-process): keep the devices there are
         pass
+    if cfg.distributed or cfg.coordinator_address is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only: lets fake devices talk
+        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     if jax.default_backend() == "cpu":
         print(f"No accelerator found: running on {jax.device_count()} fake CPU devices (--cpu-devices to change).")
     else:
@@ -48,7 +56,7 @@ def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.trainer import TrainingDiverged, setup_train, train_run
 
     try:
-        _setup_devices(cfg.cpu_devices, cfg.distributed)
+        _setup_devices(cfg)
         run = setup_train(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -83,7 +91,7 @@ def _eval(cfg: EvalConfig) -> int:
     from ulysses_jax.trainer import evaluate
 
     try:
-        _setup_devices(cfg.cpu_devices, cfg.distributed)
+        _setup_devices(cfg)
         result = evaluate(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -73,6 +73,9 @@ class TrainConfig:
     progress: bool = True  # show a progress bar
     cpu_devices: int = 8  # fake CPU devices when there is no accelerator
     distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
+    coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
+    num_processes: int | None = None  # ... with the number of processes
+    process_id: int | None = None  # ... and this process's index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,9 @@ class EvalConfig:
     tokenizer: str | None = None
     cpu_devices: int = 8
     distributed: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 # ------------------------------------------------------------------------------------ setup
