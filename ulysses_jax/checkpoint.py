@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any
 
 import jax
 import numpy as np

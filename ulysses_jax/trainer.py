@@ -23,7 +23,6 @@ from ulysses_jax.checkpoint import Checkpointer, check_run_dir
 from ulysses_jax.attention import resolve_impl
 from ulysses_jax.config import ModelConfig, RopeScaling, local_chunks
 from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
-from ulysses_jax.head_layout import plan_heads
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.metrics import MetricsLogger, peak_memory_bytes
 from ulysses_jax.train import (

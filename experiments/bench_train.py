@@ -1,0 +1,170 @@
+"""Time the real training step (model + Ulysses + FSDP + optimizer) at long context, on whatever devices
+are present, and record tokens/s, MFU and peak memory per configuration.
+
+    python experiments/bench_train.py --preset llama3.2-1b --seq-lens 8192,32768,131072 --sp 1
+    python experiments/bench_train.py --preset qwen3-4b --seq-lens 32768,65536 --sp 4 --remat full \
+        --loss-chunk 4096 --mlp-chunk 4096
+    python experiments/bench_train.py --allow-cpu --quick          # tiny smoke run on fake CPU devices
+
+Batches are random tokens (never zeros) packed as 4 documents per row, labels shifted before the split.
+Each figure is the median of --steps timed steps after --warmup steps (the first compiles), each ending
+in jax.block_until_ready. MFU counts model FLOPs (6 * matmul params * tokens + causal attention, no
+rematerialisation) against the device's dense bf16 peak (known GPUs) or --peak-tflops. Out-of-memory
+and other failures become a row note. Results: a markdown table and a CSV in --out-dir, headed by date,
+hardware, jax version, command line and git commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama3.2-1b")
+    p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
+    p.add_argument("--batch-size", type=int, default=None, help="rows per step (default: data x fsdp)")
+    p.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default: all devices)")
+    p.add_argument("--fsdp", type=int, default=-1)
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--remat", default="full")
+    p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--mlp-chunk", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    p.add_argument("--allow-cpu", action="store_true", help="run on fake CPU devices (smoke test)")
+    p.add_argument("--quick", action="store_true", help="CPU smoke: tiny preset, short rows")
+    return p.parse_args(argv)
+
+
+def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+    import numpy as np
+
+    from ulysses_jax.data import next_token_labels
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, (rows, seq_len), dtype=np.int32)
+    cuts = np.sort(rng.integers(1, seq_len, (rows, 3)), axis=1)
+    seg = (1 + (np.arange(seq_len)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(np.int32)
+    starts = np.concatenate([np.ones((rows, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    idx = np.arange(seq_len)[None].repeat(rows, 0)
+    positions = (idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": seg, "positions": positions,
+            "labels": next_token_labels(tokens, seg).astype(np.int32)}
+
+
+def bench_one(args, seq_len: int) -> dict:
+    import jax
+
+    from ulysses_jax import flops
+    from ulysses_jax.config import ModelConfig
+    from ulysses_jax.data import to_global
+    from ulysses_jax.mesh import make_mesh
+    from ulysses_jax.metrics import peak_memory_bytes
+    from ulysses_jax.train import OptimConfig, init_state, make_optimizer, make_schedule, make_train_step
+    from ulysses_jax.train import state_shardings
+    from ulysses_jax.trainer import check_parallel
+
+    n = jax.device_count()
+    sp = args.sp or n
+    mesh = make_mesh(fsdp=args.fsdp, sp=sp)
+    rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
+    cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
+                                  loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
+    check_parallel(cfg, mesh, seq_len=seq_len, batch_size=rows)
+    tx = make_optimizer(OptimConfig(), 1000)
+    graphdef, state = init_state(cfg, mesh, tx, seed=0)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 1000), mesh, state_shardings(state))
+    batch = to_global(random_batch(rows, seq_len, cfg.vocab_size), mesh)
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    dt = statistics.median(times)
+    per_device = flops.flops_per_device(cfg, batch=rows, seq_len=seq_len, n_devices=n)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else flops.peak_flops(jax.devices()[0].device_kind)
+    mem = peak_memory_bytes()
+    return {
+        "seq_len": seq_len, "rows": rows, "mesh": "x".join(f"{k}{v}" for k, v in mesh.shape.items()),
+        "step_s": f"{dt:.3f}", "tokens_per_s": f"{rows * seq_len / dt:,.0f}",
+        "tflops_per_device": f"{per_device / dt / 1e12:.1f}",
+        "mfu": f"{100 * per_device / dt / peak:.1f}%" if peak else "",
+        "peak_mem_gib": f"{mem / 2**30:.1f}" if mem else "", "loss": f"{float(metrics['loss']):.3f}", "note": "",
+    }
+
+
+def header(args) -> dict:
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001
+        commit = "unknown"
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "hardware": f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}",
+        "jax": jax.__version__,
+        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+        "commit": commit,
+        "model": f"{args.preset}, attention {args.attention}, remat {args.remat}, loss_chunk {args.loss_chunk}, "
+                 f"mlp_chunk {args.mlp_chunk}",
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.allow_cpu:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+
+    if jax.default_backend() == "cpu" and not args.allow_cpu:
+        print("bench_train: no GPU (jax.default_backend() == 'cpu'); pass --allow-cpu for a smoke run", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.preset, args.seq_lens, args.loss_chunk, args.mlp_chunk, args.steps, args.warmup = (
+            "tiny", [512, 1024], 64, 64, 2, 1)
+    rows = []
+    for s in args.seq_lens:
+        try:
+            row = bench_one(args, s)
+        except Exception as e:  # noqa: BLE001 - OOM or unsupported: a row note, not a crash
+            row = {"seq_len": s, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+        print(row, flush=True)
+        rows.append(row)
+    meta = header(args)
+    cols = ["seq_len", "rows", "mesh", "step_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "loss",
+            "note"]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
+    stem = args.out_dir / f"train_{args.preset}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    with open(f"{stem}.csv", "w", newline="") as f:
+        f.writelines(f"# {k}: {v}\n" for k, v in meta.items())
+        w = csv.DictWriter(f, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["# Training-step benchmark", ""] + [f"- {k}: `{v}`" for k, v in meta.items()] + ["", ""]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("wrote", f"{stem}.md", f"{stem}.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
