@@ -192,3 +192,27 @@ def test_pallas_kernel_inside_ulysses(mesh_name, heads, dtype, seed):
     assert rel_err(out, ref_out) < TOL[dtype]
     for g, rg in zip(vjp(do), ref_grads):
         assert rel_err(g, rg) < TOL[dtype]
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_inputs_in_other_shardings(jitted, seed):
+    """Inputs split on heads, replicated, misplaced, or (eagerly) committed to one device: same result.
+
+    Under the caller's ``jax.jit``, an argument committed to a device outside the mesh is refused by
+    ``jit`` itself before our code runs (JAX's rule for committed arguments), so that case is eager only.
+    """
+    mesh = mesh_for("fsdp2xsp4")
+    q, k, v, _, seg = random_inputs(seed, B, S, 8, 4, D, jnp.float32, shard=S // 4)
+    want = attention_f64(q, k, v, segment_ids=seg)
+    placements = [
+        NamedSharding(mesh, P(None, None, "sp")),  # split on heads instead of sequence
+        NamedSharding(mesh, P()),  # replicated everywhere
+        NamedSharding(mesh, P("sp", "fsdp")),  # batch and sequence on the wrong axes
+    ] + ([] if jitted else [jax.sharding.SingleDeviceSharding(jax.devices()[3])])  # committed to one device
+    fn = lambda q, k, v, s: ulysses_attention(q, k, v, mesh=mesh, segment_ids=s)  # noqa: E731
+    fn = jax.jit(fn) if jitted else fn
+    for sh in placements:
+        args = [jax.device_put(x, sh) for x in (q, k, v)]
+        seg_sh = sh if not isinstance(sh, NamedSharding) else NamedSharding(mesh, P(*sh.spec[:2]))
+        out = fn(*args, jax.device_put(seg, seg_sh))
+        assert rel_err(out, want) < TOL["float32"], sh
