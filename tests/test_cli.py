@@ -183,3 +183,17 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         train_run(run)
     steps = sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
     assert steps == [1, 2]
+
+
+def test_eval_errors(tmp_path, capsys):
+    assert main(["eval", "--run-dir", str(tmp_path / "nothing"), "--mesh.fsdp", "2", "--mesh.sp", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "run.json not found" in err and "is not a training run directory" in err
+    run = tmp_path / "half"
+    run.mkdir()
+    for content in ("{}", "not json"):
+        (run / "run.json").write_text(content)
+        assert main(["eval", "--run-dir", str(run), "--mesh.fsdp", "2", "--mesh.sp", "4"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "is not a readable ulysses-jax run record" in err
+        assert len(err.splitlines()) == 1

@@ -120,7 +120,12 @@ def check_run_dir(run_dir: str | pathlib.Path, identity: dict, *, resume: bool) 
                 f"--resume: no checkpoint in {ckpt_dir}; start without --resume, or point --run-dir at a run"
             )
         if run_file.exists():
-            saved = json.loads(run_file.read_text())
+            try:
+                saved = json.loads(run_file.read_text())
+            except ValueError:
+                raise ValueError(
+                    f"{run_file} is not valid JSON: the run record is damaged; restore it or start a new --run-dir"
+                ) from None
             keys = sorted((set(saved) | set(identity)) - {"compute"})
             diffs = [k for k in keys if saved.get(k) != identity.get(k)]
             if diffs:

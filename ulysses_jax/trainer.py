@@ -150,11 +150,17 @@ def model_config_from_run(run_dir: pathlib.Path) -> tuple[ModelConfig, dict]:
     path = run_dir / "run.json"
     if not path.is_file():
         raise ValueError(f"{path} not found: {run_dir} is not a training run directory; pass --run-dir of a run")
-    identity = json.loads(path.read_text())
-    fields = {**identity["model"], **identity.get("compute", {})}
-    if fields.get("rope_scaling"):
-        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-    return ModelConfig(**fields), identity
+    try:
+        identity = json.loads(path.read_text())
+        fields = {**identity["model"], **identity.get("compute", {})}
+        if fields.get("rope_scaling"):
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        return ModelConfig(**fields), identity
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a readable ulysses-jax run record ({type(e).__name__}: {e}); "
+            f"pass the --run-dir of a run written by `ulysses-jax train`"
+        ) from None
 
 
 def _peak(cfg_peak_tflops: float | None) -> float | None:
