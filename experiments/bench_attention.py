@@ -18,14 +18,11 @@ in --out-dir, headed by date, device, jax version, command line and git commit.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import math
 import pathlib
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,6 +30,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+from results_io import run_header, write_table  # noqa: E402  (beside this script)
+
 from ulysses_jax.kernels.flash_attention import flash_attention  # noqa: E402
 
 IMPLS = ("ours", "cudnn", "xla", "pallas_mha")
@@ -183,40 +182,16 @@ def _relative_columns(group, outputs):
 
 
 def header(args, peak):
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=pathlib.Path(__file__).parent)
-        commit = git.stdout.strip() if git.returncode == 0 else "unknown (git rev-parse HEAD failed)"
-    except Exception:
-        commit = "unknown"
-    dev = jax.devices()[0]
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}",
-        "jax": jax.__version__,
-        "command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-        "commit": commit,
-        "workload": f"bf16, B*S = {args.tokens} tokens (B >= 1), H = Hkv = {args.heads}",
-        "matmul peak": f"{peak:.3g} TFLOP/s (bf16 {matmul_size()}^3 matmul, measured)",
-    }
+    return run_header(
+        workload=f"bf16, B*S = {args.tokens} tokens (B >= 1), H = Hkv = {args.heads}",
+        **{"matmul peak": f"{peak:.3g} TFLOP/s (bf16 {matmul_size()}^3 matmul, measured)"},
+    )
 
 
 def write_results(rows, meta, out_dir: pathlib.Path):
-    out_dir.mkdir(parents=True, exist_ok=True)
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = out_dir / f"attention_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    cols = list(rows[0]) if rows else []
-    with open(f"{stem}.csv", "w", newline="") as f:
-        for key, value in meta.items():
-            f.write(f"# {key}: {value}\n")
-        writer = csv.DictWriter(f, fieldnames=cols)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = ["# Attention benchmark", ""] + [f"- {k}: `{v}`" for k, v in meta.items()] + ["", ""]
-    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
-    written = [f"{stem}.csv", f"{stem}.md"]
+    written = write_table(stem, "Attention benchmark", meta, list(rows[0]) if rows else [], rows)
     if _plot(rows, meta, f"{stem}.png"):
         written.append(f"{stem}.png")
     return written

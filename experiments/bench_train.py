@@ -17,15 +17,14 @@ hardware, jax version, command line and git commit.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import pathlib
-import shlex
 import statistics
-import subprocess
 import sys
 import time
+
+from results_io import run_header, write_table  # beside this script
 
 
 def parse_args(argv=None):
@@ -57,11 +56,8 @@ def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
     tokens = rng.integers(1, vocab, (rows, seq_len), dtype=np.int32)
     cuts = np.sort(rng.integers(1, seq_len, (rows, 3)), axis=1)
     seg = (1 + (np.arange(seq_len)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(np.int32)
-    starts = np.concatenate([np.ones((rows, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    idx = np.arange(seq_len)[None].repeat(rows, 0)
-    positions = (idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": seg, "positions": positions,
-            "labels": next_token_labels(tokens, seg).astype(np.int32)}
+    # no "positions": the model derives per-document positions from the segment ids
+    return {"tokens": tokens, "segment_ids": seg, "labels": next_token_labels(tokens, seg)}
 
 
 def bench_one(args, seq_len: int) -> dict:
@@ -108,23 +104,8 @@ def bench_one(args, seq_len: int) -> dict:
 
 
 def header(args) -> dict:
-    import jax
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                cwd=pathlib.Path(__file__).parent).stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    dev = jax.devices()[0]
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "hardware": f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}",
-        "jax": jax.__version__,
-        "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
-        "commit": commit,
-        "model": f"{args.preset}, attention {args.attention}, remat {args.remat}, loss_chunk {args.loss_chunk}, "
-                 f"mlp_chunk {args.mlp_chunk}",
-    }
+    return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}, "
+                            f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}")
 
 
 def main(argv=None) -> int:
@@ -150,19 +131,9 @@ def main(argv=None) -> int:
     meta = header(args)
     cols = ["seq_len", "rows", "mesh", "step_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "loss",
             "note"]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = args.out_dir / f"train_{args.preset}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        f.writelines(f"# {k}: {v}\n" for k, v in meta.items())
-        w = csv.DictWriter(f, fieldnames=cols, restval="")
-        w.writeheader()
-        w.writerows(rows)
-    lines = ["# Training-step benchmark", ""] + [f"- {k}: `{v}`" for k, v in meta.items()] + ["", ""]
-    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("wrote", f"{stem}.md", f"{stem}.csv")
+    print("wrote", *write_table(stem, "Training-step benchmark", meta, cols, rows))
     return 0
 
 

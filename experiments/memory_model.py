@@ -30,9 +30,10 @@ import datetime
 import os
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
+
+from results_io import git_head  # beside this script
 
 
 def parse_args(argv=None):
@@ -169,14 +170,6 @@ def main(argv=None):
     if args.out:
         with args.out.open("a") as f:
             f.write(text + "\n")
-
-
-def git_head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=pathlib.Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -25,18 +25,18 @@ def test_layout_is_valid_and_minimal(h, hkv, p):
     for i, qh in enumerate(lay.q_slots):
         if qh >= 0:
             assert lay.kv_slots[i // g] == qh // (h // hkv)
-    # attention compute per device is the least possible: ceil(H / P) query heads
-    assert lay.heads_per_device == math.ceil(h / p) or _no_uniform_layout_reaches(h, hkv, p)
+    # attention compute per device is the least any plain-GQA layout reaches (never below ceil(H / P))
+    assert lay.heads_per_device == _fewest_heads(h, hkv, p) >= math.ceil(h / p)
     assert lay.wasted_fraction == pytest.approx(1 - h / (p * lay.heads_per_device))
     if h % p == 0 and hkv % p == 0:
         assert lay.is_identity and lay.kv_heads_sent == hkv and lay.wasted_fraction == 0
 
 
-def _no_uniform_layout_reaches(h, hkv, p):
-    """Brute force: no (g, slots) choice gives ceil(H/P) query heads per device."""
+def _fewest_heads(h, hkv, p):
+    """Brute force over the group size g: a slot holds g query heads of one KV head, so KV head j needs
+    ceil(G / g) slots, and the fullest device holds ceil(slots / P) of them."""
     G = h // hkv
-    best = min(math.ceil(hkv * math.ceil(G / g) / p) * g for g in range(1, G + 1))
-    return best > math.ceil(h / p)
+    return min(math.ceil(hkv * math.ceil(G / g) / p) * g for g in range(1, G + 1))
 
 
 @pytest.mark.parametrize(

@@ -52,14 +52,21 @@ def _impl_note(m) -> str:
     return impl if impl == m.attention_impl else f"{m.attention_impl} -> {impl}"
 
 
+def _checked(setup, cfg):
+    """``setup(cfg)`` after the device setup; a user error (ValueError) prints one line and gives None."""
+    try:
+        _setup_devices(cfg)
+        return setup(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.trainer import TrainingDiverged, setup_train, train_run
 
-    try:
-        _setup_devices(cfg)
-        run = setup_train(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    run = _checked(setup_train, cfg)
+    if run is None:
         return EXIT_USAGE
     m = run.model
     print(
@@ -90,11 +97,8 @@ def _train(cfg: TrainConfig) -> int:
 def _eval(cfg: EvalConfig) -> int:
     from ulysses_jax.trainer import evaluate
 
-    try:
-        _setup_devices(cfg)
-        result = evaluate(cfg)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    result = _checked(evaluate, cfg)
+    if result is None:
         return EXIT_USAGE
     print(
         f"eval at step {result['step']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "

@@ -28,6 +28,7 @@ from ulysses_jax.config import ModelConfig
 from ulysses_jax.loss import next_token_loss
 from ulysses_jax.model import Transformer
 from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.sharding import param_shardings
 
 BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
 
@@ -101,8 +102,8 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int) -> tuple[nnx.Grap
     """A fresh train state, every array created in its final sharding."""
     model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), param_shardings, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), shardings, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     replicated = NamedSharding(mesh, P())
     state = {
@@ -114,15 +115,19 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int) -> tuple[nnx.Grap
     return graphdef, state
 
 
-def abstract_state(config: ModelConfig, mesh: Mesh, tx, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
-    """The train state as ``ShapeDtypeStruct``s carrying their shardings on ``mesh`` (nothing allocated)."""
+def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
+    """The train state as ``ShapeDtypeStruct``s carrying their shardings on ``mesh`` (nothing allocated).
+
+    Without ``tx``: ``{"params": ...}`` alone (what ``eval`` restores).
+    """
     abstract_model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed)))
     graphdef, params = nnx.split(abstract_model)
-    specs = nnx.get_partition_spec(params)
-    param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_shardings)
+    shardings = param_shardings(abstract_model, mesh)  # eval_shape drops shardings: read the metadata
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+    if tx is None:
+        return graphdef, {"params": params}
     abstract_opt = jax.eval_shape(tx.init, params)
-    opt_shardings = _opt_shardings(tx, abstract_opt, param_shardings, mesh)
+    opt_shardings = _opt_shardings(tx, abstract_opt, shardings, mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt, opt_shardings)
     replicated = NamedSharding(mesh, P())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))

@@ -246,7 +246,7 @@ def train_run(run: Run) -> dict:
     n_dev = mesh.devices.size
     step_flops = flops.flops_per_device(run.model, batch=cfg.batch_size, seq_len=cfg.seq_len, n_devices=n_dev)
     log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress)
-    state, losses, times, tokens = run.state, [], [], []
+    state, losses, times = run.state, [], []
     last_saved = run.start_step if cfg.resume else None
     try:
         for step in range(run.start_step, cfg.steps):
@@ -280,7 +280,6 @@ def train_run(run: Run) -> dict:
             log.log(record)
             losses.append(loss)
             times.append(dt)
-            tokens.append(cfg.batch_size * cfg.seq_len)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 run.checkpointer.save(step + 1, state, run.data.get_state())
                 last_saved = step + 1
@@ -292,7 +291,7 @@ def train_run(run: Run) -> dict:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "steps": len(losses),
-        "tokens_per_s": sum(tokens[-len(steady):]) / sum(steady) if steady else None,
+        "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady) if steady else None,
         "checkpoints": str(run.checkpointer.directory),
         "metrics": str(log.jsonl_path),
         "tensorboard": str(log.tb_dir),
@@ -316,8 +315,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     step = checkpointer.latest_step()
     if step is None:
         raise ValueError(f"no checkpoint in {checkpointer.directory}; train first or pass the --run-dir of a run")
-    tx = make_optimizer(OptimConfig(), 1)  # structure only: only the parameters are read
-    graphdef, target = abstract_state(model, mesh, tx)
+    graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
     state, _ = checkpointer.restore(step, target, params_only=True)
     checkpointer.close()
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"]))
