@@ -68,8 +68,8 @@ def bench_one(args, seq_len: int) -> dict:
     from ulysses_jax.data import to_global
     from ulysses_jax.mesh import make_mesh
     from ulysses_jax.metrics import peak_memory_bytes
-    from ulysses_jax.train import OptimConfig, init_state, make_optimizer, make_schedule, make_train_step
-    from ulysses_jax.train import state_shardings
+    from ulysses_jax.step import OptimConfig, init_state, make_optimizer, make_schedule, make_train_step
+    from ulysses_jax.step import state_shardings
     from ulysses_jax.trainer import check_parallel
 
     n = jax.device_count()

@@ -1,4 +1,4 @@
-"""The training and evaluation jobs: configuration, the loop, checkpoints, metrics.
+"""The training and evaluation jobs (the step itself is ``step.py``): configuration, the loop, checkpoints, metrics.
 
 ``train(TrainConfig(...))`` and ``evaluate(EvalConfig(...))`` are what ``ulysses-jax train`` and
 ``ulysses-jax eval`` run (the CLI flags are generated from these dataclasses). Everything the user can
@@ -25,7 +25,7 @@ from ulysses_jax.config import ModelConfig, RopeScaling, local_chunks
 from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.metrics import MetricsLogger, peak_memory_bytes
-from ulysses_jax.train import (
+from ulysses_jax.step import (
     OptimConfig,
     abstract_state,
     init_state,

@@ -1,5 +1,7 @@
-"""The training step: AdamW with warmup + cosine decay and global-norm clipping, gradient accumulation
-normalised by tokens, jitted with explicit shardings and the train state donated.
+"""The training step: one optimizer update (the job around it, loop and checkpoints, is ``trainer.py``).
+
+AdamW with warmup + cosine decay and global-norm clipping, gradient accumulation normalised by tokens,
+jitted with explicit shardings and the train state donated.
 
 The train state is a dict ``{"params": nnx.State, "opt_state": optax state, "step": int32, "rng": key data}``.
 Parameters are born sharded (see ``model.py``); the optimizer state is laid out like the parameters

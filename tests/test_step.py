@@ -12,7 +12,7 @@ from ulysses_jax import make_mesh
 from ulysses_jax.checkpoint import Checkpointer, check_run_dir
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.loss import shift_labels
-from ulysses_jax.train import (
+from ulysses_jax.step import (
     OptimConfig,
     abstract_state,
     init_state,
@@ -169,7 +169,7 @@ def test_run_dir_rules(tmp_path):
 def test_weight_decay_skips_norms_and_biases():
     from flax import nnx
 
-    from ulysses_jax.train import decay_mask
+    from ulysses_jax.step import decay_mask
 
     cfg = dataclasses.replace(ModelConfig.from_preset("qwen2.5-0.5b"), num_layers=2, hidden=64, num_heads=4,
                               num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=256)
