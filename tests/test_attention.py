@@ -79,20 +79,20 @@ def test_invalid_inputs(shapes, kwargs, match):
     ],
 )
 def test_resolve_impl(impl, dtype, d, seg, backend, want):
-    assert resolve_impl(impl, dtype=jnp.dtype(dtype), head_dim=d, has_segment_ids=seg, backend=backend) == want
+    assert resolve_impl(impl, dtype=jnp.dtype(dtype), head_dim=d, has_segment_ids=seg, platform=backend) == want
 
 
 @pytest.mark.parametrize(
     "dtype, seg, backend, match",
     [
-        ("bfloat16", False, "cpu", r"cuDNN needs a GPU but the JAX backend is 'cpu'"),
+        ("bfloat16", False, "cpu", r"cuDNN needs a GPU but the devices' platform is 'cpu'"),
         ("bfloat16", True, "gpu", r"cuDNN attention takes no segment ids"),
         ("float32", False, "gpu", r"cuDNN attention needs float16 or bfloat16 inputs, got float32"),
     ],
 )
 def test_cudnn_refuses_what_it_cannot_do(dtype, seg, backend, match):
     with pytest.raises(ValueError, match=r"impl='cudnn' cannot serve this call: " + match):
-        resolve_impl("cudnn", dtype=jnp.dtype(dtype), head_dim=64, has_segment_ids=seg, backend=backend)
+        resolve_impl("cudnn", dtype=jnp.dtype(dtype), head_dim=64, has_segment_ids=seg, platform=backend)
 
 
 def test_cudnn_call_refused_on_cpu():

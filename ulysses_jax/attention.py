@@ -29,10 +29,24 @@ import jax.numpy as jnp
 IMPLS = ("xla", "pallas", "cudnn", "auto")
 
 
-def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, backend: str | None = None) -> str:
+def device_platform(devices) -> str:
+    """The platform (``"gpu"``, ``"cpu"``, ...) of the devices a program is built for: a ``Mesh``, an array, or a
+    sequence of devices. Compile-only devices of a GPU topology (``ulysses_jax.targets``) report ``"gpu"`` on a
+    machine without one, so the same code compiles for H100s from a laptop."""
+    if isinstance(devices, jax.sharding.Mesh):
+        return devices.devices.flat[0].platform
+    if isinstance(devices, jax.Array) and not isinstance(devices, jax.core.Tracer):
+        return next(iter(devices.devices())).platform
+    return next(iter(devices)).platform
+
+
+def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, platform: str | None = None) -> str:
     """The concrete implementation for a request; raises ``ValueError`` if ``impl`` cannot serve it.
 
-    ``"auto"``: on CPU (and any non-GPU backend) ``"xla"``. On GPU ``"cudnn"`` when cuDNN can
+    ``platform`` is that of the devices the call runs on (``device_platform(mesh)``); ``None`` means the default
+    device's, which is right only for a local call outside any mesh.
+
+    ``"auto"``: on CPU (and any non-GPU platform) ``"xla"``. On GPU ``"cudnn"`` when cuDNN can
     take the request (no segment ids, float16/bfloat16, head_dim a multiple of 8 and <= 128),
     otherwise ``"pallas"``. This ranking (cuDNN ahead of our Triton-lowered kernel) follows the
     published H100 kernel figures; ``experiments/bench_attention.py`` is the measurement that
@@ -40,10 +54,10 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, back
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
-    backend = jax.default_backend() if backend is None else backend
-    cudnn_problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=has_segment_ids, backend=backend)
+    platform = jax.devices()[0].platform if platform is None else platform
+    cudnn_problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=has_segment_ids, platform=platform)
     if impl == "auto":
-        if backend != "gpu":
+        if platform != "gpu":
             return "xla"
         return "pallas" if cudnn_problem else "cudnn"
     if impl == "cudnn" and cudnn_problem:
@@ -51,9 +65,9 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, back
     return impl
 
 
-def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, backend: str) -> str | None:
-    if backend != "gpu":
-        return f"cuDNN needs a GPU but the JAX backend is {backend!r}"
+def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str) -> str | None:
+    if platform != "gpu":
+        return f"cuDNN needs a GPU but the devices' platform is {platform!r}"
     if has_segment_ids:
         return "cuDNN attention takes no segment ids (packed documents would attend across boundaries)"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -96,15 +110,25 @@ def attention(
     segment_ids: jax.Array | None = None,
     scale: float | None = None,
     impl: str = "xla",
+    platform: str | None = None,
 ) -> jax.Array:
-    """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring)."""
+    """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring).
+
+    ``platform``: where the call runs (``"gpu"``, ``"cpu"``); ``None``: the platform of ``q``'s devices, or of the
+    default device when ``q`` is traced. Inside ``shard_map`` pass it (``ulysses_attention`` passes its mesh's).
+    """
     check_qkv(q, k, v, segment_ids)
-    impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None)
+    if platform is None:
+        platform = device_platform(q) if not isinstance(q, jax.core.Tracer) else jax.devices()[0].platform
+    impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None,
+                        platform=platform)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "pallas":
         from ulysses_jax.kernels.flash_attention import flash_attention
 
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+        # compiled through Triton on GPUs, Pallas interpret mode elsewhere (exact, slow)
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
+                               interpret=platform != "gpu")
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
     return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)

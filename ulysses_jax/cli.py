@@ -44,11 +44,12 @@ def _setup_devices(cfg) -> None:
         print(f"Running on {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.process_count()} processes).")
 
 
-def _impl_note(m) -> str:
-    from ulysses_jax.attention import resolve_impl
+def _impl_note(m, mesh) -> str:
+    from ulysses_jax.attention import device_platform, resolve_impl
 
     # training rows are packed documents: segment ids are always present
-    impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True)
+    impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
+                        platform=device_platform(mesh))
     return impl if impl == m.attention_impl else f"{m.attention_impl} -> {impl}"
 
 
@@ -72,7 +73,7 @@ def _train(cfg: TrainConfig) -> int:
     print(
         f"Training {m.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads}/{m.num_kv_heads} heads) "
         f"on mesh {dict(run.mesh.shape)}: {cfg.batch_size} x {cfg.seq_len} tokens per step, "
-        f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m)}"
+        f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m, run.mesh)}"
     )
     layout = plan_heads(m.num_heads, m.num_kv_heads, run.mesh.shape["sp"])
     if layout.wasted_fraction:

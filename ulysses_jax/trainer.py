@@ -20,7 +20,7 @@ import numpy as np
 
 from ulysses_jax import flops
 from ulysses_jax.checkpoint import Checkpointer, check_run_dir
-from ulysses_jax.attention import resolve_impl
+from ulysses_jax.attention import device_platform, resolve_impl
 from ulysses_jax.config import ModelConfig, RopeScaling, local_chunks
 from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
 from ulysses_jax.mesh import make_mesh
@@ -134,7 +134,8 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
         if chunk:
             local_chunks(chunk, seq_len // sp, flag)
     # training rows are packed documents, so segment ids are always present
-    resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True)
+    resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True,
+                 platform=device_platform(mesh))
 
 
 def run_identity(cfg: ModelConfig, seq_len: int, tokenizer: str | None, optim: OptimConfig) -> dict:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.attention import attention, check_qkv, resolve_impl
+from ulysses_jax.attention import attention, check_qkv, device_platform, resolve_impl
 from ulysses_jax.head_layout import HeadLayout, plan_heads
 
 
@@ -106,7 +106,8 @@ def ulysses_attention(
     """
     axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name)
     b, s, h, d = q.shape
-    impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None)
+    platform = device_platform(mesh)  # what the program is built for, not the machine it is traced on
+    impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None, platform=platform)
     layout = plan_heads(h, k.shape[2], sp)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     spec = P(axes or None, axis_name, None, None)
@@ -131,7 +132,7 @@ def ulysses_attention(
         ql, kl_, vl = jnp.split(qkv, [hq, hq + kl], axis=2)
         if seg is not None:
             seg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)  # [b, S]
-        o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl)
+        o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform)
         o = heads_to_seq(o, axis_name)  # [b, S/P, P*hq, D]
         return layout.ungather_out(o)
 

@@ -240,8 +240,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA; KV heads are never
     repeated in memory). segment_ids: [B, S] integers or None: a token attends only to tokens with
     the same id (packed documents), and when ``causal`` not to later positions. scale defaults to
-    1/sqrt(D) (a Python float). ``interpret=None`` means Pallas interpret mode iff the default backend is the CPU,
-    decided at call time. Any S works (padded to a block multiple inside, padded keys masked); any D
+    1/sqrt(D) (a Python float). ``interpret=None`` means Pallas interpret mode unless the default device is a GPU;
+    callers that know the target pass it (``attention`` does: compile-only GPU devices need ``False``). Any S works (padded to a block multiple inside, padded keys masked); any D
     (zero-padded to a power of two >= 16). Returns [B, S, H, D] in q.dtype.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
@@ -256,7 +256,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = jax.devices()[0].platform != "gpu"
     blocks = _fit_blocks(block_sizes or BlockSizes(), s)
     multiple = max(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("block_"))
     s_pad = pl.cdiv(s, multiple) * multiple

@@ -1,0 +1,110 @@
+"""The GPU kernels of a compiled program: launch figures from XLA's dump, registers and spills from ptxas.
+
+Compile with ``dump_options(dir)`` (``lowered.compile(compiler_options=dump_options(dir))``): XLA writes the
+optimised HLO, the thunk sequence (each kernel launch with its grid, threads and dynamic shared memory) and one
+``.ptx`` file per generated kernel, Pallas kernels included (they are Triton custom calls that XLA compiles
+itself). ``kernels(dir)`` reads them and runs ``ptxas -v -arch=sm_90a`` on each PTX file, which reports the
+registers per thread and the bytes spilled to local memory. ptxas comes with the ``nvidia-cuda-nvcc`` wheel that
+the CUDA plugin installs; without it the register figures are ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+_LAUNCH = re.compile(
+    r"\bkCustomKernel\b.*?\]\s+(?P<name>\S+)\s+grid: \[(?P<grid>[\d, ]+)\]\s+threads: \[(?P<threads>[\d, ]+)\]"
+    r"\s+shared_memory: (?P<smem>\d+) bytes"
+)
+_ENTRY = re.compile(r"\.visible \.entry (\w+)\(")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelInfo:
+    name: str
+    grid: tuple[int, ...]
+    threads: tuple[int, ...]
+    shared_memory_bytes: int  # dynamic shared memory per block, as launched
+    registers: int | None = None  # per thread, from ptxas
+    spill_store_bytes: int | None = None
+    spill_load_bytes: int | None = None
+
+    @property
+    def warps(self) -> int:
+        return self.threads[0] * self.threads[1] * self.threads[2] // 32
+
+
+def dump_options(dump_dir: str | pathlib.Path) -> dict[str, object]:
+    """XLA compiler options that dump the optimised HLO, the thunk sequence and the kernels' PTX to ``dump_dir``."""
+    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True}
+
+
+@functools.lru_cache(maxsize=1)
+def ptxas_path() -> str | None:
+    """``ptxas`` of the ``nvidia-cuda-nvcc`` wheel next to this Python, else one on ``PATH``."""
+    for site in map(pathlib.Path, sys.path):
+        for sub in ("nvidia/cu13/bin/ptxas", "nvidia/cuda_nvcc/bin/ptxas"):
+            if (site / sub).is_file():
+                return str(site / sub)
+    return shutil.which("ptxas")
+
+
+def ptxas_figures(ptx_file: str | pathlib.Path, arch: str = "sm_90a") -> dict[str, dict[str, int]]:
+    """``{entry: {"registers", "spill_store_bytes", "spill_load_bytes"}}`` from ``ptxas -v`` on one PTX file."""
+    exe = ptxas_path()
+    if exe is None:
+        return {}
+    out = subprocess.run([exe, "-v", f"-arch={arch}", str(ptx_file), "-o", "/dev/null"],
+                         capture_output=True, text=True, check=False)
+    figures, current = {}, None
+    for line in (out.stdout + out.stderr).splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line) or re.search(r"Function properties for (\w+)", line)
+        if m:
+            current = figures.setdefault(m.group(1), {})
+            continue
+        if current is None:
+            continue
+        if (m := _SPILLS.search(line)) is not None:
+            current["spill_store_bytes"], current["spill_load_bytes"] = int(m.group(1)), int(m.group(2))
+        if (m := _REGS.search(line)) is not None:
+            current["registers"] = int(m.group(1))
+    return figures
+
+
+def kernels(dump_dir: str | pathlib.Path, *, prefix: str = "", run_ptxas: bool = True) -> list[KernelInfo]:
+    """Kernels launched by the program dumped in ``dump_dir`` whose name starts with ``prefix``, one per name.
+
+    Launch figures come from the (last) thunk-sequence file; registers and spills from ptxas on the PTX file
+    that defines the kernel.
+    """
+    dump_dir = pathlib.Path(dump_dir)
+    seqs = sorted(dump_dir.glob("*thunk_sequence.txt"))
+    launches: dict[str, KernelInfo] = {}
+    for seq in seqs[-1:]:
+        for m in _LAUNCH.finditer(seq.read_text()):
+            name = m.group("name")
+            if name.startswith(prefix) and name not in launches:
+                launches[name] = KernelInfo(
+                    name=name,
+                    grid=tuple(int(x) for x in m.group("grid").split(",")),
+                    threads=tuple(int(x) for x in m.group("threads").split(",")),
+                    shared_memory_bytes=int(m.group("smem")),
+                )
+    if run_ptxas and launches:
+        for ptx in sorted(dump_dir.glob("*.ptx")):
+            entries = set(_ENTRY.findall(ptx.read_text())) & set(launches)
+            if not entries:
+                continue
+            figures = ptxas_figures(ptx)
+            for name in entries:
+                if name in figures:
+                    launches[name] = dataclasses.replace(launches[name], **figures[name])
+    return sorted(launches.values(), key=lambda k: k.name)
