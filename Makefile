@@ -9,10 +9,15 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# On Linux x86_64 the aot extra (the CUDA plugin wheels, about 4.4 GB, no GPU needed) comes too: the GPU-compile
+# tests (marked aot) compile the step and the kernels for H100s; elsewhere they are skipped.
+comma := ,
+EXTRAS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),test$(comma)aot,test)
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # Default suite: CPU only, 8 fake devices, excludes tests marked slow or gpu.
@@ -22,8 +27,9 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -n 2 -m "slow" $(PYTEST_ARGS)
 
-# On a GPU machine (install with the gpu extra: pip install -e '.[test,gpu]').
+# On a GPU machine (install with the gpu extra: pip install -e '.[test,gpu]'). Fails when JAX sees no GPU.
 test-gpu: $(STAMP)
+	$(PY) -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 'make test-gpu: JAX sees no GPU (backend ' + jax.default_backend() + '); install the gpu extra on a GPU machine')"
 	$(PY) -m pytest -m "gpu" $(PYTEST_ARGS)
 
 clean:

@@ -26,8 +26,10 @@ from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.metrics import MetricsLogger, peak_memory_bytes
 from ulysses_jax.step import (
+    BATCH_KEYS,
     OptimConfig,
     abstract_state,
+    batch_sharding,
     init_state,
     make_eval_step,
     make_optimizer,
@@ -123,12 +125,14 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
             f"--batch-size ({batch_size}) must be a multiple of --grad-accum ({grad_accum}) x data x fsdp "
             f"({data} x {fsdp}) = {grad_accum * rows}"
         )
-    if batch_size % jax.process_count():
-        raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {jax.process_count()} processes")
-    if jax.process_count() > 1 and jax.local_device_count() % sp:
+    hosts = len({d.process_index for d in mesh.devices.flat})  # the mesh's, so a planned topology counts too
+    per_host = mesh.devices.size // hosts
+    if batch_size % hosts:
+        raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {hosts} processes (hosts)")
+    if hosts > 1 and per_host % sp:
         raise ValueError(
-            f"--mesh.sp ({sp}) must divide the {jax.local_device_count()} devices of each process, so that an sp "
-            f"group stays within one host"
+            f"--mesh.sp ({sp}) must divide the {per_host} devices of each host, so that an sp group stays within "
+            f"one host; use --mesh.sp <= {per_host}"
         )
     for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk)):
         if chunk:
@@ -196,6 +200,15 @@ class Run:
     step_fn: object
     peak: float | None
     profile: tuple[int, int] | None
+    planned_bytes: int | None = None  # XLA's per-device total of the compiled step (what `plan` reports)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The model a ``TrainConfig`` trains: its preset with the memory tools and attention of the flags."""
+    return _model_config(
+        cfg.preset, vocab_size, attention_impl=cfg.attention, remat=cfg.remat,
+        loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+    )
 
 
 def setup_train(cfg: TrainConfig) -> Run:
@@ -205,10 +218,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, sp=cfg.mesh.sp)
     data_cfg = DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer)
     it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    model = _model_config(
-        cfg.preset, it.vocab_size, attention_impl=cfg.attention, remat=cfg.remat,
-        loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-    )
+    model = model_config(cfg, it.vocab_size)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
     check_run_dir(cfg.run_dir, run_identity(model, cfg.seq_len, cfg.tokenizer, cfg.optim), resume=cfg.resume)
@@ -227,10 +237,22 @@ def setup_train(cfg: TrainConfig) -> Run:
     step_fn = make_train_step(
         graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh, state_shardings(state), grad_accum=cfg.grad_accum
     )
-    return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile)
+    # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
+             for k in BATCH_KEYS}
+    step_fn = step_fn.lower(state, batch).compile()
+    mem = step_fn.memory_analysis()
+    return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, device_total_bytes(mem))
 
 
 # ------------------------------------------------------------------------------------ the loop
+
+
+def device_total_bytes(mem) -> int | None:
+    """XLA's per-device memory of a compiled program: argument + output + temp - alias (``memory_analysis()``)."""
+    if mem is None:
+        return None
+    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
 
 
 class TrainingDiverged(RuntimeError):
@@ -278,6 +300,13 @@ def train_run(run: Run) -> dict:
                 "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
                 "peak_memory_bytes": peak_memory_bytes(),
             }
+            if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
+                # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
+                record["planned_bytes"] = run.planned_bytes
+                measured = record["peak_memory_bytes"]
+                log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
+                          f"`ulysses-jax plan` reports), measured peak "
+                          f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
             log.log(record)
             losses.append(loss)
             times.append(dt)

@@ -1,0 +1,188 @@
+"""The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
+H100s (``ulysses_jax.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ulysses_jax import ModelConfig, exchange_bytes, make_mesh, plan_heads, ulysses_attention
+from ulysses_jax import hlo
+from ulysses_jax.attention import device_platform, resolve_impl
+from ulysses_jax.model import remat_policy
+from ulysses_jax.plan import PlanConfig, find_max_seq_len, plan, search_units, seq_len_unit
+from ulysses_jax.targets import TARGETS, target_devices
+from ulysses_jax.targets.kernels import dump_options, kernels
+from ulysses_jax.trainer import MeshConfig
+
+pytestmark = pytest.mark.aot
+ROOT = pathlib.Path(__file__).parents[1]
+FLASH = {"flash_attention_fwd", "flash_attention_dkv", "flash_attention_dq"}
+
+
+def h100_mesh(**axes):
+    return make_mesh(devices=target_devices("h100", devices=8), **axes)
+
+
+def test_targets_are_gpus_and_decisions_follow_the_mesh():
+    mesh = h100_mesh(fsdp=2, sp=4)
+    assert device_platform(mesh) == "gpu" and mesh.devices.flat[0].device_kind == TARGETS["h100"].device_kind
+    assert jax.default_backend() == "cpu"  # the machine we sit on
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False, platform="gpu") == "cudnn"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True, platform="gpu") == "pallas"
+    assert not mesh.devices.flat[0].addressable_memories()  # compile-only GPUs list no memory kinds...
+    assert remat_policy("offload", mesh) is not None  # ...yet the offload compiles for them (tiny plan below)
+
+
+def test_multi_host_topology():
+    devs = target_devices("h200", devices=16, hosts=2)
+    assert len(devs) == 16 and sorted({d.process_index for d in devs}) == [0, 1]
+    with pytest.raises(ValueError, match="multiple of --hosts"):
+        target_devices("h100", devices=12, hosts=5)
+    with pytest.raises(ValueError, match="unknown target 'a100'"):
+        target_devices("a100", devices=8)
+
+
+def test_ulysses_pallas_compiles_for_8_h100s_with_formula_all_to_alls(tmp_path):
+    """Forward + backward of the exchange around our kernel: Triton kernels, 2 all-to-alls per call each way."""
+    mesh = h100_mesh(fsdp=2, sp=4)
+    b, s, h, hkv, d = 2, 4096, 8, 2, 64
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"), "sp"))
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((b, s, hkv, d), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16, sharding=sh)
+
+    def loss(q, k, v, w):  # not a plain sum, so the output's all-to-all keeps its transpose
+        o = ulysses_attention(q, k, v, mesh=mesh, impl="pallas")
+        return jnp.sum(o.astype(jnp.float32) * w.astype(jnp.float32))
+
+    def fwd(q, k, v):
+        return ulysses_attention(q, k, v, mesh=mesh, impl="pallas")
+
+    layout = plan_heads(h, hkv, 4)
+    want = exchange_bytes(layout, batch=b // 2, seq_len=s, head_dim=d, itemsize=2)
+    both = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    for i, (fn, args, calls) in enumerate(((fwd, (q, kv, kv), 1), (both, (q, kv, kv, w), 2))):
+        dump = tmp_path / str(i)
+        compiled = jax.jit(fn).trace(*args).lower().compile(compiler_options=dump_options(dump))
+        a2a = hlo.collectives(compiled.as_text())["all-to-all"]
+        assert a2a.count == 2 * calls
+        assert a2a.bytes == calls * (want["qkv"] + want["out"])
+        names = {k.name for k in kernels(dump, prefix="flash_attention", run_ptxas=False)}
+        assert names == ({"flash_attention_fwd"} if calls == 1 else FLASH)
+
+
+def _check_consistent(p, state_floor: int):
+    m = p.memory
+    assert m["total_bytes"] == m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
+    assert m["argument_bytes"] >= state_floor
+    assert m["alias_bytes"] >= p.breakdown["parameters"] + p.breakdown["optimizer"]  # the state is donated
+    assert m["budget_bytes"] == int(0.9 * TARGETS["h100"].memory_bytes)
+
+
+def test_tiny_train_step_plan(tmp_path):
+    cfg = PlanConfig(preset="tiny", seq_len=8192, batch_size=2, mesh=MeshConfig(fsdp=2, sp=4), attention="pallas",
+                     json=str(tmp_path / "p.json"))
+    p = plan(cfg)
+    _check_consistent(p, p.breakdown["parameters"] + p.breakdown["optimizer"])
+    assert p.fits and p.num_devices == 8 and p.mesh == {"data": 1, "fsdp": 2, "sp": 4}
+    model = ModelConfig.from_preset("tiny")
+    # per layer: Q/K/V and O forward, their transposes backward; bytes from the exchange formula (float32 model)
+    ex = exchange_bytes(plan_heads(model.num_heads, model.num_kv_heads, 4), batch=1, seq_len=8192,
+                        head_dim=model.head_dim, itemsize=4)
+    a2a = p.collectives["all-to-all"]
+    assert a2a.count == 4 * model.num_layers
+    assert a2a.bytes == 2 * model.num_layers * (ex["qkv"] + ex["out"])
+    assert {"all-gather", "reduce-scatter"} <= set(p.collectives)  # FSDP: gather weights, scatter gradients
+    assert {k.name for k in p.kernels} == FLASH
+    assert all(k.registers and k.shared_memory_bytes <= 232_448 for k in p.kernels)
+
+
+def test_llama8b_full_depth_at_32k_on_8_h100s():
+    cfg = PlanConfig(preset="llama3.1-8b", seq_len=32768, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8),
+                     attention="pallas", remat="full", loss_chunk=4096, mlp_chunk=4096, kernels=False)
+    p = plan(cfg)
+    params_f32 = 8_030_261_248 * 4  # Llama-3.1-8B parameters, float32 at rest, split over 8 devices
+    assert p.breakdown["parameters"] == params_f32 // 8
+    assert p.breakdown["optimizer"] >= 2 * params_f32 // 8  # AdamW's two moments
+    _check_consistent(p, p.breakdown["parameters"] + p.breakdown["optimizer"])
+    assert p.fits
+    assert p.collectives["all-to-all"].count == 6 * 32  # remat=full re-runs the forward exchange in the backward
+    assert p.collectives["all-to-all"].inter_host_bytes == 0  # sp=8 within the host
+
+
+def test_search_finds_the_boundary():
+    for limit in (0, 1, 5, 6, 7, 100, 1000):
+        calls = []
+
+        def fits(n):
+            calls.append(n)
+            return n <= limit
+
+        for start in (1, 4, 6, 64, 5000):
+            assert search_units(fits, start=start, max_units=10**6) == limit, (limit, start)
+    assert search_units(lambda n: True, start=3, max_units=40) == 40
+
+
+def test_find_max_seq_len_is_the_boundary():
+    # a budget of 0.3% of an H100 (~250 MB): tiny on 8 devices fits a few units of 16K tokens (chunks of 2048)
+    cfg = PlanConfig(preset="tiny", seq_len=32768, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), attention="pallas",
+                     loss_chunk=2048, mlp_chunk=2048, budget_fraction=0.003, kernels=False)
+    best = find_max_seq_len(cfg, log=lambda *_: None)
+    unit = seq_len_unit(cfg, 8)
+    assert best.max_seq_len and best.max_seq_len % unit == 0 and best.fits and best.seq_len == best.max_seq_len
+    assert not plan(cfg, seq_len=best.max_seq_len + unit, with_kernels=False).fits
+
+
+def _cli(*args, env=None):
+    env = {k: v for k, v in (env or os.environ).items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "ulysses_jax", "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+
+
+def test_cli_plan_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    r = _cli("--preset", "tiny", "--seq-len", "4096", "--batch-size", "2", "--mesh.fsdp", "2", "--mesh.sp", "4",
+             "--attention", "pallas", "--no-kernels", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "verdict: FITS" in r.stdout and "all-to-all" in r.stdout
+    j = json.loads(out.read_text())
+    assert {"device_kind", "num_devices", "seq_len", "per_device", "fits", "collectives", "flops_per_step"} <= set(j)
+    assert {"argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "host_bytes", "total_bytes",
+            "budget_bytes"} <= set(j["per_device"])
+    assert j["device_kind"] == "NVIDIA H100 80GB HBM3" and j["num_devices"] == 8 and j["fits"] is True
+    assert j["collectives"]["all-to-all"]["count"] == 16 and j["collectives"]["all-to-all"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "a100"], "unknown target 'a100'; choose one of h100, h200"),
+    (["--devices", "6", "--mesh.sp", "4"], "--devices 6 does not fit the mesh flags"),
+    (["--seq-len", "4098", "--mesh.sp", "4", "--mesh.fsdp", "2"], "--seq-len (4098) must be a positive multiple of"),
+    (["--devices", "16", "--hosts", "3"], "--devices (16) must be a multiple of --hosts (3)"),
+    (["--budget-fraction", "1.5"], "--budget-fraction (1.5) must be in (0, 1]"),
+])
+def test_cli_plan_bad_input(args, message):
+    r = _cli("--preset", "tiny", "--no-kernels", *args)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_plugin_names_the_extra(monkeypatch):
+    import ulysses_jax.targets as targets
+
+    monkeypatch.setattr(targets, "cuda_plugin_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"pip install 'ulysses-jax\[aot\]'"):
+        targets.target_devices("h100", devices=8)
+
+
+def test_make_test_gpu_fails_without_a_gpu():
+    r = subprocess.run(["make", "-o", ".venv/.installed", "test-gpu", f"PY={sys.executable}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "JAX sees no GPU" in r.stderr

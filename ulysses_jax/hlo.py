@@ -1,0 +1,217 @@
+"""Collectives of a compiled program, read from its optimised HLO text (``compiled.as_text()``).
+
+``collectives(hlo_text)`` lists every collective the program runs per step: all-gather, all-reduce,
+reduce-scatter, all-to-all, collective-permute (synchronous or as ``*-start`` / ``*-done`` pairs, or wrapped in
+``async-start``). Operations inside a loop body (the layer scan, gradient accumulation) count once per trip: a
+``while`` whose trip count XLA knows multiplies everything it calls. Bytes are per device: the larger of what an
+operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's full input), the buffer
+that crosses the links at most.
+
+Each collective is also placed relative to the hosts, from its replica groups (or source-target pairs) and the
+number of devices per host: ``intra_host`` when every group stays within one host (NVLink), else ``inter_host``.
+For asynchronous pairs, ``overlapped`` counts the pairs with compute (a fusion, a custom call, a matmul)
+scheduled between ``start`` and ``done``: a collective that can hide behind work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+
+import numpy as np
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|async_execution_thread|branch_computations)=\{?([^}]*?)\}?(?:,\s|$)")
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    count: int = 0  # executions per step (loop trips included)
+    bytes: int = 0  # per device, summed over executions
+    intra_host_bytes: int = 0
+    inter_host_bytes: int = 0
+    async_pairs: int = 0  # start/done pairs (per execution)
+    overlapped: int = 0  # pairs with compute scheduled between start and done
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    attrs: str
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+    """``"(f32[2], s32[]) op(...)..."`` -> (type text, remainder starting at the opcode)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, c in enumerate(rest):
+            depth += c == "("
+            depth -= c == ")"
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].lstrip()
+    head, _, tail = rest.partition(" ")
+    return head, tail
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of every array in an HLO type (a tuple's leaves summed; layouts ignored)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
+    """``({computation: [instructions in schedule order]}, entry name)``."""
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if (m := _HEADER.match(line)) is not None:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        if current is None or (m := _INSTR.match(line)) is None:
+            continue
+        type_text, rest = _split_type(m.group(2))
+        opcode, _, args = rest.partition("(")
+        depth, i = 1, 0
+        while i < len(args) and depth:
+            depth += args[i] == "("
+            depth -= args[i] == ")"
+            i += 1
+        operands = tuple(re.findall(r"%([\w.\-]+)", args[: i - 1]))
+        comps[current].append(_Instr(m.group(1), type_text, opcode.strip(), operands, args[i:]))
+    return comps, entry
+
+
+def _trip_count(instr: _Instr) -> int | None:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+    return int(m.group(1)) if m else None
+
+
+def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of ``entry`` (while bodies times their trip count)."""
+    mult: dict[str, int] = defaultdict(int)
+    mult[entry] = 1
+    # computations form a DAG; visit callers before callees by repeated relaxation (the graphs are small)
+    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, instrs in comps.items():
+        for ins in instrs:
+            factor = _trip_count(ins) or 1 if ins.opcode == "while" else 1
+            for group in _CALLS.findall(ins.attrs):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    edges[name].append((callee, factor if ins.opcode == "while" else 1))
+    indeg: dict[str, int] = defaultdict(int)
+    for name in comps:
+        for callee, _ in edges[name]:
+            indeg[callee] += 1
+    queue = [c for c in comps if indeg[c] == 0]
+    order = []
+    while queue:
+        c = queue.pop()
+        order.append(c)
+        for callee, _ in edges[c]:
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                queue.append(callee)
+    for c in order:
+        for callee, factor in edges[c]:
+            if callee in comps:
+                mult[callee] += mult[c] * factor
+    return dict(mult)
+
+
+def _groups(attrs: str) -> list[list[int]] | None:
+    if (m := re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)) is not None:
+        return [[int(x) for x in p.split(",")] for p in re.findall(r"\{([\d,]+)", m.group(1) + "}")]
+    if (m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)) is not None:
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(x) for x in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+        return ids.reshape(g, s).tolist()
+    if (m := re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)) is not None:
+        # mesh-axes form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups vary along the listed axes
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        along = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+        rest = [i for i in range(len(names)) if i not in along]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + along)
+        return ids.reshape(-1, math.prod(sizes[i] for i in along)).tolist()
+    if (m := re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", attrs)) is not None:
+        return [[int(x) for x in grp.split(",") if x] for grp in re.findall(r"\{([\d,]*)\}", m.group(1))]
+    return None
+
+
+def _crosses_hosts(attrs: str, devices_per_host: int | None, num_devices: int | None) -> bool:
+    if not devices_per_host:
+        return False
+    groups = _groups(attrs)
+    if not groups:  # no replica groups: every device in one group
+        return bool(num_devices) and num_devices > devices_per_host
+    return any(len({d // devices_per_host for d in grp}) > 1 for grp in groups)
+
+
+def collectives(
+    hlo_text: str, *, devices_per_host: int | None = None, num_devices: int | None = None
+) -> dict[str, Collective]:
+    """``{kind: Collective}`` per step of the program (see the module doc); kinds absent from it are left out."""
+    comps, entry = parse(hlo_text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text() of a compiled program")
+    mult = multiplicities(comps, entry)
+    out: dict[str, Collective] = {}
+    for name, instrs in comps.items():
+        n = mult.get(name, 0)
+        if not n:
+            continue
+        types = {ins.name: ins.type for ins in instrs}
+        position = {ins.name: i for i, ins in enumerate(instrs)}
+        for ins in instrs:
+            op = ins.opcode
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS:
+                continue
+            in_bytes = sum(array_bytes(types.get(o, "")) for o in ins.operands)
+            out_bytes = array_bytes(ins.type)
+            if op.endswith("-start"):  # the result tuple holds the operands, the outputs and small contexts
+                out_bytes = max(out_bytes - in_bytes, 0)
+            size = max(in_bytes, out_bytes)
+            c = out.setdefault(kind, Collective(kind))
+            c.count += n
+            c.bytes += n * size
+            if _crosses_hosts(ins.attrs, devices_per_host, num_devices):
+                c.inter_host_bytes += n * size
+            else:
+                c.intra_host_bytes += n * size
+            if op.endswith("-start"):
+                c.async_pairs += n
+                done = next((j for j, d in enumerate(instrs) if d.opcode == kind + "-done" and ins.name in d.operands),
+                            None)
+                between = instrs[position[ins.name] + 1 : done] if done is not None else []
+                if any(d.opcode in _COMPUTE for d in between):
+                    c.overlapped += n
+    return out
+
+
+def total_bytes(colls: dict[str, Collective]) -> int:
+    return sum(c.bytes for c in colls.values())

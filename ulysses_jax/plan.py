@@ -1,0 +1,317 @@
+"""``ulysses-jax plan``: will this model, at this context, fit on these GPUs, and what does a step cost?
+
+``plan(PlanConfig(...))`` compiles the *real* training step of ``ulysses-jax train`` (the same ``TrainConfig`` gives
+the model, mesh, optimizer, step function with its shardings, donation, gradient accumulation and memory tools)
+for compile-only GPUs (``ulysses_jax.targets``) on abstract arrays: nothing is allocated and no data is read.
+
+Memory per device comes from XLA's buffer assignment (``compiled.memory_analysis()``): ``argument`` (train state
+and batch), ``output`` (new state, metrics), ``temp`` (activations, gradients, workspaces), ``alias`` (outputs
+written into the donated state). ``total = argument + output + temp - alias``. XLA's figure leaves out the CUDA
+context (about 0.5 GiB), NCCL's buffers, cuBLAS workspaces and allocator fragmentation, so a plan *fits* when the
+total is within ``budget_fraction`` (default 0.9) of the device's memory: 7.9 GiB of margin on an H100. JAX
+preallocates 75% of the memory by default; run with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` so that the pool
+holds the budget, leaving 5% of the device for the context and NCCL outside the pool.
+
+Of the total, ``parameters`` and ``optimizer`` are exact (the state's shards on one device); ``gradients`` is one
+parameter shard's worth, an estimate of what the step holds at the end of the backward inside ``temp``;
+``activations`` is the rest of ``temp``. Collectives come from the GPU HLO (``ulysses_jax.hlo``: the layer loop
+counted once per layer). Model FLOPs and the time they need at the device's dense bf16 peak give a *floor* of the
+step time, not a prediction; link bandwidths likewise give a floor for the collectives if nothing overlapped.
+Pallas kernels are listed with ptxas's registers and spills (``ulysses_jax.targets.kernels``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ulysses_jax import flops, hlo
+from ulysses_jax.data import make_tokenizer
+from ulysses_jax.mesh import make_mesh
+from ulysses_jax.step import BATCH_KEYS, abstract_state, batch_sharding, make_optimizer, make_schedule, make_train_step
+from ulysses_jax.targets import GpuTarget, get_target, target_devices
+from ulysses_jax.targets.kernels import KernelInfo, dump_options, kernels
+from ulysses_jax.trainer import TrainConfig, check_parallel, device_total_bytes, model_config
+
+GiB = 2**30
+MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig(TrainConfig):
+    """``ulysses-jax plan``: every ``train`` flag (run, data and process flags are ignored), plus the target."""
+
+    target: str = "h100"  # compile-only GPU: h100 (SXM 80 GB) or h200 (141 GB)
+    devices: int = 8  # GPUs in the planned job
+    hosts: int = 1  # hosts they are spread over (devices / hosts GPUs each)
+    budget_fraction: float = 0.9  # share of device memory XLA's buffers may use (the rest: CUDA, NCCL, fragmentation)
+    find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
+    json: str | None = None  # also write the plan as JSON to this file
+    kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
+
+
+@dataclasses.dataclass
+class Plan:
+    target: GpuTarget
+    num_devices: int
+    hosts: int
+    mesh: dict[str, int]
+    model: str
+    seq_len: int
+    batch_size: int
+    memory: dict[str, int]  # XLA's per-device figures plus total and budget
+    breakdown: dict[str, int]  # parameters, optimizer, gradients (estimate), batch, activations
+    collectives: dict[str, hlo.Collective]
+    flops_per_step: float
+    kernels: list[KernelInfo]
+    compile_seconds: float
+    max_seq_len: int | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total_bytes"] <= self.memory["budget_bytes"]
+
+    @property
+    def flops_per_device(self) -> float:
+        return self.flops_per_step / self.num_devices
+
+    @property
+    def compute_floor_s(self) -> float:
+        return self.flops_per_device / self.target.peak_flops
+
+    @property
+    def comm_floor_s(self) -> float:
+        intra = sum(c.intra_host_bytes for c in self.collectives.values())
+        inter = sum(c.inter_host_bytes for c in self.collectives.values())
+        return intra / self.target.nvlink_bytes_per_s + inter / self.target.network_bytes_per_s
+
+    def to_json(self) -> dict:
+        return {
+            "device_kind": self.target.device_kind,
+            "target": self.target.name,
+            "num_devices": self.num_devices,
+            "hosts": self.hosts,
+            "mesh": self.mesh,
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "per_device": self.memory,
+            "breakdown": self.breakdown,
+            "fits": self.fits,
+            "collectives": {k: c.as_dict() for k, c in self.collectives.items()},
+            "flops_per_step": self.flops_per_step,
+            "flops_per_device": self.flops_per_device,
+            "compute_floor_s": self.compute_floor_s,
+            "comm_floor_s": self.comm_floor_s,
+            "kernels": [dataclasses.asdict(k) for k in self.kernels],
+            "compile_seconds": self.compile_seconds,
+            "max_seq_len": self.max_seq_len,
+        }
+
+
+# ------------------------------------------------------------------------------------ compiling
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes one device holds of the (abstract, sharded) arrays in ``tree`` (the largest device's share)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _mesh(cfg: PlanConfig):
+    if not 0 < cfg.budget_fraction <= 1:
+        raise ValueError(f"--budget-fraction ({cfg.budget_fraction}) must be in (0, 1], e.g. 0.9")
+    target = get_target(cfg.target)
+    devices = target_devices(target.name, devices=cfg.devices, hosts=cfg.hosts)
+    try:
+        mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, sp=cfg.mesh.sp, devices=devices)
+    except ValueError as e:
+        raise ValueError(f"--devices {cfg.devices} does not fit the mesh flags: {e}") from None
+    return target, mesh
+
+
+def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | None = None) -> Plan:
+    """Compile ``cfg``'s train step for ``cfg.devices`` compile-only GPUs and report it (module doc)."""
+    target, mesh = _mesh(cfg)
+    seq_len = cfg.seq_len if seq_len is None else seq_len
+    vocab = make_tokenizer(cfg.tokenizer).vocab_size  # reads a tokenizer file at most, never data
+    model = model_config(cfg, vocab)
+    check_parallel(model, mesh, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
+    step = make_train_step(graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh,
+                           jax.tree.map(lambda x: x.sharding, state), grad_accum=cfg.grad_accum)
+    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+             for k in BATCH_KEYS}
+    with_kernels = cfg.kernels if with_kernels is None else with_kernels
+    t0 = time.perf_counter()
+    lowered = step.trace(state, batch).lower()
+    with tempfile.TemporaryDirectory(prefix="ulysses-plan-") as dump:
+        compiled = lowered.compile(compiler_options=dump_options(dump) if with_kernels else None)
+        found = kernels(dump, prefix="flash_attention") if with_kernels else []
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    total = device_total_bytes(mem)
+    host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes + mem.host_temp_size_in_bytes
+            - mem.host_alias_size_in_bytes)
+    memory = {
+        "argument_bytes": mem.argument_size_in_bytes,
+        "output_bytes": mem.output_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes,
+        "alias_bytes": mem.alias_size_in_bytes,
+        "host_bytes": host,
+        "total_bytes": total,
+        "budget_bytes": int(cfg.budget_fraction * target.memory_bytes),
+        "device_bytes": target.memory_bytes,
+    }
+    params = _shard_bytes(state["params"])
+    breakdown = {
+        "parameters": params,
+        "optimizer": _shard_bytes(state["opt_state"]),
+        "gradients": params,
+        "batch": _shard_bytes(batch),
+        "activations": max(mem.temp_size_in_bytes - params, 0),
+    }
+    per_host = cfg.devices // cfg.hosts
+    colls = hlo.collectives(compiled.as_text(), devices_per_host=per_host, num_devices=cfg.devices)
+    return Plan(
+        target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
+        seq_len=seq_len, batch_size=cfg.batch_size, memory=memory, breakdown=breakdown, collectives=colls,
+        flops_per_step=flops.training_flops(model, batch=cfg.batch_size, seq_len=seq_len), kernels=found,
+        compile_seconds=seconds,
+    )
+
+
+def seq_len_unit(cfg: PlanConfig, sp: int) -> int:
+    """The step of the search: sequence lengths divisible by sp, each device's part by the chunk sizes and 128."""
+    chunk = math.lcm(128, cfg.loss_chunk or 1, cfg.mlp_chunk or 1)
+    return sp * chunk
+
+
+def search_units(fits, *, start: int, max_units: int) -> int:
+    """The largest ``n`` in ``[0, max_units]`` with ``fits(n)``, for ``fits`` true up to a boundary and false after.
+
+    Starts at ``start``, doubles (or halves) to bracket the boundary, then bisects: about ``2 log2(answer)`` calls.
+    """
+    lo, hi = 0, max_units + 1  # lo fits (0 trivially), hi does not
+    n = min(max(start, 1), max_units)
+    if fits(n):
+        lo = n
+        while lo < max_units:
+            n = min(2 * lo, max_units)
+            if not fits(n):
+                hi = n
+                break
+            lo = n
+    else:
+        hi = n
+        while hi > 1:
+            n = hi // 2
+            if fits(n):
+                lo = n
+                break
+            hi = n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def find_max_seq_len(cfg: PlanConfig, *, log=print) -> Plan:
+    """The plan at the longest sequence length that fits (``max_seq_len`` set; 0 when even one unit does not)."""
+    _, mesh = _mesh(cfg)
+    unit = seq_len_unit(cfg, mesh.shape["sp"])
+
+    def fits(n_units: int) -> bool:
+        p = plan(cfg, seq_len=n_units * unit, with_kernels=False)
+        log(f"  seq_len {n_units * unit:>11,}: {gib(p.memory['total_bytes'])} GiB per device "
+            f"({'fits' if p.fits else 'over'}; {p.compile_seconds:.0f} s to compile)")
+        return p.fits
+
+    best_units = search_units(fits, start=cfg.seq_len // unit, max_units=MAX_SEQ_LEN // unit)
+    best = plan(cfg, seq_len=max(best_units, 1) * unit)
+    best.max_seq_len = best_units * unit
+    return best
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
+def format_plan(p: Plan) -> str:
+    m, b = p.memory, p.breakdown
+    mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
+    lines = [
+        f"Plan: {p.model}, {p.batch_size} x {p.seq_len:,} tokens per step, on {p.num_devices} x {p.target.device_kind}"
+        f" ({p.hosts} host{'s' if p.hosts > 1 else ''}), mesh {mesh}",
+        "",
+        "Memory per device (GiB; XLA's buffers, from the compiled GPU program)",
+        f"  parameters            {gib(b['parameters']):>9}   (state shard)",
+        f"  optimizer state       {gib(b['optimizer']):>9}   (state shard)",
+        f"  gradients             {gib(b['gradients']):>9}   (estimate: one parameter shard, inside temp)",
+        f"  activations and temps {gib(b['activations']):>9}   (temp - gradients)",
+        f"  batch                 {gib(b['batch']):>9}",
+        f"  argument / output / temp / alias: {gib(m['argument_bytes'])} / {gib(m['output_bytes'])} / "
+        f"{gib(m['temp_bytes'])} / {gib(m['alias_bytes'])}",
+        f"  total                 {gib(m['total_bytes']):>9}   = argument + output + temp - alias",
+        f"  budget                {gib(m['budget_bytes']):>9}   = {m['budget_bytes'] / m['device_bytes']:.0%} of "
+        f"{gib(m['device_bytes'])} (margin for CUDA context, NCCL, fragmentation)",
+        f"  host (pinned) memory  {gib(m['host_bytes']):>9}",
+        f"  verdict: {'FITS' if p.fits else 'OVER'}",
+        "",
+        "Collectives per step (per device; the layer loop counted once per layer)",
+    ]
+    for kind, c in sorted(p.collectives.items()):
+        lines.append(
+            f"  {kind:<20} {c.count:>6} ops {gib(c.bytes):>9} GiB  (NVLink {gib(c.intra_host_bytes)}, "
+            f"network {gib(c.inter_host_bytes)}; async {c.async_pairs}, overlapping compute {c.overlapped})"
+        )
+    lines += [
+        "",
+        f"Model FLOPs per step: {p.flops_per_step:.3e} ({p.flops_per_device:.3e} per device)",
+        f"  compute floor {seconds(p.compute_floor_s)} per step at {p.target.peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
+        f"(a bound, not a measurement)",
+        f"  collective floor {seconds(p.comm_floor_s)} if nothing overlapped (NVLink "
+        f"{p.target.nvlink_bytes_per_s / 1e9:.0f} GB/s, network {p.target.network_bytes_per_s / 1e9:.0f} GB/s per GPU)",
+    ]
+    if p.kernels:
+        lines += ["", "Pallas kernels (ptxas -v, sm_90a)"]
+        for k in p.kernels:
+            lines.append(
+                f"  {k.name:<22} grid {k.grid} {k.warps} warps, shared memory {k.shared_memory_bytes:,} B, "
+                f"registers {k.registers}, spills {k.spill_store_bytes} B stored / {k.spill_load_bytes} B loaded"
+            )
+    if p.max_seq_len is not None:
+        lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
+    lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
+    return "\n".join(lines)
+
+
+def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
+    """What ``ulysses-jax plan`` does: plan (or search), print, and write the JSON if asked."""
+    if cfg.json is not None and pathlib.Path(cfg.json).is_dir():
+        raise ValueError(f"--json {cfg.json} is a directory; give a file path such as plan.json")
+    p = find_max_seq_len(cfg, log=log) if cfg.find_max_seq_len else plan(cfg)
+    log(format_plan(p))
+    if cfg.json is not None:
+        path = pathlib.Path(cfg.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(p.to_json(), indent=1))
+    return p
