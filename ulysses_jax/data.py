@@ -1,12 +1,14 @@
 """Training data through Grain: documents -> tokens -> packed rows -> this process's part of a global batch.
 
 Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resumed run continues exactly):
-  load_documents  ``MapDataset`` of ``(key, text)``: local ``.txt/.md/.py`` files (one document each), ``.jsonl``
-                  lines, ``.parquet`` rows, or by default the Python standard library's own source files (one
-                  document per file, nothing to download). Read lazily, UTF-8 with ``errors="replace"``.
-  split           a document is held out for ``eval`` when a hash of its key falls below ``eval_fraction``.
-                  Keys are paths relative to the given directory (a given file: its name; the built-in corpus:
-                  the stdlib root), plus ``:line`` / ``:row``, so the split is the same on every machine.
+  sources         ``--data`` files and directories (``.txt/.md/.py`` one document each, ``.jsonl`` lines, ``.parquet``
+                  rows; see ``ulysses_jax.sources`` for the formats), or by default the Python standard library's own
+                  source files (nothing to download). ``validate_sources`` reads and checks them all once, streaming,
+                  before anything is written; its index holds numpy arrays, never a Python object per document.
+  split           a document is held out for eval when a 64-bit hash of its *text* falls below ``eval_fraction``: the
+                  split is the same however a path is written, on every machine, and a text that occurs twice is on
+                  one side only. With ``eval_paths`` (``--eval-data``) the eval split is all of those documents instead;
+                  training still leaves out its held-out fraction (``eval_fraction=0``: train on everything).
   process shard   ``docs[process_index::process_count]`` before anything else: a process reads only its part.
   order           train: shuffled by ``seed`` (a new order each epoch), repeated forever; eval: one pass, in order.
                   Packed rows are shuffled again in a window (``shuffle_window``): consecutive pieces of one long
@@ -23,17 +25,17 @@ A batch is a dict of int32 ``[rows, seq_len]`` arrays:
   labels       ``tokens[t + 1]`` when ``t + 1`` is in the same piece, else ``IGNORE`` (a piece's last token, padding).
                Shifted on the whole row before the sequence split, so the last token of an ``sp`` shard keeps its
                target (the first token of the next shard). A piece cut from a long document starts a new segment.
+
+For the job: ``validate_sources(cfg)`` (every data and tokenizer problem, one ``ValueError`` naming the flag, before
+the run directory exists), ``describe_sources(cfg)`` (what to record in the run, content fingerprints included) and
+``sources_differ(recorded, current)`` (why other data is not the run's data).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import json
-import os
 import pathlib
-import sysconfig
 from collections.abc import Iterator
 from typing import Literal
 
@@ -44,29 +46,50 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.sources import (  # noqa: F401  (re-exported: the names tests and scripts import from here)
+    SUFFIXES,
+    TEXT_SUFFIXES,
+    Index,
+    build_index,
+    fingerprint,
+    stdlib_corpus_files,
+    stdlib_root,
+)
 
 IGNORE = -1  # the same value as ulysses_jax.loss.IGNORE (checked by a test)
-TEXT_SUFFIXES = (".txt", ".md", ".py")  # one file, one document
-SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
-# Built-in corpus: directories skipped under the stdlib root (third-party packages, test suites).
-STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-Split = Literal["train", "eval"]
+Split = Literal["train", "eval", "held_out"]  # held_out: the held-out fraction, even where eval_paths is given
 KEYS = ("tokens", "labels", "segment_ids", "positions")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where documents come from and how they become rows (CLI: ``--data.<field>``)."""
+    """Where documents come from and how they become rows (the first five are the CLI flags named beside them)."""
 
-    paths: tuple[str, ...] = ()  # files or directories of .txt .md .py .jsonl .parquet; empty: the stdlib corpus
-    tokenizer: str | None = None  # a Hugging Face tokenizer.json (or a directory holding one); None: UTF-8 bytes
-    text_field: str = "text"  # the text's key in .jsonl lines and column in .parquet files
-    eval_fraction: float = 0.02  # share of documents held out for eval, chosen by a hash of each document's key
+    paths: tuple[str, ...] = ()  # --data: files or directories (module doc); empty: the stdlib corpus
+    tokenizer: str | None = None  # --tokenizer: a Hugging Face tokenizer.json (or a directory holding one); None: bytes
+    text_field: str = "text"  # --data-field: the text's key in .jsonl lines and column in .parquet files
+    eval_fraction: float = 0.02  # --eval-fraction: share of documents held out, chosen by a hash of each one's text
+    eval_paths: tuple[str, ...] = ()  # --eval-data: a separate validation source; the eval split is all of it
     shuffle: bool = True  # shuffle documents (anew each epoch) and packed rows in training; eval never shuffles
     pack_bins: int = 16  # rows that first-fit packing fills at once: more bins, less padding, more host memory
     shuffle_window: int = 64  # packed rows shuffled together in training, so that a batch mixes documents; 0: off
     read_threads: int = 4  # Grain threads that read and tokenize documents
     prefetch: int = 32  # documents read and tokenized ahead of the packer
+
+
+def _check_config(cfg: DataConfig) -> None:
+    for name, flag in (("paths", "--data"), ("eval_paths", "--eval-data")):
+        value = getattr(cfg, name)
+        if isinstance(value, (str, pathlib.Path)) or not all(isinstance(p, (str, pathlib.Path)) for p in value):
+            raise ValueError(f"{flag} takes a list of paths, not {value!r}")
+    if not isinstance(cfg.eval_fraction, (int, float)) or not 0.0 <= cfg.eval_fraction < 1.0:
+        raise ValueError(f"--eval-fraction {cfg.eval_fraction} must be in [0, 1); e.g. 0.02 holds out 2% of documents")
+    if not isinstance(cfg.text_field, str) or not cfg.text_field:
+        raise ValueError(f"--data-field {cfg.text_field!r} must name the text field of .jsonl/.parquet data, e.g. text")
+    for name in ("pack_bins", "shuffle_window", "read_threads", "prefetch"):
+        value, least = getattr(cfg, name), 1 if name == "pack_bins" else 0
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"DataConfig.{name}={value!r} must be an integer >= {least}")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizers
@@ -87,11 +110,11 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library; no special tokens are added."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | pathlib.Path, tokenizer=None):
         import tokenizers
 
         self.path = str(path)
-        self._tok = tokenizers.Tokenizer.from_file(self.path)
+        self._tok = tokenizers.Tokenizer.from_file(self.path) if tokenizer is None else tokenizer
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> np.ndarray:
@@ -101,166 +124,182 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
+_SENTENCEPIECE_FIX = (
+    "a Hugging Face tokenizer.json is needed: convert it (transformers' "
+    "AutoTokenizer.from_pretrained(<its directory>).save_pretrained(<directory>) writes one) and pass that with "
+    "--tokenizer"
+)
+
+
 def make_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
-    """``None`` -> bytes; a ``tokenizer.json`` file, or a directory containing one -> ``HFTokenizer``."""
+    """``None`` -> bytes; a ``tokenizer.json`` file, or a directory containing one -> ``HFTokenizer``.
+
+    Every problem is one ``ValueError`` naming ``--tokenizer``: no such path, a directory without tokenizer.json, a
+    sentencepiece ``tokenizer.model``, a file that cannot be read, is not JSON or is not a tokenizer.
+    """
     if path is None:
         return ByteTokenizer()
-    p = pathlib.Path(path)
+    import tokenizers
+
+    p = pathlib.Path(path).expanduser()
     if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            if (p / "tokenizer.model").is_file():
+                raise ValueError(f"--tokenizer {path} holds a sentencepiece tokenizer.model; {_SENTENCEPIECE_FIX}")
+            raise ValueError(
+                f"--tokenizer {path} is a directory without a tokenizer.json; pass the file with --tokenizer"
+            )
         p = p / "tokenizer.json"
     if not p.is_file():
-        raise ValueError(f"tokenizer {p} does not exist; pass a Hugging Face tokenizer.json with --data.tokenizer")
-    return HFTokenizer(p)
-
-
-# ---------------------------------------------------------------------------------------------- documents
-
-
-@dataclasses.dataclass(frozen=True)
-class _Doc:
-    key: str  # stable document name: path relative to its root, plus ":line" (jsonl) or ":row" (parquet)
-    path: str
-    kind: Literal["text", "jsonl", "parquet"]
-    loc: tuple[int, int] = (0, 0)  # jsonl: (byte offset, line number); parquet: (row group, row in group)
-
-
-def stdlib_root() -> pathlib.Path:
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_corpus_files() -> list[pathlib.Path]:
-    """Sorted ``*.py`` files under the stdlib root, skipping the directories in ``STDLIB_SKIP``."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(stdlib_root()):
-        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP]
-        files += [pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    return sorted(files)
-
-
-def _corpus_files(cfg: DataConfig) -> list[tuple[pathlib.Path, pathlib.Path]]:
-    """``(file, root)`` pairs; keys are the files' paths relative to their root."""
-    if not cfg.paths:
-        root = stdlib_root()
-        return [(f, root) for f in stdlib_corpus_files()]
-    out = []
-    for p in map(pathlib.Path, cfg.paths):
-        if p.is_dir():
-            out += [(f, p) for f in sorted(p.rglob("*")) if f.is_file() and f.suffix in SUFFIXES]
-        elif p.is_file():
-            if p.suffix not in SUFFIXES:
-                raise ValueError(
-                    f"data file {p} has an unknown extension {p.suffix!r}; pass {' '.join(SUFFIXES)} files "
-                    "with --data.paths"
-                )
-            out.append((p, p.parent))
-        else:
-            raise ValueError(
-                f"data path {p} does not exist; pass existing files or directories with --data.paths, "
-                "or none for the built-in corpus"
-            )
-    return out
-
-
-def _jsonl_docs(f: pathlib.Path, rel: str) -> list[_Doc]:
-    docs, offset = [], 0
-    with open(f, "rb") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if line.strip():
-                docs.append(_Doc(f"{rel}:{line_no}", str(f), "jsonl", (offset, line_no)))
-            offset += len(line)
-    return docs
-
-
-def _parquet_docs(f: pathlib.Path, rel: str, field: str) -> list[_Doc]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(f)
-    if field not in pf.schema_arrow.names:
-        raise ValueError(
-            f"parquet file {f} has no column {field!r} (it has {pf.schema_arrow.names}); "
-            "name the text column with --data.text_field"
-        )
-    docs, row = [], 0
-    for g in range(pf.num_row_groups):
-        n = pf.metadata.row_group(g).num_rows
-        docs += [_Doc(f"{rel}:{row + i}", str(f), "parquet", (g, i)) for i in range(n)]
-        row += n
-    return docs
-
-
-def _index(cfg: DataConfig) -> list[_Doc]:
-    docs = []
-    for f, root in _corpus_files(cfg):
-        rel = f.relative_to(root).as_posix()
-        if f.suffix == ".jsonl":
-            docs += _jsonl_docs(f, rel)
-        elif f.suffix == ".parquet":
-            docs += _parquet_docs(f, rel, cfg.text_field)
-        else:
-            docs.append(_Doc(rel, str(f), "text"))
-    if not docs:
-        where = ", ".join(cfg.paths) or str(stdlib_root())
-        raise ValueError(
-            f"no documents found in {where}; pass files or directories holding {' '.join(SUFFIXES)} files "
-            "with --data.paths"
-        )
-    return docs
-
-
-@functools.lru_cache(maxsize=8)
-def _parquet_group(path: str, group: int, field: str) -> list:
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).read_row_group(group, columns=[field]).column(0).to_pylist()
-
-
-def _read(doc: _Doc, field: str) -> str:
-    if doc.kind == "text":
-        return pathlib.Path(doc.path).read_bytes().decode("utf-8", "replace")
-    if doc.kind == "parquet":
-        text = _parquet_group(doc.path, doc.loc[0], field)[doc.loc[1]]
-        return "" if text is None else str(text)
-    with open(doc.path, "rb") as fh:
-        fh.seek(doc.loc[0])
-        line = fh.readline().decode("utf-8", "replace")
+        raise ValueError(f"--tokenizer {path} does not exist; pass a Hugging Face tokenizer.json with --tokenizer")
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"line {doc.loc[1]} of {doc.path} is not JSON ({e}); write one JSON object per line") from None
-    if not isinstance(record, dict) or field not in record:
+        raw = p.read_bytes()
+    except OSError as e:
         raise ValueError(
-            f"line {doc.loc[1]} of {doc.path} has no field {field!r}; name the text field with --data.text_field"
+            f"--tokenizer {p} cannot be read ({e.strerror or e}); pass a readable tokenizer.json"
+        ) from None
+    if p.suffix == ".model" or raw[:1] == b"\x0a":  # a sentencepiece ModelProto starts with field 1 (its pieces)
+        raise ValueError(f"--tokenizer {p} is a sentencepiece model; {_SENTENCEPIECE_FIX}")
+    try:
+        tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8-sig"))
+    except Exception as e:  # tokenizers raises a bare Exception
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(
+            f"--tokenizer {p} is not a Hugging Face tokenizer.json ({why}); pass the tokenizer.json of the model"
+        ) from None
+    return HFTokenizer(p, tok)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _indexes(cfg: DataConfig) -> tuple[Index, Index | None]:
+    """The training sources' index and, with ``eval_paths``, the validation sources' (cached, see build_index)."""
+    _check_config(cfg)
+    train = build_index(cfg.paths, field=cfg.text_field, flag="--data")
+    held = build_index(cfg.eval_paths, field=cfg.text_field, flag="--eval-data") if cfg.eval_paths else None
+    return train, held
+
+
+def held_out(digests: np.ndarray, fraction: float) -> np.ndarray:
+    """Which documents (by the 64-bit hash of their text) are held out for eval: ``fraction`` of them."""
+    return np.asarray(digests, np.uint64) < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+
+
+def split_documents(cfg: DataConfig, split: Split) -> tuple[Index, np.ndarray]:
+    """The index a split reads and its document numbers in that index, in corpus order."""
+    if split not in ("train", "eval", "held_out"):
+        raise ValueError(f"split {split!r} must be 'train', 'eval' or 'held_out'")
+    index, eval_index = _indexes(cfg)
+    if split == "eval" and eval_index is not None:
+        return eval_index, np.arange(len(eval_index))
+    held = held_out(index.digest, cfg.eval_fraction)
+    docs = np.flatnonzero(~held if split == "train" else held)
+    if not len(docs):
+        if split == "train":
+            raise ValueError(f"all {len(index)} documents are held out for eval (--eval-fraction {cfg.eval_fraction}); "
+                             "lower --eval-fraction or add documents with --data")
+        raise ValueError(
+            f"none of the {len(index)} documents is held out (--eval-fraction {cfg.eval_fraction}); raise "
+            "--eval-fraction, add documents with --data, or give a validation source with --eval-data"
         )
-    return "" if record[field] is None else str(record[field])
-
-
-def _held_out(key: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    return h < fraction * 2**64
-
-
-def _check_config(cfg: DataConfig) -> None:
-    if not 0.0 <= cfg.eval_fraction < 1.0:
-        raise ValueError(f"data.eval_fraction={cfg.eval_fraction} must be in [0, 1); e.g. 0.02 holds out 2%")
-    for name in ("pack_bins", "shuffle_window", "read_threads", "prefetch"):
-        value, least = getattr(cfg, name), 1 if name == "pack_bins" else 0
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"data.{name}={value!r} must be an integer >= {least}")
+    return index, docs
 
 
 def load_documents(cfg: DataConfig, split: Split = "train") -> grain.MapDataset:
-    """``MapDataset`` of ``(key, text)`` for one split, in corpus order; texts are read when indexed."""
-    _check_config(cfg)
-    if split not in ("train", "eval"):
-        raise ValueError(f"split {split!r} must be 'train' or 'eval'")
-    every = _index(cfg)
-    docs = [d for d in every if _held_out(d.key, cfg.eval_fraction) == (split == "eval")]
-    if not docs:
-        fix = "raise --data.eval_fraction or add documents" if split == "eval" else "lower --data.eval_fraction"
-        raise ValueError(f"the {split} split is empty ({len(every)} documents, eval_fraction={cfg.eval_fraction}); "
-                         f"{fix}")
-    field = cfg.text_field
-    return grain.MapDataset.source(docs).map(lambda d: (d.key, _read(d, field)))
+    """``MapDataset`` of ``(key, text)`` for one split, in corpus order; texts are read when indexed.
+
+    Keys are names for people (a file's path relative to the directory given, plus ``:line`` for jsonl and ``:row``
+    for parquet); the split does not depend on them.
+    """
+    index, docs = split_documents(cfg, split)
+    return grain.MapDataset.source(docs).map(lambda d: (index.key(int(d)), index.text(int(d))))
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSummary:
+    """What ``validate_sources`` found (``--data``, or the built-in corpus; ``eval_*``: the eval split)."""
+
+    files: int
+    documents: int  # non-empty documents
+    bytes: int
+    empty: int  # empty documents skipped
+    train_documents: int  # documents left for training (those not held out)
+    eval_documents: int  # the eval split: all of --eval-data, or the held-out documents
+    eval_files: int = 0  # --eval-data's files and bytes (0 without it)
+    eval_bytes: int = 0
+    eval_overlap: int = 0  # --eval-data documents whose text is also in the training split
+    vocab_size: int = 256
+
+    def __str__(self) -> str:
+        held = (f"eval on {self.eval_documents} documents of --eval-data ({self.eval_files} files)"
+                if self.eval_files else f"{self.eval_documents} held out for eval")
+        return (f"{self.files} files ({self.bytes / 1e6:.1f} MB), {self.documents} documents "
+                f"({self.empty} empty ones skipped): {self.train_documents} for training, {held}")
+
+
+def validate_sources(cfg: DataConfig, *, need_eval: bool = False) -> SourceSummary:
+    """Read and check every source and the tokenizer once, before the job writes anything; raise ``ValueError``.
+
+    Streaming (one document in memory at a time); the index it builds is cached for the iterators that follow.
+    ``need_eval``: also refuse an empty eval split (for ``eval`` and evaluation during training).
+    """
+    vocab = make_tokenizer(cfg.tokenizer).vocab_size
+    index, eval_index = _indexes(cfg)
+    _, train = split_documents(cfg, "train")
+    if eval_index is not None:
+        evals = len(eval_index)
+    elif need_eval:
+        evals = len(split_documents(cfg, "eval")[1])  # raises when no document is held out
+    else:
+        evals = len(index) - len(train)
+    summary = SourceSummary(len(index.files), len(index), index.bytes, index.empty, len(train), evals, vocab_size=vocab)
+    if eval_index is None:
+        return summary
+    overlap = int(np.isin(eval_index.digest, index.digest[train]).sum())
+    return dataclasses.replace(summary, eval_files=len(eval_index.files), eval_bytes=eval_index.bytes,
+                               eval_overlap=overlap)
+
+
+def describe_sources(cfg: DataConfig) -> list[dict]:
+    """The sources as the run should record them: one dict per path given (or the built-in corpus).
+
+    Keys: ``role`` ("train": --data, "eval": --eval-data), ``path`` (resolved, absolute), ``kind`` (file, directory,
+    builtin), ``files``, ``bytes``, ``documents`` and ``fingerprint`` (a hash of the documents' texts in order, so
+    the same data under another name is the same, and an edited file is not). JSON-serialisable.
+    """
+    index, eval_index = _indexes(cfg)
+    out = [dict(role="train", **d) for d in index.describe(builtin=not cfg.paths)]
+    if eval_index is not None:
+        out += [dict(role="eval", **d) for d in eval_index.describe(builtin=False)]
+    return out
+
+
+def sources_differ(recorded: list[dict], current: list[dict]) -> str | None:
+    """``None`` when ``current`` holds the same documents as ``recorded`` (``describe_sources``), else why not."""
+    for role, flag in (("train", "--data"), ("eval", "--eval-data")):
+        a, b = ([d for d in ds if d.get("role") == role] for ds in (recorded, current))
+        if [d.get("fingerprint") for d in a] == [d.get("fingerprint") for d in b]:
+            continue
+        names = lambda ds: " ".join(d["path"] for d in ds) or "none"  # noqa: E731
+        if len(a) != len(b):
+            return f"the run's {flag} is {names(a)}, this is {names(b)}"
+        x, y = next((x, y) for x, y in zip(a, b) if x.get("fingerprint") != y.get("fingerprint"))
+        if x["path"] == y["path"]:
+            return (f"{flag} {x['path']} has changed since the run ({x['documents']} documents, fingerprint "
+                    f"{str(x.get('fingerprint'))[:12]} then; {y['documents']}, {str(y.get('fingerprint'))[:12]} now)")
+        return f"{flag} {y['path']} ({y['documents']} documents) is not the run's {x['path']} ({x['documents']})"
+    return None
+
+
+def describe_tokenizer(path: str | None) -> dict:
+    """The tokenizer as the run should record it: resolved path, vocabulary size and a hash of the file."""
+    tok = make_tokenizer(path)
+    if path is None:
+        return dict(path=None, kind="bytes", vocab_size=tok.vocab_size, fingerprint=None)
+    p = pathlib.Path(tok.path).resolve()
+    return dict(path=str(p), kind="tokenizer.json", vocab_size=tok.vocab_size,
+                fingerprint=hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest())
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -286,7 +325,9 @@ class _Pieces(grain.experimental.FlatMapTransform):
         tokens = np.asarray(tokens, np.int32)
         self._empty_run = 0 if len(tokens) else self._empty_run + 1
         if self.max_empty_run is not None and self._empty_run > self.max_empty_run:
-            raise ValueError(f"{self._empty_run} documents in a row have no tokens; check the data files")
+            raise ValueError(
+                f"{self._empty_run} documents in a row have no tokens; check --tokenizer and --data-field"
+            )
         return [{"tokens": tokens[i : i + self.seq_len]} for i in range(0, len(tokens), self.seq_len)]
 
 
@@ -334,9 +375,10 @@ def _empty_rows(n: int, seq_len: int) -> dict[str, np.ndarray]:
 class BatchIterator:
     """This process's rows of each global batch: ``global_batch // process_count`` packed rows per ``next``.
 
-    ``split="train"``: documents shuffled by ``seed`` (anew each epoch), repeated forever. ``split="eval"``: one
-    pass in corpus order, then ``StopIteration``; the last batch is filled up with padding rows (all ``IGNORE``).
-    ``get_state`` / ``set_state``: Grain's iterator state plus the settings it belongs to, JSON-serialisable.
+    ``split="train"``: documents shuffled by ``seed`` (anew each epoch), repeated forever. ``split="eval"`` (or
+    ``"held_out"``): one pass in corpus order, then ``StopIteration``; the last batch is filled up with padding rows
+    (all ``IGNORE``). ``get_state`` / ``set_state``: Grain's iterator state plus the settings it belongs to (a
+    fingerprint of the split's documents included), JSON-serialisable.
     """
 
     def __init__(
@@ -353,27 +395,29 @@ class BatchIterator:
         pi = jax.process_index() if process_index is None else process_index
         pc = jax.process_count() if process_count is None else process_count
         if seq_len < 1 or global_batch < 1:
-            raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be positive")
+            raise ValueError(f"--seq-len ({seq_len}) and --batch-size ({global_batch}) must be positive")
         if pc < 1 or not 0 <= pi < pc:
-            raise ValueError(f"process_index ({pi}) must be in [0, process_count={pc})")
+            raise ValueError(f"process index {pi} must be in [0, {pc}) (the number of processes)")
         if global_batch % pc:
             raise ValueError(
-                f"global_batch ({global_batch}) must be divisible by the process count ({pc}); "
+                f"--batch-size ({global_batch}) must be divisible by the number of processes ({pc}); "
                 f"choose a multiple of {pc}"
             )
         self.cfg, self.seq_len, self.rows = cfg, seq_len, global_batch // pc
         self.process_index, self.process_count = pi, pc
         self.tokenizer = make_tokenizer(cfg.tokenizer)
-        docs = load_documents(cfg, split)
-        shard = docs[pi::pc]
+        index, docs = split_documents(cfg, split)
+        shard = grain.MapDataset.source(docs)[pi::pc]
         train = split == "train"
         if train and len(shard) == 0:
-            raise ValueError(f"process {pi} of {pc} gets none of the {len(docs)} training documents; add documents")
+            raise ValueError(
+                f"process {pi} of {pc} gets none of the {len(docs)} training documents; add documents with --data"
+            )
         n_shard = len(shard)
         if train:
             shard = (shard.shuffle(seed % 2**32) if cfg.shuffle else shard).repeat(None)
         tok = self.tokenizer
-        tokens = shard.map(lambda doc: tok.encode(doc[1])).to_iter_dataset(
+        tokens = shard.map(lambda d: tok.encode(index.text(int(d)))).to_iter_dataset(
             grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
         )
         rows = pack_rows(
@@ -385,7 +429,7 @@ class BatchIterator:
         self._it = rows.batch(self.rows, drop_remainder=train).__iter__()
         self._settings = dict(
             split=split, seq_len=seq_len, rows=self.rows, seed=seed, process_index=pi, process_count=pc,
-            documents=len(docs), vocab_size=self.vocab_size,
+            documents=len(docs), fingerprint=fingerprint(index.digest[docs]), vocab_size=self.vocab_size,
         )  # fmt: skip
 
     @property
@@ -409,11 +453,25 @@ class BatchIterator:
     def set_state(self, state: dict) -> None:
         for key, value in self._settings.items():
             if state.get(key) != value:
+                what, fix = _RESUME[key]
                 raise ValueError(
-                    f"data state was saved with {key}={state.get(key)!r} but this iterator has {key}={value!r}; "
-                    "resume with the same data settings"
+                    f"the data position was saved with {what} {state.get(key)!r} but this run has {value!r}; {fix}"
                 )
         self._it.set_state(state["grain"])
+
+
+_SAME_DATA = "resume with the same --data, --data-field and --eval-fraction (and files unchanged)"
+_RESUME = {  # iterator setting -> (what it is, how to resume), for set_state's refusals
+    "split": ("split", "resume a training iterator"),
+    "seq_len": ("--seq-len", "resume with the same --seq-len"),
+    "rows": ("rows per process", "resume with the same --batch-size and number of processes"),
+    "seed": ("--seed", "resume with the same --seed"),
+    "process_index": ("process index", "resume with the same number of processes"),
+    "process_count": ("number of processes", "resume with the same number of processes"),
+    "documents": ("training documents", _SAME_DATA),
+    "fingerprint": ("training data fingerprint", _SAME_DATA),
+    "vocab_size": ("tokenizer vocabulary", "resume with the same --tokenizer"),
+}
 
 
 def eval_batches(
@@ -424,20 +482,24 @@ def eval_batches(
     max_batches: int | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
+    split: Split = "eval",
 ) -> Iterator[dict[str, np.ndarray]]:
-    """One deterministic pass over the held-out documents: local batches, at most ``max_batches``.
+    """One deterministic pass over the eval split: local batches, at most ``max_batches``.
+
+    The eval split is ``cfg.eval_paths``' documents when given, else the held-out ones; ``split="held_out"``: the
+    held-out documents either way.
 
     With several processes every one must run the same number of steps: ``max_batches`` is then required, and a
     process whose documents run out yields padding batches (all labels ``IGNORE``) up to it.
     """
     it = BatchIterator(
-        cfg, seq_len=seq_len, global_batch=global_batch, seed=0, split="eval",
+        cfg, seq_len=seq_len, global_batch=global_batch, seed=0, split=split,
         process_index=process_index, process_count=process_count,
     )  # fmt: skip
     if max_batches is None and it.process_count > 1:
         raise ValueError(
-            f"eval over {it.process_count} processes needs max_batches, so that every process runs the same "
-            "number of steps"
+            f"eval over {it.process_count} processes needs a batch limit (--max-batches N), so that every process "
+            "runs the same number of steps"
         )
 
     def gen():
@@ -467,9 +529,10 @@ def to_global(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str
         shape = (rows * jax.process_count(), seq)
         if shape[0] % (mesh.shape[DATA] * mesh.shape[FSDP]):
             raise ValueError(
-                f"global batch ({shape[0]}) must be divisible by data x fsdp ({mesh.shape[DATA] * mesh.shape[FSDP]})"
+                f"--batch-size ({shape[0]}) must be divisible by --mesh.data x --mesh.fsdp "
+                f"({mesh.shape[DATA] * mesh.shape[FSDP]})"
             )
         if seq % mesh.shape[SP]:
-            raise ValueError(f"sequence length ({seq}) must be divisible by sp ({mesh.shape[SP]})")
+            raise ValueError(f"--seq-len ({seq}) must be divisible by --mesh.sp ({mesh.shape[SP]})")
         out[key] = jax.make_array_from_process_local_data(sharding, local, shape)
     return out
