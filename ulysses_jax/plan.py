@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import tempfile
 import time
 
@@ -72,6 +73,7 @@ class Plan:
     flops_per_step: float
     kernels: list[KernelInfo]
     compile_seconds: float
+    buffers: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # largest device allocations
     max_seq_len: int | None = None
 
     @property
@@ -111,6 +113,7 @@ class Plan:
             "compute_floor_s": self.compute_floor_s,
             "comm_floor_s": self.comm_floor_s,
             "kernels": [dataclasses.asdict(k) for k in self.kernels],
+            "largest_buffers": [{"bytes": n, "shapes": shapes} for n, shapes in self.buffers],
             "compile_seconds": self.compile_seconds,
             "max_seq_len": self.max_seq_len,
         }
@@ -140,8 +143,27 @@ def _mesh(cfg: PlanConfig):
     return target, mesh
 
 
-def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | None = None) -> Plan:
-    """Compile ``cfg``'s train step for ``cfg.devices`` compile-only GPUs and report it (module doc)."""
+def largest_buffers(dump_dir: str | pathlib.Path, n: int = 12) -> list[tuple[int, str]]:
+    """The ``n`` largest device allocations ``(bytes, values sharing it)`` from XLA's memory-usage report."""
+    reports = sorted(pathlib.Path(dump_dir).glob("*gpu_after_optimizations-memory-usage-report.txt"))
+    if not reports:
+        return []
+    text = reports[-1].read_text().split("Memory Space:")
+    device = next((t for t in text if t.lstrip().startswith("default")), "")
+    rows = []
+    for m in re.finditer(r"^\s*[\d.]+\w+\(\s*\d+%\);\s*([\d.]+)(\w+);\s*\d+;\s*\d+;\s*(.*)$", device, re.M):
+        size = float(m.group(1)) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}.get(m.group(2), 1)
+        rows.append((int(size), m.group(3).strip()))
+    return sorted(rows, key=lambda r: -r[0])[:n]
+
+
+def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | None = None,
+         detail: bool = True) -> Plan:
+    """Compile ``cfg``'s train step for ``cfg.devices`` compile-only GPUs and report it (module doc).
+
+    ``detail``: dump the compiled program to read its largest buffers (and, with ``with_kernels``, the kernels'
+    ptxas figures); the search for the longest context skips it.
+    """
     target, mesh = _mesh(cfg)
     seq_len = cfg.seq_len if seq_len is None else seq_len
     vocab = make_tokenizer(cfg.tokenizer).vocab_size  # reads a tokenizer file at most, never data
@@ -157,8 +179,9 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     t0 = time.perf_counter()
     lowered = step.trace(state, batch).lower()
     with tempfile.TemporaryDirectory(prefix="ulysses-plan-") as dump:
-        compiled = lowered.compile(compiler_options=dump_options(dump) if with_kernels else None)
-        found = kernels(dump, prefix="flash_attention") if with_kernels else []
+        compiled = lowered.compile(compiler_options=dump_options(dump) if detail else None)
+        found = kernels(dump, prefix="flash_attention") if detail and with_kernels else []
+        buffers = largest_buffers(dump) if detail else []
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     total = device_total_bytes(mem)
@@ -188,7 +211,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
         seq_len=seq_len, batch_size=cfg.batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=cfg.batch_size, seq_len=seq_len), kernels=found,
-        compile_seconds=seconds,
+        compile_seconds=seconds, buffers=buffers,
     )
 
 
@@ -233,7 +256,7 @@ def find_max_seq_len(cfg: PlanConfig, *, log=print) -> Plan:
     unit = seq_len_unit(cfg, mesh.shape["sp"])
 
     def fits(n_units: int) -> bool:
-        p = plan(cfg, seq_len=n_units * unit, with_kernels=False)
+        p = plan(cfg, seq_len=n_units * unit, detail=False)
         log(f"  seq_len {n_units * unit:>11,}: {gib(p.memory['total_bytes'])} GiB per device "
             f"({'fits' if p.fits else 'over'}; {p.compile_seconds:.0f} s to compile)")
         return p.fits
@@ -298,6 +321,9 @@ def format_plan(p: Plan) -> str:
                 f"  {k.name:<22} grid {k.grid} {k.warps} warps, shared memory {k.shared_memory_bytes:,} B, "
                 f"registers {k.registers}, spills {k.spill_store_bytes} B stored / {k.spill_load_bytes} B loaded"
             )
+    if p.buffers:
+        lines += ["", "Largest device buffers (GiB; XLA's memory-usage report: what fills the device)"]
+        lines += [f"  {gib(n):>8}  {shapes[:110]}" for n, shapes in p.buffers[:8]]
     if p.max_seq_len is not None:
         lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
     lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
