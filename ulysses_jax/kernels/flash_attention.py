@@ -19,6 +19,10 @@ actually lose entries to it.
 On GPU ``pallas_call`` lowers through Triton (deprecated in jax 0.11 in favour of Mosaic GPU, but still
 working); the Triton compiler params must be passed explicitly, since jax >= 0.10 routes a
 ``pallas_call`` without them to Mosaic GPU. On CPU the same kernels run in Pallas interpret mode.
+Tiles, warps and pipeline stages per head_dim and dtype (:func:`default_block_sizes`) are tuned so that
+ptxas spills no register on H100 (``tests/test_gpu_compile_kernels.py``, ``experiments/kernel_ptxas.py``).
+Pointer offsets: Pallas computes them in 64 bits once an operand exceeds 2^32 bytes (bfloat16: beyond
+2^31 elements); below that int32 holds every offset, so per-device q/k/v past 2^31 elements are safe.
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ from jax.experimental import pallas as pl
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) underflows to 0, never NaN
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper GPU instruction
 MIN_BLOCK = 16  # Triton's tl.dot needs every dimension >= 16
+SHARED_MEMORY_PER_BLOCK = 232_448  # bytes, the opt-in limit per thread block of H100 and H200 (sm_90)
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two >= 16). Larger than the sequence? They shrink automatically.
+    """Tile sizes (powers of two >= 16) and GPU launch settings. Larger than the sequence? They shrink.
 
-    Backward defaults follow Triton's fused-attention tutorial: the dK/dV kernel keeps a tall KV block
-    and streams thin query blocks, the dQ kernel the reverse. ``num_warps`` / ``num_stages`` apply to
-    the GPU (Triton) lowering only; ``None`` picks a heuristic per kernel.
+    As in Triton's fused-attention tutorial, the dK/dV kernel keeps a tall KV block and streams thin
+    query blocks, the dQ kernel the reverse. ``num_warps`` / ``num_stages`` apply to the GPU (Triton)
+    lowering only: one value for all three kernels, a tuple ``(forward, dK/dV, dQ)``, or ``None`` for a
+    heuristic. ``flash_attention(block_sizes=None)`` uses :func:`default_block_sizes`, tuned per head_dim
+    and dtype; the class defaults below are the untuned starting point.
     """
 
     block_q: int = 128
@@ -53,8 +60,34 @@ class BlockSizes:
     block_k_dkv: int = 128
     block_q_dq: int = 128
     block_k_dq: int = 32
-    num_warps: int | None = None
-    num_stages: int | None = None
+    num_warps: int | tuple[int, int, int] | None = None
+    num_stages: int | tuple[int, int, int] | None = None
+
+
+# Tuned on the H100 target (sm_90a, ptxas via XLA's deviceless compile; see experiments/kernel_ptxas.py): per
+# (head_dim rounded up to a power of two, bytes per element) the six block sizes and per-kernel warps and
+# stages (forward, dK/dV, dQ). Chosen as the largest tiles with no register spill at any sequence length,
+# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block.
+_TUNED: dict[tuple[int, int], BlockSizes] = {
+    (64, 2): BlockSizes(128, 128, 32, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
+    (128, 2): BlockSizes(128, 64, 32, 64, 128, 32, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
+    (256, 2): BlockSizes(64, 64, 16, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
+    (64, 4): BlockSizes(64, 32, 32, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
+    (128, 4): BlockSizes(32, 32, 32, 32, 32, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
+    (256, 4): BlockSizes(32, 32, 16, 32, 32, 16, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
+}
+
+
+def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+    """The tuned :class:`BlockSizes` for ``head_dim`` and ``dtype`` (``flash_attention``'s default).
+
+    Head dims round up to the next tuned size (64, 128, 256); larger ones get the 256 entry, which
+    :func:`flash_attention` then refuses on GPU if its tiles exceed the shared memory per block.
+    """
+    itemsize = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
+    dims = sorted(d for d, i in _TUNED if i == itemsize)
+    d = next((d for d in dims if d >= head_dim), dims[-1])
+    return _TUNED[d, itemsize]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +130,9 @@ def q_block_range(kv_block, *, block_q: int, block_k: int, seq_len: int, causal:
     Causal: query blocks entirely before the KV block are skipped. Query blocks made only of padding
     are skipped (their dO is 0), and a KV block made only of padding is seen by no query block.
     """
-    lo = lax.div(kv_block * block_k, block_q) if causal else 0
-    hi = jnp.where(kv_block * block_k < seq_len, pl.cdiv(seq_len, block_q), lo)
+    # int32 throughout: a where() of two Python ints lowers to an i1 loop bound on Triton (non-causal)
+    lo = lax.div(kv_block * block_k, block_q) if causal else jnp.int32(0)
+    hi = jnp.where(kv_block * block_k < seq_len, jnp.int32(pl.cdiv(seq_len, block_q)), lo)
     return lo, hi
 
 
@@ -135,20 +169,66 @@ def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg):
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
-def _compiler_params(cfg: _Config, *, num_warps: int, num_stages: int):
-    """Triton compiler params on GPU, None in interpret mode. Always passed on GPU: without them jax
-    >= 0.10 lowers a pallas_call to Mosaic GPU (``jax_pallas_use_mosaic_gpu`` defaults to True).
-    The class is ``jax.experimental.pallas.triton.CompilerParams`` (jax 0.10.2, 0.11 docs); older jax
-    called it ``pl.TritonCompilerParams``."""
+KERNELS = ("fwd", "dkv", "dq")  # kernel i is named flash_attention_{KERNELS[i]} on the GPU
+
+
+def _tiles(blocks: BlockSizes, kernel: int) -> tuple[int, int]:
+    """(query block, key block) of kernel 0 forward, 1 dK/dV, 2 dQ."""
+    return ((blocks.block_q, blocks.block_k), (blocks.block_q_dkv, blocks.block_k_dkv),
+            (blocks.block_q_dq, blocks.block_k_dq))[kernel]
+
+
+def _launch(blocks: BlockSizes, kernel: int, head_dim: int) -> tuple[int, int]:
+    """(num_warps, num_stages) of ``kernel``: the value in ``blocks``, else 8 warps (4 for tiles of
+    32 x 32 or less at head_dim <= 64) and 2 stages."""
+    bq, bk = _tiles(blocks, kernel)
+
+    def pick(value, fallback):
+        value = value[kernel] if isinstance(value, tuple) else value
+        return fallback if value is None else value
+
+    return (pick(blocks.num_warps, 4 if bq * bk <= 32 * 32 and head_dim <= 64 else 8),
+            pick(blocks.num_stages, 2))
+
+
+def shared_memory_bytes(blocks: BlockSizes, head_dim: int, dtype, *, segment_ids: bool = False) -> dict[str, int]:
+    """Estimated dynamic shared memory per block of each GPU kernel, ``{"fwd": bytes, "dkv": ..., "dq": ...}``.
+
+    Triton keeps one buffer per pipeline stage for each tile a loop streams (K and V in the forward and
+    dQ kernels, Q and dO in dK/dV) plus the tiles loaded once. Checked against the compiled H100 kernels
+    (experiments/kernel_ptxas.py): exact for bfloat16 forward and dQ kernels with >= 2 stages and query
+    blocks >= 64, an upper bound otherwise (by at most about 1.7x in the sweeps).
+    """
+    e, d = jnp.dtype(dtype).itemsize, max(MIN_BLOCK, _next_pow2(head_dim))
+    seg = 4 if segment_ids else 0  # int32 ids of the streamed positions
+    out = {}
+    for i, name in enumerate(KERNELS):
+        bq, bk = _tiles(blocks, i)
+        stages = _launch(blocks, i, d)[1]
+        if name == "fwd":  # Q once; K, V per stage (one stage: one K and one V tile); float32 P re-laid out
+            out[name] = (e * d * (bq + 2 * bk * (stages if stages > 1 else 1)) + seg * bk * stages
+                         + (4 * bq * (bk + 4) if e == 4 else 0))
+        elif name == "dkv":  # K, V once; Q, dO, L, delta per stage; P^T and dS^T for the transposed products
+            s = max(stages, 2)
+            out[name] = e * d * (2 * bk + 2 * bq * s) + 2 * e * bq * bk + (8 + seg) * bq * s
+        else:  # Q, dO once; K, V per stage
+            out[name] = e * d * (2 * bq + 2 * bk * stages) + seg * bk * stages
+    return out
+
+
+def _compiler_params(cfg: _Config, kernel: int, head_dim: int):
+    """Triton compiler params of ``kernel`` (0 forward, 1 dK/dV, 2 dQ) on GPU, None in interpret mode.
+    Always passed on GPU: without them jax >= 0.10 lowers a pallas_call to Mosaic GPU
+    (``jax_pallas_use_mosaic_gpu`` defaults to True). The class is
+    ``jax.experimental.pallas.triton.CompilerParams`` (jax 0.10.2, 0.11 docs); older jax called it
+    ``pl.TritonCompilerParams``."""
     if cfg.interpret:
         return None
     from jax.experimental.pallas import triton as pltriton
 
+    num_warps, num_stages = _launch(cfg.blocks, kernel, head_dim)
     params_cls = getattr(pltriton, "CompilerParams", None) or getattr(pl, "TritonCompilerParams")
-    return params_cls(
-        num_warps=cfg.blocks.num_warps or num_warps,
-        num_stages=cfg.blocks.num_stages or num_stages,
-    )
+    return params_cls(num_warps=num_warps, num_stages=num_stages)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,7 +285,7 @@ def _forward(q, k, v, seg, cfg: _Config):
         in_specs=[q_block, whole_kv, whole_kv, seg_spec],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
-        compiler_params=_compiler_params(cfg, num_warps=4 if d <= 64 else 8, num_stages=2),
+        compiler_params=_compiler_params(cfg, 0, d),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(q, k, v, seg)
@@ -233,6 +313,16 @@ def _fit_blocks(blocks: BlockSizes, seq_len: int) -> BlockSizes:
     return dataclasses.replace(blocks, **sizes)
 
 
+def _check_shared_memory(blocks: BlockSizes, head_dim: int, dtype, segment_ids: bool) -> None:
+    """Refuse, before anything compiles, tiles whose shared memory exceeds the GPU's limit per block."""
+    for name, need in shared_memory_bytes(blocks, head_dim, dtype, segment_ids=segment_ids).items():
+        if need > SHARED_MEMORY_PER_BLOCK:
+            raise ValueError(
+                f"flash_attention_{name} at head_dim {head_dim} in {jnp.dtype(dtype).name} needs about {need:,} "
+                f"bytes of shared memory per block with {blocks}, over the GPU's {SHARED_MEMORY_PER_BLOCK:,}: "
+                f"pass smaller BlockSizes (block sizes or num_stages), or bfloat16 inputs")
+
+
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """Memory-efficient exact attention.
@@ -240,9 +330,11 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA; KV heads are never
     repeated in memory). segment_ids: [B, S] integers or None: a token attends only to tokens with
     the same id (packed documents), and when ``causal`` not to later positions. scale defaults to
-    1/sqrt(D) (a Python float). ``interpret=None`` means Pallas interpret mode unless the default device is a GPU;
-    callers that know the target pass it (``attention`` does: compile-only GPU devices need ``False``). Any S works (padded to a block multiple inside, padded keys masked); any D
-    (zero-padded to a power of two >= 16). Returns [B, S, H, D] in q.dtype.
+    1/sqrt(D) (a Python float). ``interpret=None`` means Pallas interpret mode unless the default device
+    is a GPU; callers that know the target pass it (``attention`` does: compile-only GPU devices need
+    ``False``). Any S works (padded to a block multiple inside, padded keys masked); any D (zero-padded
+    to a power of two >= 16). Returns [B, S, H, D] in q.dtype. On GPU, tiles that need more shared
+    memory than a block has (:func:`shared_memory_bytes`) raise ValueError before anything compiles.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,H,D] and k, v [B,S,Hkv,D]; got {q.shape=}, {k.shape=}, {v.shape=}")
@@ -257,10 +349,12 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
-    blocks = _fit_blocks(block_sizes or BlockSizes(), s)
+    blocks = _fit_blocks(block_sizes or default_block_sizes(d, q.dtype), s)
     multiple = max(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("block_"))
     s_pad = pl.cdiv(s, multiple) * multiple
     d_pad = max(MIN_BLOCK, _next_pow2(d))
+    if not interpret:
+        _check_shared_memory(blocks, d, q.dtype, segment_ids is not None)
     cfg = _Config(causal=bool(causal), scale=float(1.0 / math.sqrt(d) if scale is None else scale),
                   seq_len=s, padded_len=s_pad, group=h // k.shape[2], blocks=blocks, interpret=bool(interpret))
 
@@ -340,14 +434,13 @@ def _backward_dkv(q, k, v, seg, do, lse, delta, cfg: _Config):
     kv_block = pl.BlockSpec((None, bk, None, d), lambda j, bi, hi: (bi, j, hi, 0))
     rows = pl.BlockSpec((None, g, s), lambda j, bi, hi: (bi, hi, 0))
     seg_spec = None if seg is None else pl.BlockSpec((None, s), lambda j, bi, hi: (bi, 0))
-    big = d >= 128 or cfg.blocks.block_q_dkv * bk >= 128 * 128  # dK, dV: two [Bk, D] f32 accumulators
     return pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg),
         grid=(s // bk, b, hkv),
         in_specs=[q_heads, kv_block, kv_block, seg_spec, q_heads, rows, rows],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(cfg, num_warps=8 if big else 4, num_stages=2),
+        compiler_params=_compiler_params(cfg, 1, d),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
     )(q, k, v, seg, do, lse, delta)
@@ -382,14 +475,13 @@ def _backward_dq(q, k, v, seg, do, lse, delta, cfg: _Config):
     whole_kv = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0))
     rows = pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))
     seg_spec = None if seg is None else pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
-    big = d >= 128 or bq * cfg.blocks.block_k_dq >= 128 * 128
     return pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(s // bq, b, h),
         in_specs=[q_block, whole_kv, whole_kv, seg_spec, q_block, rows, rows],
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(cfg, num_warps=8 if big else 4, num_stages=2),
+        compiler_params=_compiler_params(cfg, 2, d),
         interpret=cfg.interpret,
         name="flash_attention_dq",
     )(q, k, v, seg, do, lse, delta)
