@@ -4,9 +4,11 @@ from ulysses_jax.attention import attention
 from ulysses_jax.config import ModelConfig, RopeScaling
 from ulysses_jax.flops import flops_per_device, flops_per_token, mfu, param_count, peak_flops, training_flops
 from ulysses_jax.head_layout import HeadLayout, plan_heads
+from ulysses_jax.hf import TokenizerConventions, from_hf, to_hf, tokenizer_conventions
 from ulysses_jax.loss import IGNORE, LossOutput, next_token_loss, shift_labels
 from ulysses_jax.mesh import MESH_AXES, make_mesh
 from ulysses_jax.model import Transformer
+from ulysses_jax.sft import SFTExample, SFTRenderer
 from ulysses_jax.sharding import LOGICAL_AXES, format_param_table, param_shardings, param_table
 from ulysses_jax.ulysses import exchange_bytes, heads_to_seq, seq_to_heads, ulysses_attention
 
@@ -18,12 +20,16 @@ __all__ = [
     "MESH_AXES",
     "ModelConfig",
     "RopeScaling",
+    "SFTExample",
+    "SFTRenderer",
+    "TokenizerConventions",
     "Transformer",
     "attention",
     "exchange_bytes",
     "flops_per_device",
     "flops_per_token",
     "format_param_table",
+    "from_hf",
     "heads_to_seq",
     "make_mesh",
     "mfu",
@@ -35,6 +41,8 @@ __all__ = [
     "plan_heads",
     "seq_to_heads",
     "shift_labels",
+    "to_hf",
+    "tokenizer_conventions",
     "training_flops",
     "ulysses_attention",
 ]

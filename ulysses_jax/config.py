@@ -131,6 +131,14 @@ class ModelConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
+    @classmethod
+    def from_hf(cls, path, **overrides) -> ModelConfig:
+        """The shapes of a Hugging Face model folder's ``config.json`` (Llama 3.x, Qwen2, Qwen3, Mistral; see
+        ``ulysses_jax.hf``), with ``overrides`` replaced. Unsupported settings raise ``ValueError`` naming the field."""
+        from ulysses_jax.hf import config_from_hf  # hf imports this module
+
+        return config_from_hf(path, **overrides)
+
 
 def local_chunks(chunk: int, local_seq: int, what: str) -> int:
     """Number of chunks of ``chunk`` tokens in a device's ``local_seq`` tokens; raise if it does not divide."""
