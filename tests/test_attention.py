@@ -1,4 +1,5 @@
-"""The local XLA reference attention against the float64 NumPy reference."""
+"""Local attention against the float64 NumPy reference: the XLA reference, the blockwise path (alone and inside
+Ulysses on the 8 fake devices), and the impl rule."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 from np_reference import TOL, attention_f64, random_inputs, rel_err
 
-from ulysses_jax import attention
+from ulysses_jax import attention, make_mesh, ulysses_attention
 from ulysses_jax.attention import resolve_impl
+from ulysses_jax.kernels.blockwise import BlockSizes, blockwise_attention, visited_tiles
 
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -67,8 +69,9 @@ def test_invalid_inputs(shapes, kwargs, match):
 @pytest.mark.parametrize(
     "impl, dtype, d, seg, backend, want",
     [
-        ("auto", "bfloat16", 128, False, "cpu", "xla"),
-        ("auto", "bfloat16", 128, True, "cpu", "xla"),
+        ("auto", "bfloat16", 128, False, "cpu", "blockwise"),
+        ("auto", "float32", 32, True, "cpu", "blockwise"),
+        ("blockwise", "bfloat16", 64, True, "gpu", "blockwise"),
         ("auto", "bfloat16", 128, False, "gpu", "cudnn"),
         ("auto", "bfloat16", 128, True, "gpu", "pallas"),  # packed documents: cuDNN has no segment ids
         ("auto", "float32", 128, False, "gpu", "pallas"),
@@ -108,3 +111,95 @@ def test_pallas_dispatch_matches_f64(seed):
     assert rel_err(out, ref_out) < TOL["float32"]
     for g, rg in zip(vjp(do), ref_grads):
         assert rel_err(g, rg) < TOL["float32"]
+
+
+# Blockwise: small tiles so that a short sequence has many of them; q and k tiles of different sizes; the odd
+# length (37) is padded inside to 48.
+SMALL_TILES = BlockSizes(block_q=8, block_k=16)
+
+
+def blockwise_grads(q, k, v, do, **kwargs):
+    def loss(q, k, v):
+        out = blockwise_attention(q, k, v, **kwargs)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def assert_matches_f64(q, k, v, do, out, grads, dtype, **kwargs):
+    ref_out, ref_grads = attention_f64(q, k, v, do, **kwargs)
+    assert out.dtype == q.dtype and all(g.dtype == q.dtype for g in grads)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert rel_err(g, rg) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("use_seg", [True, False], ids=["seg", "noseg"])
+def test_blockwise_matches_f64(dtype, heads, causal, use_seg, seed):
+    """Outputs and gradients over many tiles, an odd length, 4 packed documents (tiles between them skipped)."""
+    h, hkv = HEADS[heads]
+    q, k, v, do, seg = random_inputs(seed, 2, 37, h, hkv, 8, jnp.dtype(dtype), n_docs=4)
+    seg = seg if use_seg else None
+    out, grads = blockwise_grads(q, k, v, do, causal=causal, segment_ids=seg, block_sizes=SMALL_TILES)
+    assert_matches_f64(q, k, v, do, out, grads, dtype, causal=causal, segment_ids=seg)
+
+
+@pytest.mark.parametrize("blocks", [BlockSizes(16, 8), BlockSizes(4, 4), BlockSizes(256, 256)], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_blockwise_any_tiles_and_unordered_ids(blocks, causal, seed):
+    """Segment ids that are not contiguous documents (a token's document recurs later) and any tile shape,
+    down to tiles of 4 and up to one tile larger than the sequence."""
+    q, k, v, do, _ = random_inputs(seed, 2, 29, 4, 2, 8, jnp.float32)
+    seg = jax.random.randint(jax.random.key(seed + 1), (2, 29), 0, 3)
+    out, grads = blockwise_grads(q, k, v, do, causal=causal, segment_ids=seg, scale=0.4, block_sizes=blocks)
+    assert_matches_f64(q, k, v, do, out, grads, "float32", causal=causal, segment_ids=seg, scale=0.4)
+
+
+def test_blockwise_skips_masked_tiles():
+    """Four packed documents of 16 tokens, tiles of 8: the only tiles computed are those on each document's
+    causal diagonal (a padded length keeps that); without causality, each document's square."""
+    seg = jnp.repeat(jnp.arange(4), 16)[None]
+    doc = np.arange(8) // 2
+    causal = (doc[:, None] == doc[None, :]) & (np.arange(8)[:, None] >= np.arange(8)[None, :])
+    tiles = BlockSizes(8, 8)
+    np.testing.assert_array_equal(visited_tiles(64, segment_ids=seg, block_sizes=tiles), causal)
+    np.testing.assert_array_equal(visited_tiles(62, segment_ids=seg[:, :62], block_sizes=tiles), causal)
+    np.testing.assert_array_equal(
+        visited_tiles(64, causal=False, segment_ids=seg, block_sizes=tiles), doc[:, None] == doc[None, :]
+    )
+    assert float(visited_tiles(2048, block_sizes=BlockSizes(256, 256)).mean()) == 36 / 64  # causal alone
+
+
+def test_blockwise_dispatch(seed):
+    """attention(impl="blockwise") and impl="auto" on a CPU run the blockwise path and agree with the reference."""
+    q, k, v, do, seg = random_inputs(seed, 1, 40, 4, 2, 16, jnp.float32)
+    ref = attention(q, k, v, segment_ids=seg, impl="xla")
+    for impl in ("blockwise", "auto"):
+        out = attention(q, k, v, segment_ids=seg, impl=impl, platform="cpu")
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, heads, dtype, causal",
+    [((2, 4), "gqa", "float32", True), ((1, 8), "mqa", "bfloat16", True), ((4, 2), "mha", "float32", False)],
+    ids=["fsdp2xsp4-gqa", "sp8-mqa-bf16", "fsdp4xsp2-full"],
+)
+def test_blockwise_inside_ulysses(mesh_shape, heads, dtype, causal, seed):
+    """impl="auto" on the 8 fake CPU devices resolves to blockwise and runs between the two all-to-alls
+    (shard_map with check_vma on): outputs and gradients against float64, documents crossing shards."""
+    fsdp, sp = mesh_shape
+    mesh = make_mesh(fsdp=fsdp, sp=sp)
+    h, hkv = (8, 2) if heads == "gqa" else (8, 1) if heads == "mqa" else (8, 8)
+    q, k, v, do, seg = random_inputs(seed, 4, 64, h, hkv, 16, jnp.dtype(dtype), shard=64 // sp)
+
+    def loss(q, k, v):
+        out = ulysses_attention(q, k, v, mesh=mesh, causal=causal, segment_ids=seg, impl="auto")
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert "blockwise" in str(jax.make_jaxpr(loss)(q, k, v))  # the custom_vjp of the blockwise kernel
+    assert_matches_f64(q, k, v, do, out, grads, dtype, causal=causal, segment_ids=seg)

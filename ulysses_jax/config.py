@@ -78,7 +78,7 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
-    attention_impl: str = "auto"  # passed through to ulysses_attention(impl=...); auto: xla on CPU
+    attention_impl: str = "auto"  # passed through to ulysses_attention(impl=...); auto: blockwise on CPU
     shard_params_over_data: bool = False  # ZeRO-3 over data x fsdp x sp instead of fsdp x sp
     loss_chunk: int = 0
     mlp_chunk: int = 0

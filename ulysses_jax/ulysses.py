@@ -142,6 +142,6 @@ def ulysses_attention(
         in_specs=tuple(in_specs),
         out_specs=spec,
         # Kernels (Pallas, cuDNN custom calls) carry no varying-manual-axes annotations.
-        check_vma=impl == "xla",
+        check_vma=impl in ("xla", "blockwise"),
     )
     return fn(*args)
