@@ -1,5 +1,7 @@
-"""The CLI: a 2-step pulse of the real entry point, resume after a kill, reshard on resume, eval, user errors."""
+"""The CLI as users run it: a pulse of the real entry point, a signal and a crash then resume, resuming onto another
+mesh from an earlier step, a run that remembers itself, eval reading the run, config files, and bad input."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -12,164 +14,342 @@ import time
 import numpy as np
 import pytest
 
-from ulysses_jax.cli import main
+from ulysses_jax.cli import EXIT_STOPPED, main, parse
 
-TINY = ["--preset", "tiny", "--seq-len", "256", "--no-progress"]
+TINY = ["--preset", "tiny", "--seq-len", "256", "--attention", "xla", "--no-progress"]
+MESH = ["--mesh.fsdp", "2", "--mesh.sp", "4"]
+
+
+def env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI picks its own fake devices
 
 
 def cli(*args, check=True, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI picks its own fake devices
-    proc = subprocess.run([sys.executable, "-m", "ulysses_jax", *args], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-m", "ulysses_jax", *args], capture_output=True, text=True, env=env(),
                           timeout=timeout)
     if check and proc.returncode:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
+def records(run_dir, name="metrics.jsonl"):
+    return [json.loads(x) for x in (pathlib.Path(run_dir) / name).read_text().splitlines()]
+
+
 def losses(run_dir):
-    """step -> loss, the last record of each step (a resumed run appends)."""
-    out = {}
-    for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]
-    return out
-
-
-def test_pulse_train_then_eval(tmp_path):
-    run = tmp_path / "run"
-    p = cli("train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "2",
-            "--checkpoint-every", "1", "--optim.clip-norm", "0", "--run-dir", str(run))
-    assert "No accelerator found: running on 8 fake CPU devices" in p.stdout
-    assert f"checkpoints: {run / 'checkpoints'}" in p.stdout and "tensorboard --logdir" in p.stdout
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2] and all(np.isfinite(r["loss"]) for r in recs)
-    assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 for r in recs)
-    assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [1, 2]
-    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    e = cli("eval", "--run-dir", str(run), "--mesh.fsdp", "2", "--mesh.sp", "4", "--max-batches", "1")
-    assert "eval at step 2: loss" in e.stdout and "perplexity" in e.stdout
-
-
-def test_resume_after_kill_matches_uninterrupted(tmp_path):
-    args = [*TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "10", "--checkpoint-every", "2"]
-    cli("train", *args, "--run-dir", str(tmp_path / "straight"))
-    want = losses(tmp_path / "straight")
-
-    run = tmp_path / "killed"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen([sys.executable, "-m", "ulysses_jax", "train", *args, "--run-dir", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "training ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    cli("train", *args, "--run-dir", str(run), "--resume")
-    got = losses(run)
-    assert sorted(got) == list(range(1, 11))
-    for step in range(1, 11):  # deterministic on CPU: the same losses, bit for bit
-        assert got[step] == want[step], (step, got[step], want[step])
-
-
-def test_resume_onto_another_mesh(tmp_path):
-    """Saved with fsdp=2 x sp=4, resumed with fsdp=4 x sp=2: training continues on the same trajectory."""
-    args = [*TINY, "--batch-size", "4", "--steps", "4", "--checkpoint-every", "2"]
-    cli("train", *args, "--mesh.fsdp", "2", "--mesh.sp", "4", "--run-dir", str(tmp_path / "a"))
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")  # back to the step-2 checkpoint (saved with sp=4)
-    cli("train", *args, "--mesh.fsdp", "4", "--mesh.sp", "2", "--run-dir", str(tmp_path / "b"), "--resume")
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    for step in (3, 4):  # other mesh, other reduction order: equal to float32 rounding
-        np.testing.assert_allclose(b[step], a[step], rtol=2e-5)
+    """step -> loss; each step must be logged exactly once."""
+    recs = records(run_dir)
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(set(steps)), f"steps logged twice or out of order: {steps}"
+    return {r["step"]: r["loss"] for r in recs}
 
 
 def snapshot(path: pathlib.Path):
     return sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*")) if path.exists() else []
 
 
-def make_run(tmp_path, name="run", extra=()):
-    run = tmp_path / name
-    assert main(["train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "1",
-                 "--run-dir", str(run), *extra]) == 0
-    return run
+def write_corpus(path: pathlib.Path, n: int = 60, seed: int = 0) -> pathlib.Path:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "sequence", "parallel", "ulysses", "token", "device", "shard"]
+    path.write_text("".join(
+        json.dumps({"text": f"document {i}: " + " ".join(rng.choice(words, int(rng.integers(20, 120))))}) + "\n"
+        for i in range(n)))
+    return path
+
+
+def save_tokenizer(path: pathlib.Path) -> pathlib.Path:
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"])
+    tok.train_from_iterator(["alpha beta gamma document"], trainer)
+    tok.save(str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
 def existing_run(tmp_path_factory):
-    return make_run(tmp_path_factory.mktemp("cli"))
+    """A 2-step run (checkpoints 1 and 2) on a jsonl corpus with a fifth held out."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = write_corpus(root / "corpus.jsonl")
+    run = root / "run"
+    assert main(["train", *TINY, *MESH, "--steps", "2", "--checkpoint-every", "1", "--data", str(corpus),
+                 "--eval-fraction", "0.2", "--run-dir", str(run)]) == 0
+    return run, corpus
 
 
-ERRORS = {
-    "mesh": (["--mesh.fsdp", "3", "--mesh.sp", "2"], r"mesh sizes data=1 x fsdp=3 x sp=2 multiply to 6 but there are 8 devices"),
-    "seq": (["--mesh.sp", "4", "--seq-len", "250"], r"--seq-len \(250\) must be a positive multiple of --mesh.sp \(4\)"),
-    "batch": (["--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "3"], r"--batch-size \(3\) must be a multiple of"),
-    "preset": (["--preset", "gpt5"], r"unknown preset 'gpt5'; choose one of"),
-    "data": (["--data", "/no/such/file.txt"], r"/no/such/file.txt does not exist"),
-    "resume-none": (["--resume"], r"--resume: no checkpoint in"),
-    "chunk": (["--loss-chunk", "7"], r"--loss-chunk \(7\) must divide the per-device sequence length \(64 = seq / sp\)"),
-    "cudnn": (["--attention", "cudnn"], r"impl='cudnn' cannot serve this call: cuDNN needs a GPU"),
-}
+# ------------------------------------------------------------------------------------ the real entry point
 
 
-@pytest.mark.parametrize("name", list(ERRORS))
-def test_user_errors_one_line_exit_2(name, tmp_path, capsys):
-    extra, pattern = ERRORS[name]
-    run = tmp_path / "fresh"
-    args = ["train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "1",
-            "--run-dir", str(run)]
-    assert main([*args, *extra]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err
-    import re
-
-    assert re.search(pattern, err), err
-    assert not (run / "checkpoints").exists()
-
-
-def test_run_dir_of_another_run_is_refused(existing_run, capsys):
-    before = snapshot(existing_run)
-    # same directory without --resume, and --resume with a different context length
-    base = ["train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "2",
-            "--run-dir", str(existing_run)]
-    assert main(base) == 2
-    assert "already holds checkpoints; pass --resume" in capsys.readouterr().err
-    assert main([*base, "--resume", "--seq-len", "512"]) == 2
-    assert "holds another run's checkpoints (seq_len: saved 256, requested 512)" in capsys.readouterr().err
-    assert snapshot(existing_run) == before
+def test_pulse_train_then_eval(tmp_path):
+    run = tmp_path / "run"
+    p = cli("train", *TINY, *MESH, "--steps", "2", "--checkpoint-every", "1", "--eval-every", "1",
+            "--eval-batches", "1", "--run-dir", str(run))
+    assert "No accelerator found: running on 8 fake CPU devices" in p.stdout
+    assert "Data: " in p.stdout and "held out for eval" in p.stdout
+    assert f"checkpoints: {run / 'checkpoints'}" in p.stdout and "--logdir" in p.stdout
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 2] and all(np.isfinite(r["loss"]) for r in recs)
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 and r["eval_loss"] > 0 for r in recs)
+    assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [1, 2]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((run / "run.json").read_text())["config"]["mesh"] == {"data": 1, "fsdp": 2, "sp": 4}
+    e = cli("eval", "--run-dir", str(run), "--max-batches", "1")  # no other flag: everything from the run
+    assert "eval at step 2: loss" in e.stdout and "the run's held-out documents" in e.stdout
+    assert [r["step"] for r in records(run, "eval.jsonl")] == [2]
 
 
-def test_corrupt_checkpoint_refused_without_traceback(tmp_path, capsys):
-    run = make_run(tmp_path)
-    for f in (run / "checkpoints" / "1" / "params").rglob("*"):
-        if f.is_file() and f.stat().st_size:
-            f.write_bytes(b"not a checkpoint")
-    before = snapshot(run)
-    assert main(["train", *TINY, "--mesh.fsdp", "2", "--mesh.sp", "4", "--batch-size", "2", "--steps", "2",
-                 "--run-dir", str(run), "--resume"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: checkpoint") and "cannot be restored" in err and len(err.splitlines()) == 1
-    assert snapshot(run) == before
+def test_signal_and_crash_then_resume_matches_uninterrupted(tmp_path):
+    """SIGTERM: the step under way finishes, a checkpoint is written, exit 75. Then a crash is simulated (the last
+    checkpoint lost, metrics logged past the one left): `--resume` alone continues bit for bit, no step logged twice."""
+    args = [*TINY, *MESH, "--batch-size", "2", "--steps", "6", "--checkpoint-every", "2"]
+    cli("train", *args, "--run-dir", str(tmp_path / "straight"))
+    want = losses(tmp_path / "straight")
+
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen([sys.executable, "-m", "ulysses_jax", "train", *args, "--run-dir", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "training ended before the signal"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED, out + err
+    stopped = int(out.split("Stopped by SIGTERM after step ")[1].split(":")[0])
+    assert 3 <= stopped < 6 and (run / "checkpoints" / str(stopped)).is_dir() and "--resume" in out
+    assert max(losses(run)) == stopped
+    shutil.rmtree(run / "checkpoints" / str(stopped))  # a crash: metrics now run past the last checkpoint
+    cli("train", "--run-dir", str(run), "--resume")
+    got = losses(run)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):  # deterministic on CPU: the same losses, bit for bit
+        assert got[step] == want[step], (step, got[step], want[step])
 
 
 def test_more_sp_than_heads_is_refused(tmp_path):
-    p = cli("train", *TINY, "--cpu-devices", "16", "--mesh.fsdp", "1", "--mesh.sp", "16", "--seq-len", "256",
-            "--batch-size", "1", "--steps", "1", "--run-dir", str(tmp_path / "r"), check=False)
+    p = cli("train", *TINY, "--cpu-devices", "16", "--mesh.fsdp", "1", "--mesh.sp", "16", "--batch-size", "1",
+            "--steps", "1", "--run-dir", str(tmp_path / "r"), check=False)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip() == ("error: --mesh.sp (16) exceeds the model's query heads (8): Ulysses splits heads "
                                 "over sp; use --mesh.sp <= 8")
+    assert not (tmp_path / "r").exists()
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+# ------------------------------------------------------------------------------------ a run remembers itself
+
+
+def test_resume_onto_another_mesh_from_an_earlier_step(tmp_path):
+    """Saved with fsdp=2 x sp=4, continued from step 2 with fsdp=4 x sp=2 and no other flag: same trajectory,
+    the same learning rate, later checkpoints set aside, no step logged twice."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *TINY, *MESH, "--batch-size", "4", "--steps", "4", "--checkpoint-every", "2",
+                 "--run-dir", str(a)]) == 0
+    shutil.copytree(a, b)
+    assert main(["train", "--run-dir", str(b), "--resume-from", "2", "--mesh.fsdp", "4", "--mesh.sp", "2"]) == 0
+    ra, rb = {r["step"]: r for r in records(a)}, {r["step"]: r for r in records(b)}
+    assert sorted(losses(b)) == [1, 2, 3, 4] and (b / "checkpoints-set-aside" / "4").is_dir()
+    for step in (3, 4):  # other mesh, other reduction order: equal to float32 rounding
+        np.testing.assert_allclose(rb[step]["loss"], ra[step]["loss"], rtol=2e-5)
+        assert rb[step]["lr"] == ra[step]["lr"]
+    record = json.loads((b / "run.json").read_text())
+    assert [s["mesh"]["sp"] for s in record["starts"]] == [4, 2] and record["config"]["mesh"]["sp"] == 2
+
+
+def test_run_dir_of_another_run_is_refused(existing_run, tmp_path, capsys):
+    run, corpus = existing_run
+    other = write_corpus(tmp_path / "other.jsonl", seed=1)
+    tok = save_tokenizer(tmp_path / "tokenizer.json")
+    before = snapshot(run)
+    cases = [
+        (["train", *TINY, *MESH, "--steps", "3", "--data", str(corpus), "--run-dir", str(run)],
+         "already holds checkpoints; pass --resume"),
+        (["train", "--run-dir", str(run), "--resume"], "the run is at step 2 of --steps 2; raise --steps"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--seq-len", "512"],
+         "cannot continue {run} with other settings: --seq-len is 512 here but 256 in the run"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--batch-size", "4"],
+         "--batch-size is 4 here but 2 in the run"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--optim.lr", "0.01"],
+         "--optim.lr is 0.01 here but 0.003 in the run"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--data", str(other)],
+         f"--data {other} (60 documents) is not the run's {corpus}"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--tokenizer", str(tok)],
+         "is not the run's tokenizer"),
+        (["train", "--run-dir", str(run), "--resume-from", "5", "--steps", "6"], "--resume-from 5: no such checkpoint"),
+        (["train", "--run-dir", str(run), "--resume", "--steps", "3", "--optim.decay-steps", "1"],
+         "--optim.decay-steps (1) must be after the step the run continues from (2)"),
+    ]
+    for args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message.format(run=run) in err, (args, err)
+    assert snapshot(run) == before
+
+
+def test_run_dir_without_checkpoints(existing_run, tmp_path, capsys):
+    """A directory whose run saved no checkpoint: another run is refused; the same run starts again cleanly."""
+    run, corpus = existing_run
+    half = tmp_path / "half"
+    shutil.copytree(run, half)
+    shutil.rmtree(half / "checkpoints")
+    before = snapshot(half)
+    same = ["train", *TINY, *MESH, "--steps", "1", "--data", str(corpus), "--eval-fraction", "0.2", "--run-dir",
+            str(half)]
+    assert main([*same[:-2], "--seq-len", "512", "--run-dir", str(half)]) == 2
+    err = capsys.readouterr().err
+    assert "holds another run that saved no checkpoint (--seq-len is 512 here but 256 in the run)" in err
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    assert main([*same[:-1], str(tmp_path / "orphan")]) == 2
+    assert "holds metrics of a run without run.json" in capsys.readouterr().err
+    assert snapshot(half) == before
+    assert main(same) == 0
+    assert "starting it again from step 0" in capsys.readouterr().out
+    assert sorted(losses(half)) == [1]
+
+
+def test_eval_reads_the_run_and_refuses_other_data(existing_run, tmp_path, capsys):
+    run, corpus = existing_run
+    assert main(["eval", "--run-dir", str(run), "--max-batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "eval at step 2" in out and "the run's held-out documents" in out
+    other = write_corpus(tmp_path / "other.jsonl", n=10, seed=2)
+    tok = save_tokenizer(tmp_path / "tokenizer.json")
+    original = corpus.read_text()
+    for args, message in [
+        (["--data", str(other)], f"--data {other} (10 documents) is not the run's {corpus} (60): its held-out"),
+        (["--tokenizer", str(tok)], "is not the run's tokenizer (bytes, vocabulary 256); evaluate with the run's own"),
+        (["--step", "7"], "--step 7: no such checkpoint"),
+    ]:
+        assert main(["eval", "--run-dir", str(run), *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+    corpus.write_text(original.replace("document 3:", "document three:"))
+    try:
+        assert main(["eval", "--run-dir", str(run)]) == 2
+        assert f"--data {corpus} has changed since the run" in capsys.readouterr().err
+    finally:
+        corpus.write_text(original)
+    moved = tmp_path / "moved.jsonl"  # the same documents elsewhere: accepted
+    shutil.copy(corpus, moved)
+    assert main(["eval", "--run-dir", str(run), "--data", str(moved), "--max-batches", "1"]) == 0
+    assert main(["eval", "--run-dir", str(run), "--step", "1", "--eval-data", str(other), "--mesh.fsdp", "4",
+                 "--mesh.sp", "2", "--loss-chunk", "32"]) == 0
+    assert "--eval-data" in capsys.readouterr().out
+    assert [(r["step"], r["mesh"]["sp"]) for r in records(run, "eval.jsonl")][-3:] == [(2, 8), (2, 8), (1, 2)]
+    # read-only: a run without checkpoints gets nothing written
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "run.json").write_text((run / "run.json").read_text())
+    before = snapshot(empty)
+    assert main(["eval", "--run-dir", str(empty)]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err and snapshot(empty) == before
+
+
+LLAMA_YAML = """\
+preset: llama3.1-8b
+seq_len: 131072
+batch_size: 1
+steps: 2000
+mesh: {data: 1, fsdp: 1, sp: 8}
+attention: auto
+remat: full
+loss_chunk: 4096
+mlp_chunk: 4096
+optim:
+  lr: 3.0e-4
+  warmup_steps: 100
+  min_lr_ratio: 0.1
+data: [/path/to/corpus.jsonl]
+data_field: text
+tokenizer: /path/to/tokenizer.json
+eval_every: 200
+eval_batches: 8
+checkpoint_every: 100
+"""
+
+
+def test_config_file_and_flags(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("preset: tiny\nseq-len: 256\nsteps: 1\nattention: xla\nprogress: false\n"
+                                       "mesh: {fsdp: 2, sp: 4}\noptim:\n  lr: 0.001\n  warmup_steps: 0\n")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--optim.lr", "0.002", "--run-dir", str(run)]) == 0
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["optim"]["lr"] == 0.002 and record["config"]["seq_len"] == 256
+    again = parse(["train", "--config", str(run / "config.yaml")])  # the run's effective config loads back
+    assert again.optim.lr == 0.002 and again.mesh.sp == 4 and again.batch_size == 2 and again.steps == 1
+    (tmp_path / "llama.yaml").write_text(LLAMA_YAML)  # the README's 8-GPU recipe loads as written
+    llama = parse(["train", "--config", str(tmp_path / "llama.yaml")])
+    assert (llama.preset, llama.seq_len, llama.mesh.sp, llama.remat, llama.optim.lr) == (
+        "llama3.1-8b", 131072, 8, "full", 3e-4)
+    (tmp_path / "run.toml").write_text('steps = 5\n[mesh]\nsp = 2\n')
+    cfg = parse(["train", "--config", str(tmp_path / "run.toml"), "--steps", "7"])
+    assert cfg.steps == 7 and cfg.mesh.sp == 2
+
+
+def test_help_lists_presets_and_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("llama3.1-8b", "qwen2.5-0.5b", "--optim.decay-steps", "--data PATH", "--data-field", "--eval-data",
+                 "--eval-fraction", "--tokenizer", "--eval-every", "--resume-from", "--config", "--wandb-project",
+                 "0: auto", "(default: 24)"):
+        assert text in out, text
+
+
+def test_defaults_fit_8_devices_and_one_node():
+    import jax
+
+    from ulysses_jax.config import ModelConfig
+    from ulysses_jax.trainer import MeshConfig, build_mesh, resolve_batch
+
+    cfg = parse(["train"])
+    tiny = ModelConfig.from_preset(cfg.preset)
+    mesh = build_mesh(cfg.mesh, tiny, cfg.seq_len)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "sp": 8} and resolve_batch(cfg.batch_size, mesh) == 2
+    big = ModelConfig.from_preset("llama3.1-8b")
+    assert dict(build_mesh(cfg.mesh, big, 131072).shape)["sp"] == 8
+    four = build_mesh(MeshConfig(), tiny, 2048, devices=jax.devices()[:4])
+    assert dict(four.shape) == {"data": 1, "fsdp": 1, "sp": 4}
+    two_rows = build_mesh(MeshConfig(fsdp=2), tiny, 2048)
+    assert dict(two_rows.shape) == {"data": 1, "fsdp": 2, "sp": 4} and resolve_batch(None, two_rows, 2) == 4
+    odd = build_mesh(MeshConfig(), tiny, 2049 * 2)  # 4098 = 2 x 3 x 683: sp must divide it
+    assert dict(odd.shape)["sp"] == 2
+
+
+# ------------------------------------------------------------------------------------ failures
+
+
+def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
+    import threading
+
+    from ulysses_jax.trainer import _StopSignals
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    before = signal.getsignal(signal.SIGINT)
+    with _StopSignals() as signals:
+        assert not signals.stop()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert signals.signum == signal.SIGINT and signals.stop()  # no KeyboardInterrupt: the loop saves first
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_non_finite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     import jax.numpy as jnp
 
     from ulysses_jax.trainer import MeshConfig, TrainConfig, TrainingDiverged, setup_train, train_run
 
     cfg = TrainConfig(preset="tiny", seq_len=256, batch_size=2, steps=5, checkpoint_every=1, progress=False,
-                      mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
+                      attention="xla", mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
     run = setup_train(cfg)
     real_step, calls = run.step_fn, []
 
@@ -179,21 +359,133 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         return state, {**metrics, "loss": jnp.nan if len(calls) == 3 else metrics["loss"]}
 
     run.step_fn = poisoned
-    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3; stopped without saving \(last good checkpoint: step 2\)"):
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3; stopped without saving \(last good checkpoint: "
+                                               r"step 2 in .*checkpoints: continue from it with --resume, or from an "
+                                               r"earlier one with --resume-from STEP\)"):
         train_run(run)
     steps = sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
-    assert steps == [1, 2]
+    assert steps == [1, 2] and max(losses(tmp_path / "run")) == 2
 
 
-def test_eval_errors(tmp_path, capsys):
-    assert main(["eval", "--run-dir", str(tmp_path / "nothing"), "--mesh.fsdp", "2", "--mesh.sp", "4"]) == 2
+def test_damaged_checkpoint_is_named_and_io_errors_are_not_called_damage(existing_run, tmp_path, capsys, monkeypatch):
+    run, _ = existing_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    for f in (copy / "checkpoints" / "2" / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size:
+            f.write_bytes(b"not a checkpoint")
+    before = snapshot(copy)
+    assert main(["train", "--run-dir", str(copy), "--resume", "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--resume-from STEP (here: 1)" in err
+    assert err.startswith(f"error: checkpoint {copy / 'checkpoints' / '2'} is damaged or not from this run")
+    assert snapshot(copy) == before
+
+    import errno
+
+    import orbax.checkpoint as ocp
+
+    def failing(self, step, args=None):
+        raise OSError(errno.EIO, "Input/output error", str(run / "checkpoints" / str(step)))
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", failing)
+    assert main(["eval", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot be read: I/O error (Input/output error" in err and "damaged" not in err
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _files(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n{"text": "world"}\n')
+    (tmp_path / "bad.jsonl").write_text('{"text": "hello"}\n{"text": \n')
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": " "}\n')
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    (tmp_path / "unknown.yaml").write_text("stepz: 3\n")
+    (tmp_path / "wrongtype.yaml").write_text("steps: many\n")
+    (tmp_path / "broken.yaml").write_text("steps: [1\n")
+    (tmp_path / "run.ini").write_text("[x]\n")
+    (tmp_path / "afile").write_text("x")
+
+
+TRAIN_ERRORS = {
+    "mesh product": (MESH[:1] + ["3", "--mesh.sp", "2"],
+                     r"--mesh.data 1 x --mesh.fsdp 3 x --mesh.sp 2 = 6 but there are 8 devices"),
+    "mesh negative": (["--mesh.sp", "-2"], r"--mesh.sp \(-2\) must be a positive number or 0 \(auto\) of devices"),
+    "seq not a multiple of sp": (["--mesh.sp", "4", "--seq-len", "250"],
+                                 r"--seq-len \(250\) must be a positive multiple of --mesh.sp \(4\)"),
+    "batch": ([*MESH, "--batch-size", "3"],
+              r"--batch-size \(3\) must be a multiple of --grad-accum \(1\) x --mesh.data"),
+    "preset": (["--preset", "gpt5"], r"unknown preset 'gpt5'; choose one of tiny, "),
+    "data missing": (["--data", "/no/such/file.txt"], r"--data /no/such/file.txt does not exist"),
+    "resume without checkpoints": (["--resume"], r"--resume: no checkpoint in"),
+    "chunk": (["--mesh.sp", "4", "--loss-chunk", "7"],
+              r"--loss-chunk \(7\) must divide the per-device sequence length \(64 = seq / sp\)"),
+    "cudnn on cpu": (["--attention", "cudnn"], r"--attention cudnn: cannot serve this call: cuDNN needs a GPU but the "
+                                               r"devices' platform is cpu; use --attention pallas or auto"),
+    "unknown flag": (["--stepz", "3"], r"Unrecognized options: --stepz, 3 \(did you mean --steps\?\); see"),
+    "not an integer": (["--steps", "abc"], r"Error parsing --steps: 'abc' is not an integer"),
+    "bad choice": (["--attention", "foo"], r"invalid choice 'foo' for argument '--attention'"),
+    "zero steps": (["--steps", "0"], r"--steps \(0\) must be at least 1"),
+    "zero grad accum": (["--grad-accum", "0"], r"--grad-accum \(0\) must be at least 1"),
+    "negative eval every": (["--eval-every", "-1"], r"--eval-every \(-1\) must be at least 0"),
+    "eval fraction": (["--eval-fraction", "1.5"], r"--eval-fraction 1.5 must be in \[0, 1\)"),
+    "missing field": (["--data", "{d}/c.jsonl", "--data-field", "body"], r"has no field 'body'.*--data-field"),
+    "malformed jsonl": (["--data", "{d}/bad.jsonl"], r"line 2 of --data file .*bad.jsonl is not valid JSON"),
+    "only empty documents": (["--data", "{d}/empty.jsonl"], r"holds only empty documents \(2 of them\)"),
+    "sentencepiece": (["--tokenizer", "{d}/m"], r"--tokenizer .*m holds a sentencepiece tokenizer.model"),
+    "negative lr": (["--optim.lr", "-1"], r"--optim.lr \(-1.0\) must be > 0"),
+    "profile steps": (["--profile-steps", "5"], r"--profile-steps '5' must look like A:B"),
+    "partial launch flags": (["--num-processes", "2"], r"--coordinator-address, --num-processes and --process-id go "),
+    "cpu devices": (["--cpu-devices", "0"], r"--cpu-devices \(0\) must be at least 1"),
+    "config missing": (["--config", "{d}/nope.yaml"], r"--config .*nope.yaml does not exist"),
+    "config unknown key": (["--config", "{d}/unknown.yaml"], r"unknown setting 'stepz'; did you mean 'steps'\?"),
+    "config wrong type": (["--config", "{d}/wrongtype.yaml"], r"wrongtype.yaml: steps is 'many', not an integer"),
+    "config not yaml": (["--config", "{d}/broken.yaml"], r"--config .*broken.yaml is not valid YAML"),
+    "config extension": (["--config", "{d}/run.ini"], r"unknown extension '.ini'; use a .yaml, .yml or .toml file"),
+    "wandb missing": (["--wandb-project", "p"], r"--wandb-project needs the wandb package: pip install wandb"),
+    "run dir is a file": (["--run-dir", "{d}/afile"], r"--run-dir .*afile is a file"),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAIN_ERRORS))
+def test_train_bad_input_is_one_line_exit_2_nothing_written(name, tmp_path, capsys):
+    if name == "wandb missing" and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed")
+    _files(tmp_path)
+    extra, pattern = TRAIN_ERRORS[name]
+    extra = [a.replace("{d}", str(tmp_path)) for a in extra]
+    run = tmp_path / "fresh"
+    args = ["train", *TINY, "--steps", "1", "--run-dir", str(run), *extra]
+    before = snapshot(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    import re
+
+    assert re.search(pattern, err), err
+    assert snapshot(tmp_path) == before and not run.exists()
+
+
+def test_eval_bad_input(tmp_path, capsys):
+    assert main(["eval", "--run-dir", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "run.json not found" in err and "is not a training run directory" in err
+    assert not (tmp_path / "nothing").exists()
+    assert main(["eval"]) == 2
+    assert "--run-dir" in capsys.readouterr().err
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+    assert main([]) == 2
+    assert "no command given; use `ulysses-jax train`" in capsys.readouterr().err
     run = tmp_path / "half"
     run.mkdir()
     for content in ("{}", "not json"):
         (run / "run.json").write_text(content)
-        assert main(["eval", "--run-dir", str(run), "--mesh.fsdp", "2", "--mesh.sp", "4"]) == 2
+        assert main(["eval", "--run-dir", str(run)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "is not a readable ulysses-jax run record" in err
         assert len(err.splitlines()) == 1
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]

@@ -25,6 +25,7 @@ from ulysses_jax.data import (
     describe_tokenizer,
     eval_batches,
     load_documents,
+    merge_states,
     make_tokenizer,
     pack_rows,
     sources_differ,
@@ -165,18 +166,45 @@ def test_state_round_trip(tmp_path, seed, advance):
 
 
 def test_processes_read_disjoint_documents(tmp_path, seed):
-    cfg = write_corpus(tmp_path / "c.jsonl", 30, seed)
+    """Within one pass over the documents, the rows (so the processes) of a batch read disjoint documents."""
+    cfg = dataclasses.replace(write_corpus(tmp_path / "c.jsonl", 64, seed), shuffle=False)
     seen = []
     for p in range(2):
         it = BatchIterator(cfg, seq_len=64, global_batch=4, seed=seed, process_index=p, process_count=2)
         ids = set()
-        for _ in range(12):
+        for _ in range(3):  # at most one document per row here, and 16 per row in a pass
             batch = next(it)
             assert batch["tokens"].shape == (2, 64)
             ids |= doc_ids(batch)
         seen.append(ids)
     assert seen[0] and seen[1] and not seen[0] & seen[1]
-    assert seen[0] | seen[1] <= set(range(30))
+    assert seen[0] | seen[1] <= set(range(64))
+
+
+@pytest.mark.parametrize("counts", [(1, 2), (2, 1), (4, 2)])
+def test_data_position_moves_to_another_number_of_processes(tmp_path, seed, counts):
+    """The position is kept per global row: saved by P processes, resumed by Q, the same global batches follow."""
+    cfg = write_corpus(tmp_path / "c.jsonl", 40, seed)
+    a, b = counts
+
+    def iterators(n):
+        return [BatchIterator(cfg, seq_len=64, global_batch=4, seed=seed, process_index=p, process_count=n)
+                for p in range(n)]
+
+    def global_batch(its):
+        parts = [next(it) for it in its]
+        return {k: np.concatenate([x[k] for x in parts]) for k in parts[0]}
+
+    first = iterators(a)
+    for _ in range(5):
+        global_batch(first)
+    state = json.loads(json.dumps(merge_states([it.get_state() for it in first])))
+    want = [global_batch(first) for _ in range(3)]
+    second = iterators(b)
+    for it in second:
+        it.set_state(state)
+    assert all(batches_equal(w, global_batch(second)) for w in want)
+    assert sorted(state["rows"]) == ["0", "1", "2", "3"] and "process_index" not in state
 
 
 def test_train_and_eval_are_disjoint_and_eval_is_one_finite_pass(tmp_path, seed):
@@ -574,10 +602,9 @@ def test_iterator_errors(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match=r"--batch-size \(5\) must be divisible by the number of processes \(2\)"):
         BatchIterator(DataConfig(), seq_len=8, global_batch=5, seed=0, process_index=0, process_count=2)
-    with pytest.raises(ValueError, match=r"process 1 of 2 gets none of the 1 training documents; add documents with "
-                                         r"--data"):
-        BatchIterator(DataConfig(paths=(str(tmp_path / "c.jsonl"),), eval_fraction=0.0), seq_len=8, global_batch=2,
-                      seed=0, process_index=1, process_count=2)
+    one_doc = DataConfig(paths=(str(tmp_path / "c.jsonl"),), eval_fraction=0.0)  # fewer documents than rows: repeated
+    assert next(BatchIterator(one_doc, seq_len=8, global_batch=2, seed=0, process_index=1, process_count=2))[
+        "tokens"].shape == (1, 8)
     with pytest.raises(ValueError, match=r"eval over 2 processes needs a batch limit \(--max-batches N\)"):
         eval_batches(DataConfig(), seq_len=8, global_batch=2, process_index=0, process_count=2)
 

@@ -185,7 +185,7 @@ def test_default_positions():
     arange = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
     np.testing.assert_array_equal(forward(model, tok), forward(model, tok, arange))
     # the model also runs un-jitted (op by op, shard_map eagerly)
-    assert rel_err(model(tok, segment_ids_BS=seg), forward(model, tok, segment_ids=seg)) < TOL_LOGITS
+    assert rel_err(model(tok, segment_ids=seg), forward(model, tok, segment_ids=seg)) < TOL_LOGITS
 
 
 def test_rope_llama3_scaling_against_scalar_formula():
@@ -290,7 +290,7 @@ def test_batch_not_divisible_is_a_clear_error():
     with pytest.raises(ValueError, match=r"sequence length \(30\) must be divisible by sp \(4\)"):
         model(jnp.zeros((2, 30), jnp.int32))
     with pytest.raises(ValueError, match=r"segment_ids shape \(2, 32\) must equal the tokens' \(2, 64\)"):
-        model(jnp.zeros((2, S), jnp.int32), segment_ids_BS=jnp.zeros((2, 32), jnp.int32))
+        model(jnp.zeros((2, S), jnp.int32), segment_ids=jnp.zeros((2, 32), jnp.int32))
 
 
 def test_bf16_compute_gives_float32_logits(seed):

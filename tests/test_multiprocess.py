@@ -1,7 +1,8 @@
 """Two processes on one machine (4 fake CPU devices each, gloo collectives) train, checkpoint and resume.
 
 This is the multi-host code path: jax.distributed, per-process data loading, global arrays built from
-process-local rows, Orbax checkpoints written by both processes, per-process data-iterator state.
+process-local rows, Orbax checkpoints written by both processes, the data position of every global row; and a run
+started on two processes continued on one.
 """
 
 import json
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 ARGS = ["--preset", "tiny", "--seq-len", "256", "--batch-size", "2", "--mesh.fsdp", "2", "--mesh.sp", "4",
-        "--checkpoint-every", "1", "--cpu-devices", "4", "--no-progress"]
+        "--checkpoint-every", "1", "--cpu-devices", "4", "--attention", "xla", "--no-progress"]
 
 
 def free_port():
@@ -22,14 +23,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
 def launch(run_dir, steps, *extra):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "ulysses_jax", "train", *ARGS, "--steps", str(steps), "--run-dir", str(run_dir),
              "--coordinator-address", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600) for p in procs]
@@ -38,22 +42,34 @@ def launch(run_dir, steps, *extra):
     return outs
 
 
-def test_two_processes_train_and_resume(tmp_path):
+def test_two_processes_train_resume_and_continue_on_one(tmp_path):
+    """Two processes train 2 steps and resume to 3; one process (8 devices) continues to 4: the data position is kept
+    per global row, so the run follows the trajectory of a single-process run."""
     run = tmp_path / "run"
     outs = launch(run, 2)
     assert "running on 8 fake CPU devices" in outs[0][0]
     launch(run, 3, "--resume")
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # process 0 writes the metrics
-    # Orbax's JSON item (written by process 0 alone) holds both processes' iterator states
+    # Orbax's JSON item (written by process 0 alone) holds the position of every row of the global batch
     data = json.loads((run / "checkpoints" / "3" / "data" / "metadata").read_text())
-    assert sorted(data) == ["0", "1"] and data["0"]["process_index"] == 0 and data["1"]["process_index"] == 1
+    assert sorted(data["rows"]) == ["0", "1"] and data["global_batch"] == 2
+    single = [sys.executable, "-m", "ulysses_jax", "train", "--cpu-devices", "8"]
+    for args in (["--run-dir", str(run), "--resume", "--steps", "4"],
+                 [*ARGS, "--cpu-devices", "8", "--steps", "4", "--optim.decay-steps", "2",  # the schedule the run began
+                  "--run-dir", str(tmp_path / "straight")]):
+        p = subprocess.run([*single, *args], capture_output=True, text=True, env=env(), timeout=600)
+        assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    got, want = ({r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())}
+                 for d in (run, tmp_path / "straight"))
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):  # other processes, other reduction order: equal to float32 rounding
+        assert abs(got[step] - want[step]) <= 2e-5 * abs(want[step]), (step, got[step], want[step])
 
 
 def test_partial_launch_flags_are_refused(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-m", "ulysses_jax", "train", *ARGS, "--run-dir", str(tmp_path / "r"),
-                        "--num-processes", "2"], capture_output=True, text=True, env=env, timeout=300)
+                        "--num-processes", "2"], capture_output=True, text=True, env=env(), timeout=300)
     assert p.returncode == 2 and p.stderr.startswith("error: --coordinator-address, --num-processes and --process-id")
 
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from ulysses_jax import make_mesh
-from ulysses_jax.checkpoint import Checkpointer, check_run_dir
+from ulysses_jax.checkpoint import Checkpointer
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.loss import shift_labels
 from ulysses_jax.step import (
@@ -59,9 +59,27 @@ def test_schedule_warmup_then_cosine():
     sched = make_schedule(OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1), 100)
     assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
     assert float(sched(100)) == pytest.approx(0.1) and float(sched(50)) < 1.0
+    assert float(sched(150)) == pytest.approx(0.1)  # past the decay: the minimum, never a restart
+    default = OptimConfig().resolved(200)
+    assert default.decay_steps == 200 and default.warmup_steps == 20  # 10% of the decay
 
 
-@pytest.mark.parametrize("mesh_kw", [dict(fsdp=2, sp=4), dict(data=2, fsdp=2, sp=2)], ids=["fsdp2xsp4", "dp2xfsdp2xsp2"])
+@pytest.mark.parametrize("start", [5, 40, 99, 120])
+def test_replanned_decay_never_jumps(start):
+    """--optim.decay-steps on resume: from `start` on, a cosine from the rate there to the minimum at the new end."""
+    cfg = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    before = make_schedule(cfg, 100)
+    after = make_schedule(cfg, 100, ((start, 300),))
+    steps = np.arange(0, 400)
+    a, b = np.array([float(before(s)) for s in steps]), np.array([float(after(s)) for s in steps])
+    np.testing.assert_array_equal(a[:start], b[:start])  # the past is unchanged
+    assert b[start] == pytest.approx(a[start], abs=1e-6)  # no jump where it changes
+    assert np.all(np.abs(np.diff(b[start:])) <= max(np.abs(np.diff(a)).max(), 1e-6) + 1e-6)
+    assert b[300] == pytest.approx(0.1) and b[399] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("mesh_kw", [dict(fsdp=2, sp=4), dict(data=2, fsdp=2, sp=2)],
+                         ids=["fsdp2xsp4", "dp2xfsdp2xsp2"])
 def test_grad_accumulation_equals_large_batch(mesh_kw, seed):
     mesh = make_mesh(**mesh_kw)
     tx = optax.sgd(1.0)  # new params = params - grads: compares the gradients themselves
@@ -148,22 +166,10 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
             f.write_bytes(b"garbage")
     _, target = abstract_state(CFG, mesh, tx)
     ck = Checkpointer(tmp_path, keep=3)
-    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/1 cannot be restored .* move it away"):
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/1 is damaged or not from this run .*; start a "
+                                         r"new --run-dir"):
         ck.restore(1, target)
     ck.close()
-
-
-def test_run_dir_rules(tmp_path):
-    ident = {"model": {"hidden": 64}, "seq_len": 32}
-    with pytest.raises(ValueError, match=r"--resume: no checkpoint in"):
-        check_run_dir(tmp_path / "new", ident, resume=True)
-    check_run_dir(tmp_path / "run", ident, resume=False)
-    (tmp_path / "run" / "checkpoints" / "5").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"already holds checkpoints; pass --resume .* \(nothing was overwritten\)"):
-        check_run_dir(tmp_path / "run", ident, resume=False)
-    with pytest.raises(ValueError, match=r"holds another run's checkpoints \(seq_len: saved 32, requested 64\)"):
-        check_run_dir(tmp_path / "run", {**ident, "seq_len": 64}, resume=True)
-    check_run_dir(tmp_path / "run", ident, resume=True)
 
 
 def test_weight_decay_skips_norms_and_biases():

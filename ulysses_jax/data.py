@@ -9,14 +9,15 @@ Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resu
                   split is the same however a path is written, on every machine, and a text that occurs twice is on
                   one side only. With ``eval_paths`` (``--eval-data``) the eval split is all of those documents instead;
                   training still leaves out its held-out fraction (``eval_fraction=0``: train on everything).
-  process shard   ``docs[process_index::process_count]`` before anything else: a process reads only its part.
   order           train: shuffled by ``seed`` (a new order each epoch), repeated forever; eval: one pass, in order.
-                  Packed rows are shuffled again in a window (``shuffle_window``): consecutive pieces of one long
-                  document would otherwise fill a batch.
+  row streams     row ``r`` of every global batch of ``B`` rows reads the documents at positions ``r, r + B, ...`` of
+                  that order and packs them on its own; a process builds only the streams of its rows. The data
+                  position is therefore kept per global row: a run resumes on another mesh or number of processes.
+                  Packed rows are shuffled again in a window (``shuffle_window`` rows over the whole batch).
   tokenize        UTF-8 bytes (vocab 256) or a Hugging Face ``tokenizer.json``; runs in Grain's reader threads.
   pack_rows       documents cut into pieces of at most ``seq_len`` tokens, first-fit packed into rows of exactly
                   ``seq_len`` tokens (``grain.experimental.FirstFitPackIterDataset``), labels shifted per row.
-  batch           ``global_batch // process_count`` rows; ``to_global`` assembles the global ``[B, S]`` arrays.
+  batch           this process's ``global_batch // process_count`` rows; ``to_global`` makes global ``[B, S]`` arrays.
 
 A batch is a dict of int32 ``[rows, seq_len]`` arrays:
   tokens       token ids; 0 at padding
@@ -72,7 +73,7 @@ class DataConfig:
     eval_paths: tuple[str, ...] = ()  # --eval-data: a separate validation source; the eval split is all of it
     shuffle: bool = True  # shuffle documents (anew each epoch) and packed rows in training; eval never shuffles
     pack_bins: int = 16  # rows that first-fit packing fills at once: more bins, less padding, more host memory
-    shuffle_window: int = 64  # packed rows shuffled together in training, so that a batch mixes documents; 0: off
+    shuffle_window: int = 64  # packed rows shuffled together in training (over all rows of a batch); 0: off
     read_threads: int = 4  # Grain threads that read and tokenize documents
     prefetch: int = 32  # documents read and tokenized ahead of the packer
 
@@ -375,10 +376,18 @@ def _empty_rows(n: int, seq_len: int) -> dict[str, np.ndarray]:
 class BatchIterator:
     """This process's rows of each global batch: ``global_batch // process_count`` packed rows per ``next``.
 
+    Row streams: row ``r`` of every global batch (``r = 0 .. global_batch - 1``) comes from a stream of its own, the
+    documents at positions ``r, r + B, r + 2B, ...`` of the split's order (``B = global_batch``), tokenized and packed
+    on their own. Process ``p`` builds the streams of its rows only (``p * B/P .. (p + 1) * B/P - 1``), so the data
+    position belongs to the global rows, not to the processes: a checkpoint resumes on any number of processes that
+    divides the batch, and on any mesh. Within one pass over the documents, rows (so processes) read disjoint
+    documents; consecutive pieces of a long document go to one row's consecutive steps, never into one batch.
+
     ``split="train"``: documents shuffled by ``seed`` (anew each epoch), repeated forever. ``split="eval"`` (or
-    ``"held_out"``): one pass in corpus order, then ``StopIteration``; the last batch is filled up with padding rows
-    (all ``IGNORE``). ``get_state`` / ``set_state``: Grain's iterator state plus the settings it belongs to (a
-    fingerprint of the split's documents included), JSON-serialisable.
+    ``"held_out"``): one pass in corpus order; a row whose stream has run out is a padding row (all ``IGNORE``), and
+    iteration stops when every stream of this process has. ``get_state`` / ``set_state``: every row's Grain iterator
+    state plus the settings it belongs to (a fingerprint of the split's documents included), JSON-serialisable;
+    ``merge_states`` joins the states of several processes.
     """
 
     def __init__(
@@ -405,31 +414,32 @@ class BatchIterator:
             )
         self.cfg, self.seq_len, self.rows = cfg, seq_len, global_batch // pc
         self.process_index, self.process_count = pi, pc
+        self.row_ids = range(pi * self.rows, (pi + 1) * self.rows)
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         index, docs = split_documents(cfg, split)
-        shard = grain.MapDataset.source(docs)[pi::pc]
         train = split == "train"
-        if train and len(shard) == 0:
-            raise ValueError(
-                f"process {pi} of {pc} gets none of the {len(docs)} training documents; add documents with --data"
-            )
-        n_shard = len(shard)
+        order = grain.MapDataset.source(docs)
         if train:
-            shard = (shard.shuffle(seed % 2**32) if cfg.shuffle else shard).repeat(None)
+            order = (order.shuffle(seed % 2**32) if cfg.shuffle else order).repeat(None)
+        per_row = -(-len(docs) // global_batch)  # documents of one row in one pass
+        window = cfg.shuffle_window // global_batch if train and cfg.shuffle else 0
+        threads = max(1, cfg.read_threads // self.rows) if cfg.read_threads else 0
+        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(1, cfg.prefetch // self.rows))
         tok = self.tokenizer
-        tokens = shard.map(lambda d: tok.encode(index.text(int(d)))).to_iter_dataset(
-            grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch)
-        )
-        rows = pack_rows(
-            tokens, seq_len, bins=cfg.pack_bins, seed=seed % 2**32, shuffle=train and cfg.shuffle,
-            max_empty_run=2 * n_shard if train else None,  # longer: no document has a token (runs span <= 2 epochs)
-        )
-        if train and cfg.shuffle and cfg.shuffle_window > 1:
-            rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=cfg.shuffle_window, seed=seed % 2**32)
-        self._it = rows.batch(self.rows, drop_remainder=train).__iter__()
+        self._streams = []
+        for r in self.row_ids:
+            tokens = order[r::global_batch].map(lambda d: tok.encode(index.text(int(d)))).to_iter_dataset(options)
+            rows = pack_rows(
+                tokens, seq_len, bins=cfg.pack_bins, seed=(seed + r) % 2**32, shuffle=train and cfg.shuffle,
+                max_empty_run=2 * per_row if train else None,  # longer: no document has a token (runs span <= 2 epochs)
+            )
+            if window > 1:
+                rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=window, seed=(seed + r) % 2**32)
+            self._streams.append(rows.__iter__())
+        self._done = [False] * self.rows
         self._settings = dict(
-            split=split, seq_len=seq_len, rows=self.rows, seed=seed, process_index=pi, process_count=pc,
-            documents=len(docs), fingerprint=fingerprint(index.digest[docs]), vocab_size=self.vocab_size,
+            split=split, seq_len=seq_len, global_batch=global_batch, seed=seed, documents=len(docs),
+            fingerprint=fingerprint(index.digest[docs]), vocab_size=self.vocab_size,
         )  # fmt: skip
 
     @property
@@ -440,15 +450,24 @@ class BatchIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = next(self._it)
-        n = batch["tokens"].shape[0]
-        if n < self.rows:  # the last eval batch
-            pad = _empty_rows(self.rows - n, self.seq_len)
-            batch = {k: np.concatenate([batch[k], pad[k]]) for k in KEYS}
-        return {k: batch[k] for k in KEYS}
+        out = _empty_rows(self.rows, self.seq_len)
+        for i, stream in enumerate(self._streams):
+            if self._done[i]:
+                continue
+            try:
+                row = next(stream)
+            except StopIteration:
+                self._done[i] = True
+                continue
+            for k in KEYS:
+                out[k][i] = row[k]
+        if all(self._done):
+            raise StopIteration
+        return out
 
     def get_state(self) -> dict:
-        return {"grain": self._it.get_state(), **self._settings}
+        """This process's rows' positions (``{"rows": {row: grain state}}``) and the settings they belong to."""
+        return {"rows": {str(r): it.get_state() for r, it in zip(self.row_ids, self._streams)}, **self._settings}
 
     def set_state(self, state: dict) -> None:
         for key, value in self._settings.items():
@@ -457,17 +476,31 @@ class BatchIterator:
                 raise ValueError(
                     f"the data position was saved with {what} {state.get(key)!r} but this run has {value!r}; {fix}"
                 )
-        self._it.set_state(state["grain"])
+        rows = state.get("rows", {})
+        missing = [r for r in self.row_ids if str(r) not in rows]
+        if missing:
+            raise ValueError(
+                f"the data position holds rows {sorted(map(int, rows))} of the batch but this process reads rows "
+                f"{list(self.row_ids)}; the checkpoint was written by another version of ulysses-jax"
+            )
+        for r, it in zip(self.row_ids, self._streams):
+            it.set_state(rows[str(r)])
+
+
+def merge_states(states: list[dict]) -> dict:
+    """The data position of the whole batch from every process's ``get_state()``."""
+    rows = {}
+    for s in states:
+        rows.update(s["rows"])
+    return {**states[0], "rows": dict(sorted(rows.items(), key=lambda kv: int(kv[0])))}
 
 
 _SAME_DATA = "resume with the same --data, --data-field and --eval-fraction (and files unchanged)"
 _RESUME = {  # iterator setting -> (what it is, how to resume), for set_state's refusals
     "split": ("split", "resume a training iterator"),
     "seq_len": ("--seq-len", "resume with the same --seq-len"),
-    "rows": ("rows per process", "resume with the same --batch-size and number of processes"),
+    "global_batch": ("--batch-size", "resume with the same --batch-size"),
     "seed": ("--seed", "resume with the same --seed"),
-    "process_index": ("process index", "resume with the same number of processes"),
-    "process_count": ("number of processes", "resume with the same number of processes"),
     "documents": ("training documents", _SAME_DATA),
     "fingerprint": ("training data fingerprint", _SAME_DATA),
     "vocab_size": ("tokenizer vocabulary", "resume with the same --tokenizer"),

@@ -109,7 +109,7 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None) -> L
     if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
         raise ValueError(f"labels shape {tuple(labels_BS.shape)} must equal the tokens' {tuple(tokens_BS.shape)}")
     if hidden is None:
-        hidden = model.hidden_states(tokens_BS, batch.get("positions"), batch.get("segment_ids"))
+        hidden = model.hidden_states(tokens_BS, positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
     cfg = model.config
     if cfg.loss_chunk:
         w_VD = model.unembedding.get_value().astype(cfg.compute_jnp_dtype)

@@ -1,16 +1,26 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard event files, a progress bar.
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard events, a progress bar, and
+optionally Weights & Biases.
 
-Only process 0 writes. ``metrics.jsonl`` is appended to, so a resumed run continues the same file.
+Only process 0 writes. A run that continues from step ``s`` (after a crash, a signal or ``--resume-from``) first drops
+the records after ``s`` from ``metrics.jsonl`` and tells TensorBoard to hide its events from step ``s + 1`` on
+(``purge_step``), so no step is ever logged twice. Evaluation during training (``eval_*`` keys of a step's record)
+goes to TensorBoard under ``eval/``; ``log_eval`` records a standalone ``ulysses-jax eval``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import pathlib
+import shutil
+import sys
 
 import jax
 from tqdm.auto import tqdm
+
+WANDB_HINT = "--wandb-project needs the wandb package: pip install wandb (then `wandb login`)"
 
 
 def peak_memory_bytes() -> int | None:
@@ -22,20 +32,68 @@ def peak_memory_bytes() -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def check_wandb(project: str | None) -> None:
+    if project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError(WANDB_HINT)
+
+
+def tensorboard_command(tb_dir: str | os.PathLike) -> str:
+    """The command that shows ``tb_dir``: the ``tensorboard`` beside this Python when installed, else how to get it."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return f"pip install tensorboard, then: tensorboard --logdir {tb_dir}"
+    here = pathlib.Path(sys.executable).parent / "tensorboard"
+    exe = "tensorboard"
+    if here.exists() and shutil.which("tensorboard") != str(here):
+        try:
+            exe = os.path.relpath(here)
+        except ValueError:  # another drive
+            exe = str(here)
+        if exe.startswith(".."):
+            exe = str(here)
+    return f"{exe} --logdir {tb_dir}"
+
+
+def _keep_until(path: pathlib.Path, last_step: int) -> None:
+    """Drop the records of ``path`` with a step after ``last_step`` (rewritten atomically)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except (ValueError, AttributeError):
+            continue  # a line cut short by a kill
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: str | pathlib.Path, *, total_steps: int, first_step: int = 0, progress: bool = True):
+    """``first_step``: the step the run continues from (0 for a new run): records after it are dropped."""
+
+    def __init__(self, run_dir: str | pathlib.Path, *, total_steps: int, first_step: int = 0, progress: bool = True,
+                 wandb_project: str | None = None, wandb_id: str | None = None, config: dict | None = None):
         self.enabled = jax.process_index() == 0
         self.run_dir = pathlib.Path(run_dir)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.tb_dir = self.run_dir / "tensorboard"
-        self._file = self._tb = self._bar = None
+        self._file = self._tb = self._bar = self._wandb = None
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        earlier = any(self.tb_dir.glob("events.out.tfevents.*"))
+        _keep_until(self.jsonl_path, first_step)
         self._file = self.jsonl_path.open("a")
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10)
+        self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10, purge_step=first_step + 1 if earlier else None,
+                                 filename_suffix=f".from-step-{first_step}" if earlier else "")
+        if wandb_project is not None:
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=wandb_id, resume="allow",
+                                     config=config, dir=str(self.run_dir))
         if progress:
             self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
@@ -47,13 +105,19 @@ class MetricsLogger:
         self._file.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._tb.add_scalar(f"train/{key}", value, step)
+                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                self._tb.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log({(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
+                             for k, v in record.items() if k != "step" and v is not None}, step=step)
         if self._bar is not None:
             shown = {"loss": f"{record['loss']:.4f}"}
             if record.get("tokens_per_s"):
                 shown["tok/s"] = f"{record['tokens_per_s']:,.0f}"
             if record.get("mfu") is not None:
                 shown["mfu"] = f"{100 * record['mfu']:.1f}%"
+            if record.get("eval_loss") is not None:
+                shown["eval"] = f"{record['eval_loss']:.4f}"
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
 
@@ -70,3 +134,20 @@ class MetricsLogger:
             self._bar.close()
         self._tb.close()
         self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def log_eval(run_dir: str | pathlib.Path, result: dict) -> pathlib.Path:
+    """Append a standalone evaluation to ``run_dir/eval.jsonl`` and TensorBoard (``eval/``); process 0 only."""
+    path = pathlib.Path(run_dir) / "eval.jsonl"
+    if jax.process_index() != 0:
+        return path
+    with path.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+    from tensorboardX import SummaryWriter
+
+    with SummaryWriter(str(pathlib.Path(run_dir) / "tensorboard")) as tb:
+        for key in ("loss", "perplexity"):
+            tb.add_scalar(f"eval/{key}", result[key], result["step"])
+    return path

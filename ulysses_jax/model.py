@@ -324,8 +324,12 @@ class Transformer(nnx.Module):
         """The ``[V, D]`` output projection: the embedding table when tied."""
         return self.embed_VD if self.config.tie_embeddings else self.lm_head_VD
 
-    def hidden_states(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states ``[B, S, D]`` of int ``tokens [B, S]``; ``positions`` default to 0, 1, ...
+        restarting at each document of ``segment_ids`` (packed rows; equal ids attend to each other)."""
         cfg, mesh = self.config, self.mesh
+        tokens_BS, positions_BS, segment_ids_BS = tokens, positions, segment_ids
         if tokens_BS.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, seq], got {tuple(tokens_BS.shape)}")
         check_batch(tokens_BS.shape[0], mesh)
@@ -359,5 +363,7 @@ class Transformer(nnx.Module):
         logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, w_VD, preferred_element_type=jnp.float32)
         return constrain(logits_BSV, self.mesh, ("batch", "seq", "vocab"))
 
-    def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
-        return self.logits(self.hidden_states(tokens_BS, positions_BS, segment_ids_BS))
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """float32 logits ``[B, S, V]``: ``model(tokens, positions=None, segment_ids=None)`` (see ``hidden_states``)."""
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))

@@ -35,11 +35,11 @@ import jax.numpy as jnp
 
 from ulysses_jax import flops, hlo
 from ulysses_jax.data import make_tokenizer
-from ulysses_jax.mesh import make_mesh
 from ulysses_jax.step import BATCH_KEYS, abstract_state, batch_sharding, make_optimizer, make_schedule, make_train_step
 from ulysses_jax.targets import GpuTarget, get_target, target_devices
 from ulysses_jax.targets.kernels import KernelInfo, dump_options, kernels
-from ulysses_jax.trainer import TrainConfig, check_parallel, device_total_bytes, model_config
+from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch
+from ulysses_jax.trainer import TrainConfig, device_total_bytes, model_config
 
 GiB = 2**30
 MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M tokens)
@@ -131,16 +131,21 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def _mesh(cfg: PlanConfig):
+def _mesh(cfg: PlanConfig, model, seq_len: int):
     if not 0 < cfg.budget_fraction <= 1:
         raise ValueError(f"--budget-fraction ({cfg.budget_fraction}) must be in (0, 1], e.g. 0.9")
     target = get_target(cfg.target)
     devices = target_devices(target.name, devices=cfg.devices, hosts=cfg.hosts)
     try:
-        mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, sp=cfg.mesh.sp, devices=devices)
+        mesh = build_mesh(cfg.mesh, model, seq_len, devices=devices)
     except ValueError as e:
         raise ValueError(f"--devices {cfg.devices} does not fit the mesh flags: {e}") from None
     return target, mesh
+
+
+def _model(cfg: PlanConfig):
+    vocab = make_tokenizer(cfg.tokenizer).vocab_size  # reads a tokenizer file at most, never data
+    return model_config(cfg, vocab)
 
 
 def largest_buffers(dump_dir: str | pathlib.Path, n: int = 12) -> list[tuple[int, str]]:
@@ -164,16 +169,16 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     ``detail``: dump the compiled program to read its largest buffers (and, with ``with_kernels``, the kernels'
     ptxas figures); the search for the longest context skips it.
     """
-    target, mesh = _mesh(cfg)
     seq_len = cfg.seq_len if seq_len is None else seq_len
-    vocab = make_tokenizer(cfg.tokenizer).vocab_size  # reads a tokenizer file at most, never data
-    model = model_config(cfg, vocab)
-    check_parallel(model, mesh, seq_len=seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+    model = _model(cfg)
+    target, mesh = _mesh(cfg, model, seq_len)
+    batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
+    check_parallel(model, mesh, seq_len=seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
     tx = make_optimizer(cfg.optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
     step = make_train_step(graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh,
                            jax.tree.map(lambda x: x.sharding, state), grad_accum=cfg.grad_accum)
-    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
+    batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
              for k in BATCH_KEYS}
     with_kernels = cfg.kernels if with_kernels is None else with_kernels
     t0 = time.perf_counter()
@@ -209,8 +214,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     colls = hlo.collectives(compiled.as_text(), devices_per_host=per_host, num_devices=cfg.devices)
     return Plan(
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
-        seq_len=seq_len, batch_size=cfg.batch_size, memory=memory, breakdown=breakdown, collectives=colls,
-        flops_per_step=flops.training_flops(model, batch=cfg.batch_size, seq_len=seq_len), kernels=found,
+        seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
+        flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
         compile_seconds=seconds, buffers=buffers,
     )
 
@@ -252,7 +257,9 @@ def search_units(fits, *, start: int, max_units: int) -> int:
 
 def find_max_seq_len(cfg: PlanConfig, *, log=print) -> Plan:
     """The plan at the longest sequence length that fits (``max_seq_len`` set; 0 when even one unit does not)."""
-    _, mesh = _mesh(cfg)
+    _, mesh = _mesh(cfg, _model(cfg), cfg.seq_len)
+    # the mesh the search plans on: resolved once, so that an automatic --mesh.sp does not change with the length
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "sp")}))
     unit = seq_len_unit(cfg, mesh.shape["sp"])
 
     def fits(n_units: int) -> bool:

@@ -38,31 +38,70 @@ BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 20  # linear warmup from 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int | None = None  # linear warmup from 0; None: 10% of the decay steps
+    decay_steps: int | None = None
+    """step where the cosine reaches lr * min_lr_ratio; None: --steps when the run starts. A resumed run keeps
+    its schedule, even with more --steps; given on resume, the rate decays anew from where it is (no jump)."""
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
     weight_decay: float = 0.1  # AdamW decoupled weight decay
     clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
-    b1: float = 0.9
-    b2: float = 0.95
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.95  # AdamW second-moment decay
 
     def __post_init__(self):
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.clip_norm < 0:
-            raise ValueError(
-                f"optimizer settings out of range (lr={self.lr}, warmup_steps={self.warmup_steps}, "
-                f"min_lr_ratio={self.min_lr_ratio}, clip_norm={self.clip_norm}): need lr > 0, warmup >= 0, "
-                f"0 <= min_lr_ratio <= 1, clip_norm >= 0"
-            )
+        checks = (
+            ("lr", self.lr > 0, "> 0"),
+            ("warmup-steps", self.warmup_steps is None or self.warmup_steps >= 0, ">= 0"),
+            ("decay-steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1"),
+            ("min-lr-ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("weight-decay", self.weight_decay >= 0, ">= 0"),
+            ("clip-norm", self.clip_norm >= 0, ">= 0 (0: off)"),
+            ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
+            ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
+        )
+        for name, ok, need in checks:
+            if not ok:
+                value = getattr(self, name.replace("-", "_"))
+                raise ValueError(f"--optim.{name} ({value}) must be {need}")
+
+    def resolved(self, total_steps: int) -> OptimConfig:
+        """The same settings with the decay and warmup steps filled in for a run of ``total_steps``."""
+        decay = self.decay_steps if self.decay_steps is not None else total_steps
+        warmup = self.warmup_steps if self.warmup_steps is not None else round(0.1 * decay)
+        return dataclasses.replace(self, decay_steps=decay, warmup_steps=warmup)
 
 
-def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
+def make_schedule(cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
+    """Linear warmup, cosine decay to ``lr * min_lr_ratio`` at ``decay_steps``, then constant.
+
+    ``replans``: ``(step, decay_steps)`` pairs, in order: from ``step`` on, a cosine from the rate the schedule had
+    there down to ``lr * min_lr_ratio`` at the new ``decay_steps`` (what ``--optim.decay-steps`` on resume does).
+    """
+    cfg = cfg.resolved(total_steps)
+    warmup = min(cfg.warmup_steps, max(cfg.decay_steps - 1, 0))
+    end = cfg.lr * cfg.min_lr_ratio
+    schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.lr,
         warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=cfg.lr * cfg.min_lr_ratio,
+        decay_steps=max(cfg.decay_steps, warmup + 1),
+        end_value=end,
     )
+    for start, decay in replans:
+        schedule = _replanned(schedule, start, decay, end)
+    return schedule
+
+
+def _replanned(before: optax.Schedule, start: int, decay: int, end: float) -> optax.Schedule:
+    start_lr = float(before(start))
+    span = max(decay - start, 1)
+
+    def schedule(step):
+        frac = jnp.clip((step - start) / span, 0.0, 1.0)
+        after = end + (start_lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        return jnp.where(step < start, before(step), after)
+
+    return schedule
 
 
 def decay_mask(params):
@@ -77,9 +116,11 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()
+) -> optax.GradientTransformation:
     adamw = optax.adamw(
-        make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+        make_schedule(cfg, total_steps, replans), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
     )
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
 
@@ -130,7 +171,8 @@ def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> t
         return graphdef, {"params": params}
     abstract_opt = jax.eval_shape(tx.init, params)
     opt_shardings = _opt_shardings(tx, abstract_opt, shardings, mesh)
-    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt, opt_shardings)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
+                             opt_shardings)
     replicated = NamedSharding(mesh, P())
     rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     state = {

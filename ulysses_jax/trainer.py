@@ -1,98 +1,84 @@
-"""The training and evaluation jobs (the step itself is ``step.py``): configuration, the loop, checkpoints, metrics.
+"""The training job (the step itself is ``step.py``; ``eval`` is ``evaluate.py``): configuration, setup, the loop.
 
-``train(TrainConfig(...))`` and ``evaluate(EvalConfig(...))`` are what ``ulysses-jax train`` and
-``ulysses-jax eval`` run (the CLI flags are generated from these dataclasses). Everything the user can
-get wrong is checked in ``setup_*`` before anything is written or computed, with a ``ValueError`` that
-names the value and the fix.
+``train(TrainConfig(...))`` is what ``ulysses-jax train`` runs (the CLI flags are generated from the dataclass).
+Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError``
+that names the flag and the fix; the run record (``run.json``, see ``runconfig.py``) is written once the step has
+compiled.
+
+The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
+checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
+import signal
+import threading
 import time
-from typing import Literal
+import uuid
+from typing import Annotated, Literal
 
 import jax
 import numpy as np
+import tyro
 
-from ulysses_jax import flops
-from ulysses_jax.checkpoint import Checkpointer, check_run_dir
-from ulysses_jax.attention import device_platform, resolve_impl
-from ulysses_jax.config import ModelConfig, RopeScaling, local_chunks
-from ulysses_jax.data import BatchIterator, DataConfig, eval_batches, to_global
-from ulysses_jax.mesh import make_mesh
-from ulysses_jax.metrics import MetricsLogger, peak_memory_bytes
-from ulysses_jax.step import (
-    BATCH_KEYS,
-    OptimConfig,
-    abstract_state,
-    batch_sharding,
-    init_state,
-    make_eval_step,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
-    state_shardings,
-)
+from ulysses_jax import flops, runconfig
+from ulysses_jax.attention import device_platform
+from ulysses_jax.checkpoint import Checkpointer, gather
+from ulysses_jax.config import PRESETS, ModelConfig, RopeScaling
+from ulysses_jax.data import (BatchIterator, DataConfig, describe_sources, describe_tokenizer, eval_batches,
+                              merge_states, to_global, validate_sources)
+from ulysses_jax.metrics import MetricsLogger, check_wandb, peak_memory_bytes
+from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
+from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, init_state, make_eval_step,
+                              make_optimizer, make_schedule, make_train_step, state_shardings)
 
-# Model fields that change how a step is computed, not what is learned: free to differ on resume.
-COMPUTE_ONLY = ("attention_impl", "remat", "loss_chunk", "mlp_chunk", "compute_dtype")
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    data: int = 1  # replicas
-    fsdp: int = -1  # batch and parameter sharding; -1: the remaining devices
-    sp: int = 1  # Ulysses sequence parallelism (innermost: devices of one host)
+COMPUTE_ONLY = runconfig.COMPUTE_ONLY
+Paths = Annotated[tuple[str, ...], tyro.conf.arg(metavar="PATH [PATH ...]")]
+Impl = Literal["auto", "xla", "pallas", "cudnn"]
+Remat = Literal["none", "full", "save_matmuls", "offload"]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    preset: str = "tiny"  # model preset (ModelConfig.from_preset)
-    steps: int = 200  # total optimizer steps (a resumed run continues up to this count)
-    seq_len: int = 4096  # tokens per row (the context length)
-    batch_size: int = 2  # rows per global batch
+    """Train a model (defaults: the tiny preset on the built-in corpus for 24 steps, Ulysses over the devices)."""
+
+    preset: Annotated[str, tyro.conf.arg(metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")] = "tiny"
+    steps: int = 24  # total optimizer steps (a resumed run continues up to this count)
+    seq_len: int = 2048  # tokens per row (the context length)
+    batch_size: int | None = None  # rows per global batch; None: 2, or one per data x fsdp device if more
     grad_accum: int = 1  # micro-batches per step (normalised by tokens, not by micro-batches)
     mesh: MeshConfig = MeshConfig()
-    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"  # attention implementation
-    remat: Literal["none", "full", "save_matmuls", "offload"] | None = None  # None: the preset's
+    attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
+    remat: Remat | None = None  # rematerialisation per layer; None: the preset's
     loss_chunk: int | None = None  # tiled loss chunk in tokens (0: off; None: the preset's)
     mlp_chunk: int | None = None  # tiled MLP chunk in tokens (0: off; None: the preset's)
     optim: OptimConfig = OptimConfig()
-    run_dir: str = "runs/default"  # checkpoints, metrics.jsonl, tensorboard/
-    resume: bool = False  # continue from the latest checkpoint in run_dir
-    checkpoint_every: int = 50  # steps between checkpoints (and one at the end)
+    data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
+    data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
+    eval_data: Paths = ()  # a validation source; none: the documents held out of --data by --eval-fraction
+    eval_fraction: float = 0.02  # share of --data documents held out for evaluation (chosen by a hash of the text)
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
+    eval_every: int = 0  # evaluate every N steps (and at the last step), logged with the training metrics; 0: off
+    eval_batches: int = 16  # batches per evaluation during training
+    run_dir: str | None = None  # checkpoints, metrics, run.json; None: a new runs/<preset>-<date>-<time>
+    config: str | None = None  # a YAML or TOML file of these settings (flags override it)
+    resume: bool = False  # continue the run in --run-dir from its latest checkpoint, with its recorded settings
+    resume_from: int | None = None  # continue from this checkpoint step (later checkpoints are set aside)
+    checkpoint_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM/SIGINT)
     keep_checkpoints: int = 3  # checkpoints kept (the oldest are deleted)
     seed: int = 0  # parameter init and data order
-    data: tuple[str, ...] = ()  # text/jsonl/parquet files or directories; none: the built-in corpus
-    tokenizer: str | None = None  # a Hugging Face tokenizer.json; none: bytes
+    wandb_project: str | None = None  # also log to this Weights & Biases project (needs `pip install wandb`)
     profile_steps: str | None = None  # "A:B": write a jax.profiler trace of steps A..B-1 to run_dir/profile
-    peak_tflops: float | None = None  # per-device peak for MFU (default: known GPUs' bf16 dense peak)
+    peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs' bf16 dense peak
     progress: bool = True  # show a progress bar
     cpu_devices: int = 8  # fake CPU devices when there is no accelerator
     distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
     coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
     num_processes: int | None = None  # ... with the number of processes
     process_id: int | None = None  # ... and this process's index
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    run_dir: str = "runs/default"  # the run to evaluate (its latest checkpoint)
-    mesh: MeshConfig = MeshConfig()
-    batch_size: int = 2  # rows per batch
-    max_batches: int = 16  # held-out batches to read (0: all)
-    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
-    data: tuple[str, ...] = ()  # as for training: held-out documents come from the same sources
-    tokenizer: str | None = None
-    cpu_devices: int = 8
-    distributed: bool = False
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -103,69 +89,29 @@ def _model_config(preset: str, vocab_size: int, **overrides) -> ModelConfig:
     if vocab_size > cfg.vocab_size:
         if preset != "tiny":
             raise ValueError(
-                f"the tokenizer has {vocab_size} tokens but preset {preset!r} has a vocabulary of "
-                f"{cfg.vocab_size}; use that model's own tokenizer"
+                f"the tokenizer has {vocab_size} tokens but --preset {preset} has a vocabulary of "
+                f"{cfg.vocab_size}; pass that model's own tokenizer with --tokenizer"
             )
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     return cfg
 
 
-def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, grad_accum: int = 1) -> None:
-    data, fsdp, sp = (mesh.shape[a] for a in ("data", "fsdp", "sp"))
-    if seq_len < 1 or seq_len % sp:
-        raise ValueError(f"--seq-len ({seq_len}) must be a positive multiple of --mesh.sp ({sp})")
-    if sp > cfg.num_heads:
-        raise ValueError(
-            f"--mesh.sp ({sp}) exceeds the model's query heads ({cfg.num_heads}): Ulysses splits heads over sp; "
-            f"use --mesh.sp <= {cfg.num_heads}"
-        )
-    rows = data * fsdp
-    if batch_size < 1 or batch_size % grad_accum or (batch_size // grad_accum) % rows:
-        raise ValueError(
-            f"--batch-size ({batch_size}) must be a multiple of --grad-accum ({grad_accum}) x data x fsdp "
-            f"({data} x {fsdp}) = {grad_accum * rows}"
-        )
-    hosts = len({d.process_index for d in mesh.devices.flat})  # the mesh's, so a planned topology counts too
-    per_host = mesh.devices.size // hosts
-    if batch_size % hosts:
-        raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {hosts} processes (hosts)")
-    if hosts > 1 and per_host % sp:
-        raise ValueError(
-            f"--mesh.sp ({sp}) must divide the {per_host} devices of each host, so that an sp group stays within "
-            f"one host; use --mesh.sp <= {per_host}"
-        )
-    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk)):
-        if chunk:
-            local_chunks(chunk, seq_len // sp, flag)
-    # training rows are packed documents, so segment ids are always present
-    resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True,
-                 platform=device_platform(mesh))
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The model a ``TrainConfig`` trains: its preset with the memory tools and attention of the flags."""
+    return _model_config(cfg.preset, vocab_size, attention_impl=cfg.attention, remat=cfg.remat,
+                         loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk)
 
 
-def run_identity(cfg: ModelConfig, seq_len: int, tokenizer: str | None, optim: OptimConfig) -> dict:
-    fields = dataclasses.asdict(cfg)
-    model = {k: v for k, v in fields.items() if k not in COMPUTE_ONLY}
-    # the optimizer-state tree differs with and without clipping: a resume must keep that choice
-    return {"model": model, "seq_len": seq_len, "tokenizer": tokenizer,
-            "optimizer": "adamw+clip" if optim.clip_norm else "adamw",
-            "compute": {k: fields[k] for k in COMPUTE_ONLY}}
-
-
-def model_config_from_run(run_dir: pathlib.Path) -> tuple[ModelConfig, dict]:
-    path = run_dir / "run.json"
-    if not path.is_file():
-        raise ValueError(f"{path} not found: {run_dir} is not a training run directory; pass --run-dir of a run")
+def model_config_from_run(record: dict, **compute) -> ModelConfig:
+    """The run's model, with its compute settings unless ``compute`` (attention_impl, remat, ...) gives others."""
+    fields = {**record["model"], **record.get("compute", {}), **{k: v for k, v in compute.items() if v is not None}}
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     try:
-        identity = json.loads(path.read_text())
-        fields = {**identity["model"], **identity.get("compute", {})}
-        if fields.get("rope_scaling"):
-            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
-        return ModelConfig(**fields), identity
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{path} is not a readable ulysses-jax run record ({type(e).__name__}: {e}); "
-            f"pass the --run-dir of a run written by `ulysses-jax train`"
-        ) from None
+        return ModelConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"run.json's model is not one this version of ulysses-jax knows ({e}); use the version that "
+                         f"wrote the run") from None
 
 
 def _peak(cfg_peak_tflops: float | None) -> float | None:
@@ -188,6 +134,15 @@ def _profile_range(spec: str | None) -> tuple[int, int] | None:
     return a, b
 
 
+def data_config(cfg: TrainConfig) -> DataConfig:
+    return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
+                      eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data))
+
+
+def default_run_dir(preset: str) -> str:
+    return f"runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 @dataclasses.dataclass
 class Run:
     cfg: TrainConfig
@@ -201,48 +156,138 @@ class Run:
     peak: float | None
     profile: tuple[int, int] | None
     planned_bytes: int | None = None  # XLA's per-device total of the compiled step (what `plan` reports)
+    batch_size: int = 2
+    record: dict = dataclasses.field(default_factory=dict)
+    summary: str = ""  # what validate_sources found
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
+    eval_step: object = None
+    data_config: DataConfig | None = None
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.cfg.run_dir)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The model a ``TrainConfig`` trains: its preset with the memory tools and attention of the flags."""
-    return _model_config(
-        cfg.preset, vocab_size, attention_impl=cfg.attention, remat=cfg.remat,
-        loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-    )
+def _continuation(cfg: TrainConfig, recorded: dict, where: runconfig.RunDir, notes: list[str]):
+    """Where a resumed run starts and its schedule: ``(start step, optim as first planned, decay end now, replans)``.
+
+    The recorded schedule is kept; ``--optim.decay-steps`` other than the recorded end re-plans the decay from the
+    step the run continues from (``step.make_schedule``), so the learning rate never jumps.
+    """
+    start = cfg.resume_from if cfg.resume_from is not None else where.steps[-1]
+    if start not in where.steps:
+        raise ValueError(f"--resume-from {start}: no such checkpoint in {where.checkpoints} (steps: "
+                         f"{', '.join(map(str, where.steps))})")
+    if start >= cfg.steps:
+        raise ValueError(f"--resume: the run is at step {start} of --steps {cfg.steps}; raise --steps to continue")
+    sched = recorded.get("schedule", {})
+    replans = [list(r) for r in sched.get("replans", [])]
+    first = sched.get("decay_steps", cfg.optim.resolved(cfg.steps).decay_steps)
+    horizon = replans[-1][1] if replans else first
+    asked = cfg.optim.decay_steps
+    if asked is not None and asked != horizon:
+        if asked <= start:
+            raise ValueError(f"--optim.decay-steps ({asked}) must be after the step the run continues from ({start})")
+        replans.append([start, asked])
+        horizon = asked
+        notes.append(f"learning rate: decaying anew from step {start} to its minimum at step {asked}")
+    elif cfg.steps > horizon:
+        notes.append(f"learning rate: the run's schedule ends at step {horizon}; steps after it keep the minimum "
+                     f"rate (--optim.decay-steps N decays anew to step N)")
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else sched.get("warmup_steps")
+    return start, dataclasses.replace(cfg.optim, decay_steps=first, warmup_steps=warmup), horizon, replans
 
 
 def setup_train(cfg: TrainConfig) -> Run:
-    """Validate everything and build (or restore) the state; raises ValueError on user error."""
-    if cfg.steps < 1 or cfg.checkpoint_every < 1:
-        raise ValueError(f"--steps ({cfg.steps}) and --checkpoint-every ({cfg.checkpoint_every}) must be >= 1")
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, sp=cfg.mesh.sp)
-    data_cfg = DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer)
-    it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=cfg.batch_size, seed=cfg.seed)
-    model = model_config(cfg, it.vocab_size)
-    check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
+    """Validate everything and build (or restore) the state; raises ValueError on user error; writes the record last."""
+    for name, value, least in (("--steps", cfg.steps, 1), ("--checkpoint-every", cfg.checkpoint_every, 1),
+                               ("--grad-accum", cfg.grad_accum, 1), ("--seq-len", cfg.seq_len, 1),
+                               ("--keep-checkpoints", cfg.keep_checkpoints, 1), ("--eval-every", cfg.eval_every, 0),
+                               ("--eval-batches", cfg.eval_batches, 1 if cfg.eval_every else 0)):
+        if value < least:
+            raise ValueError(f"{name} ({value}) must be at least {least}")
+    resuming = cfg.resume or cfg.resume_from is not None
+    if cfg.run_dir is None:
+        if resuming:
+            raise ValueError("--resume needs --run-dir: the directory of the run to continue")
+        if jax.process_count() > 1:
+            raise ValueError("a multi-process run needs --run-dir (every process must write to the same directory)")
+        cfg = dataclasses.replace(cfg, run_dir=default_run_dir(cfg.preset))
+    check_wandb(cfg.wandb_project)
+    where = runconfig.inspect(cfg.run_dir)
+    if not resuming and where.steps:
+        raise ValueError(f"--run-dir {cfg.run_dir} already holds checkpoints; pass --resume to continue that run "
+                         f"or choose a new --run-dir (nothing was overwritten)")
+    if resuming and not where.steps:
+        raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point --run-dir "
+                         f"at a run")
+    recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
+
+    data_cfg = data_config(cfg)
+    summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
+    sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
+    model = model_config(cfg, summary.vocab_size)
+    mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
+    batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
+    check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
-    check_run_dir(cfg.run_dir, run_identity(model, cfg.seq_len, cfg.tokenizer, cfg.optim), resume=cfg.resume)
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
-    start = 0
-    if cfg.resume:
-        start = checkpointer.latest_step()
+
+    notes: list[str] = []
+    if resuming:
+        start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
+    else:
+        start, optim, replans = 0, cfg.optim.resolved(cfg.steps), []
+        horizon = optim.decay_steps
+    record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
+    if recorded is not None:
+        why = runconfig.same_run(recorded, record)
+        if why and resuming:
+            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}; resume without that flag, or "
+                             f"start a new --run-dir")
+        if why:
+            raise ValueError(f"--run-dir {cfg.run_dir} holds another run that saved no checkpoint ({why}); choose a "
+                             f"new --run-dir, or delete that directory to start over")
+    if not resuming:
+        if where.metrics and recorded is None:
+            raise ValueError(f"--run-dir {cfg.run_dir} holds metrics of a run without run.json; choose a new "
+                             f"--run-dir (nothing was overwritten)")
+        if recorded is not None:
+            notes.append(f"{cfg.run_dir} holds this run, which saved no checkpoint: starting it again from step 0 "
+                         f"(its earlier metrics are dropped)")
+
+    it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed)
+    tx = make_optimizer(optim, cfg.steps, tuple(map(tuple, replans)))
+    if resuming:
         graphdef, target = abstract_state(model, mesh, tx, cfg.seed)
-        state, data_state = checkpointer.restore(start, target)
+        reader = Checkpointer(cfg.run_dir, create=False)
+        try:
+            state, data_state = reader.restore(start, target)
+        finally:
+            reader.close()
         it.set_state(data_state)
-        if start >= cfg.steps:
-            raise ValueError(f"--resume: the run is already at step {start} of --steps {cfg.steps}; raise --steps")
     else:
         graphdef, state = init_state(model, mesh, tx, cfg.seed)
-    step_fn = make_train_step(
-        graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh, state_shardings(state), grad_accum=cfg.grad_accum
-    )
+    step_fn = make_train_step(graphdef, tx, make_schedule(optim, cfg.steps, tuple(map(tuple, replans))), mesh,
+                              state_shardings(state), grad_accum=cfg.grad_accum)
     # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
-    batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
+    batch = {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
              for k in BATCH_KEYS}
     step_fn = step_fn.lower(state, batch).compile()
-    mem = step_fn.memory_analysis()
-    return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, device_total_bytes(mem))
+    planned = device_total_bytes(step_fn.memory_analysis())
+    eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
+
+    # Everything is checked: write.
+    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
+    if resuming and checkpointer.set_aside(after=start) is not None:
+        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
+    starts = (recorded or {}).get("starts", []) if resuming else []
+    record["starts"] = starts + [{"step": start, "time": runconfig.now(), "mesh": dict(mesh.shape),
+                                  "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
+    record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
+    if jax.process_index() == 0:
+        runconfig.write_record(cfg.run_dir, record)
+    return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
+               str(summary), notes, eval_step, data_cfg)
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -259,60 +304,121 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+class _StopSignals:
+    """SIGTERM / SIGINT set ``signum`` (the loop then saves and stops); a second one stops at once."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            self.__exit__()
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def stop(self) -> bool:
+        stop = self.signum is not None
+        if jax.process_count() > 1:  # every process stops after the same step (the save is collective)
+            from jax.experimental import multihost_utils
+
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+        return stop
+
+
 def train(cfg: TrainConfig) -> dict:
-    """Run the training job; returns a summary (first/last loss, tokens/s, paths)."""
+    """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``)."""
     return train_run(setup_train(cfg))
+
+
+def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,
+                  max_batches: int | None) -> dict:
+    total, count, batches = 0.0, 0, 0
+    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches):
+        s, c = eval_step(params, to_global(local, mesh))
+        total, count, batches = total + float(s), count + int(c), batches + 1
+    if count == 0:
+        raise ValueError("no eval tokens: the eval split is empty; raise --eval-fraction or give --eval-data")
+    loss = total / count
+    return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0))), "tokens": count, "batches": batches}
+
+
+def _save(run: Run, step: int, state: dict) -> None:
+    run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
 
 
 def train_run(run: Run) -> dict:
     cfg, mesh = run.cfg, run.mesh
     n_dev = mesh.devices.size
-    step_flops = flops.flops_per_device(run.model, batch=cfg.batch_size, seq_len=cfg.seq_len, n_devices=n_dev)
-    log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress)
-    state, losses, times = run.state, [], []
-    last_saved = run.start_step if cfg.resume else None
+    step_flops = flops.flops_per_device(run.model, batch=run.batch_size, seq_len=cfg.seq_len, n_devices=n_dev)
+    log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress,
+                        wandb_project=cfg.wandb_project, wandb_id=run.record.get("wandb_id"),
+                        config=run.record.get("config"))
+    state, losses, times, evals = run.state, [], [], []
+    last_saved = run.start_step if run.start_step else None
+    stopped_by, step = None, run.start_step
     try:
-        for step in range(run.start_step, cfg.steps):
-            if run.profile and step == run.profile[0]:
-                jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
-            batch = to_global(next(run.data), mesh)
-            t0 = time.perf_counter()
-            state, metrics = run.step_fn(state, batch)
-            loss = float(metrics["loss"])  # waits for the step
-            dt = time.perf_counter() - t0
-            if run.profile and step + 1 == run.profile[1]:
-                jax.profiler.stop_trace()
-            if not math.isfinite(loss):
-                where = f"step {last_saved}" if last_saved is not None else "none yet"
-                raise TrainingDiverged(
-                    f"loss is {loss} at step {step + 1}; stopped without saving (last good checkpoint: {where}); "
-                    f"lower --optim.lr or raise --optim.warmup-steps and resume"
-                )
-            n_tok = int(metrics["tokens"])
-            record = {
-                "step": step + 1,
-                "loss": loss,
-                "grad_norm": float(metrics["grad_norm"]),
-                "lr": float(metrics["lr"]),
-                "tokens": n_tok,
-                "step_time_s": dt,
-                "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-                "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
-                "peak_memory_bytes": peak_memory_bytes(),
-            }
-            if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
-                # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
-                record["planned_bytes"] = run.planned_bytes
-                measured = record["peak_memory_bytes"]
-                log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
-                          f"`ulysses-jax plan` reports), measured peak "
-                          f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
-            log.log(record)
-            losses.append(loss)
-            times.append(dt)
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                run.checkpointer.save(step + 1, state, run.data.get_state())
-                last_saved = step + 1
+        with _StopSignals() as signals:
+            for step in range(run.start_step, cfg.steps):
+                if run.profile and step == run.profile[0]:
+                    jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
+                batch = to_global(next(run.data), mesh)
+                t0 = time.perf_counter()
+                state, metrics = run.step_fn(state, batch)
+                loss = float(metrics["loss"])  # waits for the step
+                dt = time.perf_counter() - t0
+                if run.profile and step + 1 == run.profile[1]:
+                    jax.profiler.stop_trace()
+                if not math.isfinite(loss):
+                    where = (f"step {last_saved} in {run.checkpointer.directory}: continue from it with --resume, or "
+                             f"from an earlier one with --resume-from STEP" if last_saved is not None else "none yet")
+                    raise TrainingDiverged(
+                        f"loss is {loss} at step {step + 1}; stopped without saving (last good checkpoint: {where}); "
+                        f"if it recurs, start a new --run-dir with a lower --optim.lr or more --optim.warmup-steps"
+                    )
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(metrics["lr"]),
+                    "tokens": int(metrics["tokens"]),
+                    "step_time_s": dt,
+                    "tokens_per_s": run.batch_size * cfg.seq_len / dt,
+                    "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
+                    "peak_memory_bytes": peak_memory_bytes(),
+                }
+                if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
+                    # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
+                    record["planned_bytes"] = run.planned_bytes
+                    measured = record["peak_memory_bytes"]
+                    log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
+                              f"`ulysses-jax plan` reports), measured peak "
+                              f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
+                if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                    ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
+                                       batch_size=run.batch_size, max_batches=cfg.eval_batches)
+                    record.update({f"eval_{k}": v for k, v in ev.items()})
+                    evals.append((step + 1, ev["loss"]))
+                log.log(record)
+                losses.append(loss)
+                times.append(dt)
+                stop = signals.stop()
+                if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    _save(run, step + 1, state)
+                    last_saved = step + 1
+                if stop:
+                    stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
+                    break
     finally:
         run.checkpointer.close()
         log.close()
@@ -321,42 +427,12 @@ def train_run(run: Run) -> dict:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "steps": len(losses),
-        "tokens_per_s": cfg.batch_size * cfg.seq_len * len(steady) / sum(steady) if steady else None,
-        "checkpoints": str(run.checkpointer.directory),
+        "last_step": run.start_step + len(losses),
+        "tokens_per_s": run.batch_size * cfg.seq_len * len(steady) / sum(steady) if steady else None,
+        "checkpoints": str(pathlib.Path(cfg.run_dir) / "checkpoints"),
         "metrics": str(log.jsonl_path),
         "tensorboard": str(log.tb_dir),
         "losses": losses,
+        "evals": evals,
+        "stopped_by": stopped_by,
     }
-
-
-# ------------------------------------------------------------------------------------ eval
-
-
-def evaluate(cfg: EvalConfig) -> dict:
-    """Loss and perplexity of the run's latest checkpoint on held-out documents, with SP on."""
-    run_dir = pathlib.Path(cfg.run_dir)
-    model, identity = model_config_from_run(run_dir)  # with the run's compute settings (dtype, chunks, ...)
-    model = dataclasses.replace(model, attention_impl=cfg.attention)
-    seq_len = identity["seq_len"]
-    tokenizer = cfg.tokenizer if cfg.tokenizer is not None else identity.get("tokenizer")
-    mesh = make_mesh(data=cfg.mesh.data, fsdp=cfg.mesh.fsdp, sp=cfg.mesh.sp)
-    check_parallel(model, mesh, seq_len=seq_len, batch_size=cfg.batch_size)
-    checkpointer = Checkpointer(run_dir, keep=10**6)
-    step = checkpointer.latest_step()
-    if step is None:
-        raise ValueError(f"no checkpoint in {checkpointer.directory}; train first or pass the --run-dir of a run")
-    graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
-    state, _ = checkpointer.restore(step, target, params_only=True)
-    checkpointer.close()
-    eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"]))
-    data_cfg = DataConfig(paths=tuple(cfg.data), tokenizer=tokenizer)
-    total, count, batches = 0.0, 0, 0
-    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=cfg.batch_size,
-                              max_batches=cfg.max_batches or None):
-        s, c = eval_step(state["params"], to_global(local, mesh))
-        total, count, batches = total + float(s), count + int(c), batches + 1
-    if count == 0:
-        raise ValueError("no held-out tokens to evaluate: the data has too few documents for an eval split")
-    loss = total / count
-    return {"step": step, "loss": loss, "perplexity": float(np.exp(loss)), "tokens": count, "batches": batches,
-            "seq_len": seq_len}

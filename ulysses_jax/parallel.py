@@ -1,0 +1,107 @@
+"""The devices a job runs on: the ``--mesh.*`` flags resolved (``sp`` automatic by default), the default batch, and
+every divisibility the training step needs, checked before anything is computed with the flags' own names.
+
+Shared by ``train``, ``eval`` and ``plan`` (which resolves the same flags over compile-only GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from ulysses_jax.attention import device_platform, resolve_impl
+from ulysses_jax.config import ModelConfig, local_chunks
+from ulysses_jax.mesh import make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1  # replicas
+    fsdp: int = -1  # batch and parameter sharding; -1: the devices left after data and sp
+    sp: int = 0
+    """Ulysses sequence parallelism (innermost: devices of one host); 0: auto, the most devices of one host that
+    divide the query heads and --seq-len (all 8 on one 8-GPU node or 8 fake CPU devices); with --mesh.fsdp given, the
+    devices left"""
+
+
+def build_mesh(m: MeshConfig, model: ModelConfig, seq_len: int, devices=None) -> jax.sharding.Mesh:
+    """The mesh of the ``--mesh.*`` flags over ``devices`` (default: all), ``sp=0`` resolved (see ``MeshConfig``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    per_host = n // len({d.process_index for d in devices})
+    for name, v, ok, what in (
+        ("data", m.data, m.data >= 1, "a positive number"),
+        ("fsdp", m.fsdp, m.fsdp >= 1 or m.fsdp == -1, "a positive number or -1 (the devices left)"),
+        ("sp", m.sp, m.sp >= 0, "a positive number or 0 (auto)"),
+    ):
+        if not ok:
+            raise ValueError(f"--mesh.{name} ({v}) must be {what} of devices")
+    data, fsdp, sp = m.data, m.fsdp, m.sp
+    if sp == 0 and fsdp != -1:
+        sp = n // (data * fsdp) if n % (data * fsdp) == 0 else 0
+        if sp == 0:
+            raise ValueError(f"--mesh.data {data} x --mesh.fsdp {fsdp} = {data * fsdp} does not divide the {n} "
+                             f"devices; choose sizes whose product divides {n}")
+    elif sp == 0:
+        fits = [d for d in range(per_host, 0, -1) if per_host % d == 0 and d <= model.num_heads and seq_len % d == 0
+                and n % (data * d) == 0]
+        sp = fits[0] if fits else 1
+    if fsdp == -1:
+        if n % (data * sp):
+            raise ValueError(f"--mesh.data {data} x --mesh.sp {sp} = {data * sp} does not divide the {n} devices; "
+                             f"choose sizes whose product divides {n}")
+        fsdp = n // (data * sp)
+    if data * fsdp * sp != n:
+        raise ValueError(f"--mesh.data {data} x --mesh.fsdp {fsdp} x --mesh.sp {sp} = {data * fsdp * sp} but there are "
+                         f"{n} devices; make the product {n} (or let --mesh.fsdp -1 take the devices left)")
+    return make_mesh(data=data, fsdp=fsdp, sp=sp, devices=devices)
+
+
+def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:
+    """``--batch-size``, or by default 2 rows, or one per data x fsdp device (times ``--grad-accum``) if more."""
+    if batch_size is not None:
+        return batch_size
+    rows = mesh.shape["data"] * mesh.shape["fsdp"] * grad_accum
+    return rows * -(-2 // rows)
+
+
+def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, grad_accum: int = 1) -> None:
+    data, fsdp, sp = (mesh.shape[a] for a in ("data", "fsdp", "sp"))
+    if seq_len < 1 or seq_len % sp:
+        raise ValueError(f"--seq-len ({seq_len}) must be a positive multiple of --mesh.sp ({sp})")
+    if sp > cfg.num_heads:
+        raise ValueError(
+            f"--mesh.sp ({sp}) exceeds the model's query heads ({cfg.num_heads}): Ulysses splits heads over sp; "
+            f"use --mesh.sp <= {cfg.num_heads}"
+        )
+    rows = data * fsdp
+    if grad_accum < 1:
+        raise ValueError(f"--grad-accum ({grad_accum}) must be at least 1")
+    if batch_size < 1 or batch_size % grad_accum or (batch_size // grad_accum) % rows:
+        raise ValueError(
+            f"--batch-size ({batch_size}) must be a multiple of --grad-accum ({grad_accum}) x --mesh.data x "
+            f"--mesh.fsdp ({data} x {fsdp}) = {grad_accum * rows}"
+        )
+    hosts = len({d.process_index for d in mesh.devices.flat})  # the mesh's, so a planned topology counts too
+    per_host = mesh.devices.size // hosts
+    if batch_size % hosts:
+        raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {hosts} processes (hosts)")
+    if hosts > 1 and per_host % sp:
+        raise ValueError(
+            f"--mesh.sp ({sp}) must divide the {per_host} devices of each host, so that an sp group stays within "
+            f"one host; use --mesh.sp <= {per_host}"
+        )
+    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk)):
+        if chunk:
+            local_chunks(chunk, seq_len // sp, flag)
+    # training rows are packed documents, so segment ids are always present
+    try:
+        resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True,
+                     platform=device_platform(mesh))
+    except ValueError as e:
+        why = str(e).replace(f"impl={cfg.attention_impl!r} ", "")
+        why = re.sub(r"impl='(\w+)'( or '(\w+)')?", r"--attention \1\2", why)
+        why = re.sub(r"'(\w+)'", r"\1", why)
+        raise ValueError(f"--attention {cfg.attention_impl}: {why}") from None
