@@ -474,7 +474,7 @@ def test_to_global_shards_batch_and_sequence(tmp_path, seed):
     assert set(arrays) == KEYS
     for key, arr in arrays.items():
         assert arr.shape == (4, 64) and arr.dtype == np.int32
-        assert arr.sharding.spec == P(("data", "fsdp"), "sp")
+        assert arr.sharding.spec == P(("data", "fsdp"), ("ring", "sp"))
         assert {s.data.shape for s in arr.addressable_shards} == {(2, 16)}
         np.testing.assert_array_equal(np.asarray(arr), local[key])
     with pytest.raises(ValueError, match=r"--seq-len \(30\) must be divisible by --mesh.sp \(4\)"):

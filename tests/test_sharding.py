@@ -17,15 +17,15 @@ from ulysses_jax.sharding import compute_spec, fsdp_axes, param_spec
 def test_table():
     # each logical name once (a dict), each with an at-rest and a compute entry
     assert set(LOGICAL_AXES) == {"batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "layers"}
-    assert fsdp_axes() == ("fsdp", "sp") and fsdp_axes(over_data=True) == ("data", "fsdp", "sp")
-    # at rest: only the embed dimension is split, over fsdp x sp (x data)
-    assert param_spec(("embed", "mlp")) == P(("fsdp", "sp"), None)
-    assert param_spec(("mlp", "embed"), over_data=True) == P(None, ("data", "fsdp", "sp"))
-    assert param_spec(("vocab", "embed")) == P(None, ("fsdp", "sp"))
+    assert fsdp_axes() == ("fsdp", "ring", "sp") and fsdp_axes(over_data=True) == ("data", "fsdp", "ring", "sp")
+    # at rest: only the embed dimension is split, over fsdp x ring x sp (x data)
+    assert param_spec(("embed", "mlp")) == P(("fsdp", "ring", "sp"), None)
+    assert param_spec(("mlp", "embed"), over_data=True) == P(None, ("data", "fsdp", "ring", "sp"))
+    assert param_spec(("vocab", "embed")) == P(None, ("fsdp", "ring", "sp"))
     assert param_spec(("heads", "head_dim")) == P(None, None)
-    # in compute: batch over data x fsdp, sequence over sp, parameters whole
-    assert compute_spec(("batch", "seq", "embed")) == P(("data", "fsdp"), "sp", None)
-    assert compute_spec(("batch", "seq", "heads", "head_dim")) == P(("data", "fsdp"), "sp", None, None)
+    # in compute: batch over data x fsdp, sequence over ring x sp (ring-major), parameters whole
+    assert compute_spec(("batch", "seq", "embed")) == P(("data", "fsdp"), ("ring", "sp"), None)
+    assert compute_spec(("batch", "seq", "heads", "head_dim")) == P(("data", "fsdp"), ("ring", "sp"), None, None)
     assert compute_spec(("embed", "mlp")) == P(None, None)
     with pytest.raises(ValueError, match=r"unknown logical axis 'hidden'"):
         param_spec(("hidden",))
@@ -95,5 +95,5 @@ def test_indivisible_parameter_is_a_clear_error():
     cfg = shrink("llama3.2-1b", hidden=60, num_kv_heads=2)
     with pytest.raises(ValueError, match=r"parameter embed has shape \(256, 60\): dimension 60 must be divisible by"):
         Transformer(cfg, mesh=mesh_for("fsdp2xsp4"), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"the mesh must have axes \('data', 'fsdp', 'sp'\)"):
+    with pytest.raises(ValueError, match=r"the mesh must have axes \('data', 'fsdp', 'ring', 'sp'\)"):
         Transformer(cfg, mesh=jax.make_mesh((8,), ("x",)), rngs=nnx.Rngs(0))

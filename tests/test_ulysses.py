@@ -173,7 +173,7 @@ def test_invalid_inputs(mesh_name, shapes, seg_shape, match):
 
 
 def test_unknown_axis_name():
-    with pytest.raises(ValueError, match=r"axis_name 'seq' is not an axis of the mesh \('data', 'fsdp', 'sp'\)"):
+    with pytest.raises(ValueError, match=r"axis_name 'seq' is not an axis of the mesh \('data', 'fsdp', 'ring', 'sp'\)"):
         ulysses_attention(jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)),
                           mesh=mesh_for("sp2"), axis_name="seq")
 

@@ -2,9 +2,11 @@
 
 Labels are shifted *before* the sequence is split: a batch carries ``tokens [B, S]`` and ``labels [B, S]``
 where ``labels[b, t]`` is the token that follows ``tokens[b, t]``, so the token at a shard's last position
-keeps its label although the next token lives on another device. A negative label (``IGNORE = -1``, or
-Hugging Face's ``-100``) marks a position with no target: padding, the last token of a document in a
-packed row, the last position of a row. ``shift_labels`` builds them from tokens and segment ids.
+keeps its label although the next token lives on another device. With a ring (``mesh.ring > 1``) the batch,
+labels included, is permuted once here into the model's token order (``Transformer.ring_order``, zigzag): a sum
+over tokens does not depend on their order, so the loss and the gradients are unchanged. A negative label
+(``IGNORE = -1``, or Hugging Face's ``-100``) marks a position with no target: padding, the last token of a
+document in a packed row, the last position of a row. ``shift_labels`` builds them from tokens and segment ids.
 
 The loss is a token-weighted mean over every device: ``sum of per-token losses / number of valid
 tokens`` of the global batch, never a mean of per-shard means. A shard or row without a valid token
@@ -28,7 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.config import local_chunks
-from ulysses_jax.mesh import DATA, FSDP, MESH_AXES, SP
+from ulysses_jax.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.sharding import fsdp_axes, gather_param
 
 IGNORE = -1
@@ -93,7 +95,7 @@ def tiled_cross_entropy_sum(
         return jax.lax.psum(jnp.sum(sums_n), MESH_AXES), jax.lax.psum(count, MESH_AXES)
 
     fn = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(batch, SP, None), P(None, wa), P(batch, SP)), out_specs=(P(), P())
+        local, mesh=mesh, in_specs=(P(batch, SEQ, None), P(None, wa), P(batch, SEQ)), out_specs=(P(), P())
     )
     return fn(h_BSD, w_VD, labels_BS)
 
@@ -108,7 +110,13 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None) -> L
     tokens_BS, labels_BS = batch["tokens"], batch["labels"]
     if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
         raise ValueError(f"labels shape {tuple(labels_BS.shape)} must equal the tokens' {tuple(tokens_BS.shape)}")
-    if hidden is None:
+    # with a ring the model computes in its token order: permute the batch, labels included, once, here
+    ordered = model.ring_order(batch) if hidden is None and hasattr(model, "ring_order") else None
+    if ordered is not None:
+        labels_BS = ordered["labels"]
+        hidden = model.hidden_states(ordered["tokens"], positions=ordered["positions"],
+                                     segment_ids=ordered.get("segment_ids"), permuted=True)
+    elif hidden is None:
         hidden = model.hidden_states(tokens_BS, positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
     cfg = model.config
     if cfg.loss_chunk:

@@ -67,6 +67,7 @@ from jax import lax
 
 from ulysses_jax.attention import check_qkv
 from ulysses_jax.head_layout import HeadLayout
+from ulysses_jax.kernels import blockwise
 
 ORDERS = ("zigzag", "contiguous")
 SKIP, FULL, DIAG = 0, 1, 2  # what a (query chunk, KV chunk) pair needs: nothing, no causal mask, the mask
@@ -208,6 +209,17 @@ def xla_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal:
 
 
 XLA_KERNEL = LocalKernel(xla_forward, xla_backward)
+# tile by tile in lax loops: memory linear in the block length (kernels/blockwise.py)
+BLOCKWISE_KERNEL = LocalKernel(blockwise.pair_forward, blockwise.pair_backward)
+RING_IMPLS = {"xla": XLA_KERNEL, "blockwise": BLOCKWISE_KERNEL, "auto": BLOCKWISE_KERNEL}
+
+
+def ring_kernel(impl: str) -> LocalKernel:
+    """The local kernel of each ring step for an attention ``impl`` (``"auto"``: blockwise, any platform)."""
+    if impl not in RING_IMPLS:
+        raise ValueError(f"attention impl={impl!r} has no ring kernel yet; with a ring use one of "
+                         f"{', '.join(map(repr, RING_IMPLS))}")
+    return RING_IMPLS[impl]
 
 # ---------------------------------------------------------------------------------------------------
 # The ring: forward steps, custom_vjp, backward steps

@@ -4,13 +4,14 @@ Every array in the model names its dimensions with logical axes (``("embed", "he
 ``LOGICAL_AXES`` maps each name, once, to mesh axes in two columns:
 
   * at rest: how parameters (and so optimizer state) are stored between steps. Each parameter has one
-    ``embed`` dimension, split over ``FSDP``: the mesh axes ``("fsdp", "sp")`` together, or
-    ``("data", "fsdp", "sp")`` for full ZeRO-3 (``fsdp_axes(over_data=True)``). Every other dimension
-    is whole. Parameters and optimizer state are thus split over the whole SP x DP group, as
+    ``embed`` dimension, split over ``FSDP``: the mesh axes ``("fsdp", "ring", "sp")`` together, or
+    ``("data", "fsdp", "ring", "sp")`` for full ZeRO-3 (``fsdp_axes(over_data=True)``). Every other
+    dimension is whole. Parameters and optimizer state are thus split over the whole SP x DP group, as
     DeepSpeed ZeRO-3 with Ulysses does.
   * in compute: how activations live during the step: batch over ``("data", "fsdp")``, sequence over
-    ``sp``, everything else whole. Parameters in compute are whole (replicated): the difference
-    between the two columns *is* FSDP: an all-gather before use, a reduce-scatter of the gradient.
+    ``("ring", "sp")`` jointly (ring-major; ``ring`` has size 1 for plain Ulysses), everything else whole.
+    Parameters in compute are whole (replicated): the difference between the two columns *is* FSDP: an
+    all-gather before use, a reduce-scatter of the gradient.
 
 Under ``AxisType.Auto`` (the project's mode) these specs are given to ``jit`` (parameters) and to
 ``with_sharding_constraint`` (activations); GSPMD inserts the collectives.
@@ -25,14 +26,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.mesh import DATA, FSDP, RING, SEQ, SP
 
 FSDP_AXES = "FSDP"  # placeholder in the table: the parameter-sharding mesh axes, see fsdp_axes()
 
 # logical axis -> (at rest, in compute); each name once.
 LOGICAL_AXES: dict[str, tuple[object, object]] = {
     "batch": (None, (DATA, FSDP)),
-    "seq": (None, SP),
+    "seq": (None, SEQ),
     "embed": (FSDP_AXES, None),
     "vocab": (None, None),
     "heads": (None, None),
@@ -44,8 +45,8 @@ LOGICAL_AXES: dict[str, tuple[object, object]] = {
 
 
 def fsdp_axes(over_data: bool = False) -> tuple[str, ...]:
-    """Mesh axes that split parameters: ``("fsdp", "sp")``, plus ``"data"`` in front for full ZeRO-3."""
-    return (DATA, FSDP, SP) if over_data else (FSDP, SP)
+    """Mesh axes that split parameters: ``("fsdp", "ring", "sp")``, plus ``"data"`` in front for full ZeRO-3."""
+    return (DATA, FSDP, RING, SP) if over_data else (FSDP, RING, SP)
 
 
 def _resolve(entry, over_data: bool):
@@ -67,7 +68,7 @@ def _spec(names: Sequence[str | None], column: int, over_data: bool) -> P:
 
 
 def param_spec(names: Sequence[str | None], *, over_data: bool = False) -> P:
-    """PartitionSpec of a parameter at rest, e.g. ``("embed", "mlp") -> P(("fsdp", "sp"), None)``."""
+    """PartitionSpec of a parameter at rest, e.g. ``("embed", "mlp") -> P(("fsdp", "ring", "sp"), None)``."""
     return _spec(names, 0, over_data)
 
 
@@ -111,10 +112,18 @@ def check_batch(batch: int, mesh: Mesh) -> None:
 
 
 def check_seq(seq: int, mesh: Mesh) -> None:
-    sp = mesh.shape[SP]
-    if seq % sp:
+    """The sequence must divide over ``ring x sp``; with a ring, each ring rank's ``S / ring`` tokens must also
+    split into the zigzag order's two halves."""
+    ring, sp = mesh.shape.get(RING, 1), mesh.shape[SP]
+    if ring == 1 and seq % sp:
         raise ValueError(
             f"sequence length ({seq}) must be divisible by sp ({sp}); pad the sequence to a multiple of {sp}"
+        )
+    unit = math.lcm(ring * sp, 2 * ring)
+    if ring > 1 and seq % unit:
+        raise ValueError(
+            f"sequence length ({seq}) must be divisible by ring x sp ({ring} x {sp}) and by 2 x ring ({2 * ring}, the "
+            f"zigzag order); pad the sequence to a multiple of {unit}"
         )
 
 

@@ -17,19 +17,31 @@ volume. ``exchange_bytes`` computes it; the tests check it against the compiled 
 
 Segment ids (``[B, S/P]`` per device) are all-gathered to ``[B, S]``: every device needs the ids of
 the whole sequence, which is ``4 * b * S`` bytes, small next to Q, K and V.
+
+Ulysses x ring. On a mesh whose ``ring_axis`` has ``R > 1`` devices the sequence is split over
+``(ring_axis, axis_name)`` jointly, ring-major: the all-to-alls above run inside each ``sp`` group (one
+node), giving each device ``S/R`` tokens of its heads, and ring attention (``ring.py``) runs across the
+``R`` groups: ``R - 1`` collective-permutes of the local ``[K; V]`` per forward. The ring needs its tokens
+in the zigzag order (causal load balance): ``ulysses_attention`` permutes global inputs once and restores
+the order of the output, unless ``permuted=True`` says they already are in ``ring_token_order(S, R)`` (what
+the model does: it permutes tokens, positions, segment ids and labels once at its input). Ring size 1 is
+the plain Ulysses path, unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.attention import attention, check_qkv, device_platform, resolve_impl
 from ulysses_jax.head_layout import HeadLayout, plan_heads
+from ulysses_jax.ring import ring_kernel, sequence_order, ulysses_ring_local
 
 
 def seq_to_heads(x: jax.Array, axis_name: str) -> jax.Array:
@@ -42,9 +54,11 @@ def heads_to_seq(x: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
-def exchange_bytes(layout: HeadLayout, *, batch: int, seq_len: int, head_dim: int, itemsize: int) -> dict[str, int]:
-    """Per-device buffer bytes of the two all-to-alls (``batch`` = per-device batch, ``seq_len`` = global S)."""
-    tokens = batch * (seq_len // layout.sp)
+def exchange_bytes(layout: HeadLayout, *, batch: int, seq_len: int, head_dim: int, itemsize: int,
+                   ring: int = 1) -> dict[str, int]:
+    """Per-device buffer bytes of the two all-to-alls (``batch`` = per-device batch, ``seq_len`` = global S,
+    split over ``ring`` x sp)."""
+    tokens = batch * (seq_len // (ring * layout.sp))
     qkv_heads = layout.padded_heads + 2 * layout.kv_heads_sent
     return {
         "qkv": tokens * qkv_heads * head_dim * itemsize,
@@ -54,22 +68,39 @@ def exchange_bytes(layout: HeadLayout, *, batch: int, seq_len: int, head_dim: in
     }
 
 
-def batch_axes(mesh: Mesh, axis_name: str) -> tuple[str, ...]:
-    """The mesh axes, other than the sequence axis, that split the batch (the non-trivial ones)."""
-    return tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
+def batch_axes(mesh: Mesh, *seq_axes: str) -> tuple[str, ...]:
+    """The mesh axes, other than the sequence axes, that split the batch (the non-trivial ones)."""
+    return tuple(a for a in mesh.axis_names if a not in seq_axes and mesh.shape[a] > 1)
 
 
-def check_ulysses(q, k, v, segment_ids, mesh: Mesh, axis_name: str) -> tuple[tuple[str, ...], int]:
+def ring_size(mesh: Mesh, ring_axis: str | None) -> int:
+    """Devices on ``ring_axis`` (1 when it is ``None`` or not an axis of the mesh)."""
+    return mesh.shape[ring_axis] if ring_axis is not None and ring_axis in mesh.axis_names else 1
+
+
+def ring_token_order(seq_len: int, ring: int) -> np.ndarray | None:
+    """The token permutation (``x[:, perm]``) the ring needs (zigzag), ``None`` without a ring (``ring == 1``)."""
+    return None if ring == 1 else sequence_order("zigzag", seq_len, ring)
+
+
+def check_ulysses(q, k, v, segment_ids, mesh: Mesh, axis_name: str,
+                  ring_axis: str | None = None) -> tuple[tuple[str, ...], int]:
     check_qkv(q, k, v, segment_ids)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
-    sp = mesh.shape[axis_name]
+    sp, ring = mesh.shape[axis_name], ring_size(mesh, ring_axis)
     b, s = q.shape[:2]
-    if s % sp:
+    if ring == 1 and s % sp:
         raise ValueError(
             f"sequence length ({s}) must be divisible by {axis_name} ({sp}); pad the sequence to a multiple of {sp}"
         )
-    axes = batch_axes(mesh, axis_name)
+    unit = math.lcm(ring * sp, 2 * ring)
+    if ring > 1 and s % unit:
+        raise ValueError(
+            f"sequence length ({s}) must be divisible by {ring_axis} x {axis_name} ({ring} x {sp}) and by "
+            f"2 x {ring_axis} ({2 * ring}, the zigzag order); pad the sequence to a multiple of {unit}"
+        )
+    axes = batch_axes(mesh, axis_name, *([ring_axis] if ring > 1 else []))
     n = math.prod(mesh.shape[a] for a in axes)
     if b % n:
         raise ValueError(
@@ -92,20 +123,30 @@ def ulysses_attention(
     *,
     mesh: Mesh,
     axis_name: str = "sp",
+    ring_axis: str = "ring",
     causal: bool = True,
     segment_ids: jax.Array | None = None,
     scale: float | None = None,
     impl: str = "xla",
+    permuted: bool = False,
 ) -> jax.Array:
-    """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``.
+    """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``
+    (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
 
     Same contract as ``ulysses_jax.attention``. The batch is split over the mesh's other
     non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
-    as ``P(batch_axes, axis_name)``. Raises ``ValueError`` for a sequence length not divisible by
-    the axis size, a batch not divisible by the batch axes, or shapes that do not fit.
+    as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
+    ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``; ``"auto"``: blockwise), and
+    ``permuted=True`` means inputs (and the output) are in ``ring_token_order(S, R)``. Raises ``ValueError``
+    for a sequence length not divisible by the axis sizes, a batch not divisible by the batch axes, or
+    shapes that do not fit.
     """
-    axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name)
+    axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name, ring_axis)
     b, s, h, d = q.shape
+    ring = ring_size(mesh, ring_axis)
+    if ring > 1:
+        return _ulysses_ring(q, k, v, segment_ids, mesh=mesh, axes=axes, sp_axis=axis_name, ring_axis=ring_axis,
+                             causal=causal, scale=scale, impl=impl, permuted=permuted)
     platform = device_platform(mesh)  # what the program is built for, not the machine it is traced on
     impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None, platform=platform)
     layout = plan_heads(h, k.shape[2], sp)
@@ -145,3 +186,26 @@ def ulysses_attention(
         check_vma=impl in ("xla", "blockwise"),
     )
     return fn(*args)
+
+
+def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_axis: str, causal: bool, scale,
+                  impl: str, permuted: bool) -> jax.Array:
+    """The ``ring > 1`` branch of :func:`ulysses_attention`: one ``shard_map`` over ``(ring_axis, sp_axis)``."""
+    s, h, d = q.shape[1:]
+    kernel = ring_kernel(impl)
+    layout = plan_heads(h, k.shape[2], mesh.shape[sp_axis])
+    perm = None if permuted else ring_token_order(s, mesh.shape[ring_axis])
+    if perm is not None:  # once at the input; the output goes back at the end
+        q, k, v = (x[:, perm] for x in (q, k, v))
+        segment_ids = None if segment_ids is None else segment_ids[:, perm]
+    spec = P(axes or None, (ring_axis, sp_axis), None, None)
+    seg_spec = P(axes or None, (ring_axis, sp_axis))
+    args = [_place(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    in_specs = [spec, spec, spec]
+    if segment_ids is not None:
+        args.append(_place(segment_ids, NamedSharding(mesh, seg_spec)))
+        in_specs.append(seg_spec)
+    local = functools.partial(ulysses_ring_local, sp_axis=sp_axis, ring_axis=ring_axis, layout=layout, causal=causal,
+                              scale=scale, order="zigzag", kernel=kernel)
+    out = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec)(*args)
+    return out if perm is None else out[:, np.argsort(perm)]

@@ -74,6 +74,11 @@ class _Config:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _qk_segments(seg):
+    """``seg`` is one ``[B, S]`` array for queries and keys alike, or a pair ``(query ids, key ids)`` (ring steps)."""
+    return (None, None) if seg is None else tuple(seg) if isinstance(seg, (tuple, list)) else (seg, seg)
+
+
 def _live_blocks(seg, cfg: _Config) -> jax.Array:
     """Boolean ``[nq, nk]``: may query block ``i`` see anything of KV block ``j``? (see module docstring)."""
     bq, bk, n = cfg.block_q, cfg.block_k, cfg.padded_len
@@ -83,7 +88,8 @@ def _live_blocks(seg, cfg: _Config) -> jax.Array:
     if cfg.causal:
         live = live & (k_start <= (q_block + 1) * bq - 1)
     if seg is not None:
-        sq, sk = seg.reshape(seg.shape[0], -1, bq), seg.reshape(seg.shape[0], -1, bk)
+        q_seg, k_seg = _qk_segments(seg)
+        sq, sk = q_seg.reshape(q_seg.shape[0], -1, bq), k_seg.reshape(k_seg.shape[0], -1, bk)
         q_min, q_max = sq.min(-1)[:, :, None], sq.max(-1)[:, :, None]  # [B, nq, 1]
         k_min, k_max = sk.min(-1)[:, None, :], sk.max(-1)[:, None, :]  # [B, 1, nk]
         live = live & ((q_min <= k_max) & (k_min <= q_max)).any(0)
@@ -114,8 +120,9 @@ def _tile_mask(i, j, seg, cfg: _Config):
         mask = both(mask, k_pos < cfg.seq_len)
     mask = None if mask is None else mask[None, None, None]
     if seg is not None:
-        q_seg = lax.dynamic_slice_in_dim(seg, i * bq, bq, axis=1)
-        k_seg = lax.dynamic_slice_in_dim(seg, j * bk, bk, axis=1)
+        q_ids, k_ids = _qk_segments(seg)
+        q_seg = lax.dynamic_slice_in_dim(q_ids, i * bq, bq, axis=1)
+        k_seg = lax.dynamic_slice_in_dim(k_ids, j * bk, bk, axis=1)
         mask = both(mask, (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None])
     return mask
 
@@ -268,10 +275,11 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 # ---------------------------------------------------------------------------------------------------
 
 
-def _backward(q, k, v, seg, out, lse, do, cfg: _Config):
-    """Gradients with respect to the pre-scaled ``q`` and to ``k``, ``v`` (layouts as in :func:`_forward`)."""
+def _backward(q, k, v, seg, out, lse, do, cfg: _Config, delta=None):
+    """Gradients with respect to the pre-scaled ``q`` and to ``k``, ``v`` (layouts as in :func:`_forward`);
+    ``delta`` given (a ring step: the global output's), ``out`` is not read."""
     bq, bk = cfg.block_q, cfg.block_k
-    delta = jnp.sum(do * out, axis=-1)  # [B, K, G, S] = rowsum(P * dP)
+    delta = jnp.sum(do * out, axis=-1) if delta is None else delta  # [B, K, G, S] = rowsum(P * dP)
     lo, hi = _span(_live_blocks(seg, cfg).T)  # per KV block: the query blocks that can see it
 
     def kv_block(dq, j):
@@ -318,3 +326,56 @@ def reference(q, k, v, *, causal=True, segment_ids=None, scale=None):
         mask &= (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     probs = jax.nn.softmax(jnp.where(mask, logits, MASK_VALUE), axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v, precision=_HIGHEST).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One ring step: separate query and key segment ids, the log-sum-exp out, the global one in
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pair_inputs(q, k, v, q_seg, k_seg, *, causal: bool, scale: float):
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    cfg = _config(s, causal=causal, scale=scale, block_sizes=None)
+    s_pad = cfg.padded_len
+
+    def prepare(x):  # [B, S, heads, D] -> float32 [B, heads, S_pad, D]
+        x = jnp.swapaxes(x.astype(jnp.float32), 1, 2)
+        return x if s_pad == s else jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
+
+    q_t = (prepare(q) * cfg.scale).reshape(b, hkv, h // hkv, s_pad, d)
+    seg = None if q_seg is None else (_pad_segments(q_seg, cfg), _pad_segments(k_seg, cfg))
+    return cfg, q_t, prepare(k), prepare(v), seg, prepare
+
+
+def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float):
+    """The ring's local kernel contract (``ring.LocalKernel.forward``) for a (query block, KV block) pair of
+    equal lengths whose causal mask, when ``causal``, is the aligned one: ``o [B, S, H, D]`` float32 and
+    ``lse [B, H, S]`` float32, natural log, ``-inf`` for a row that sees no key. ``q_pos`` / ``k_pos`` are
+    not read (the ring asks ``causal`` only where they coincide)."""
+    b, s, h, d = q.shape
+    cfg, q_t, k_t, v_t, seg, _ = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale)
+    o, lse = _forward(q_t, k_t, v_t, seg, cfg)  # [B, K, G, S_pad, D], [B, K, G, S_pad]; +inf for empty rows
+    o = jnp.swapaxes(o.reshape(b, h, cfg.padded_len, d)[:, :, :s], 1, 2)
+    lse = lse.reshape(b, h, cfg.padded_len)[:, :, :s]
+    return o, jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float):
+    """``ring.LocalKernel.backward``: float32 ``dq, dk, dv`` of one pair given the global ``lse`` and
+    ``delta [B, H, S]`` (``rowsum(dO * O)`` of the global output)."""
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    cfg, q_t, k_t, v_t, seg, prepare = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale)
+    pad = cfg.padded_len - s
+
+    def rows(x, fill):  # [B, H, S] -> [B, K, G, S_pad]
+        x = x if pad == 0 else jnp.pad(x, ((0, 0), (0, 0), (0, pad)), constant_values=fill)
+        return x.reshape(b, hkv, h // hkv, cfg.padded_len)
+
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # a row that sees nothing: exp(S - inf) = 0
+    do_t = prepare(do).reshape(q_t.shape)
+    dq, dk, dv = _backward(q_t, k_t, v_t, seg, None, rows(lse, jnp.inf), do_t, cfg, delta=rows(delta, 0.0))
+    dq = jnp.swapaxes(dq.reshape(b, h, cfg.padded_len, d)[:, :, :s], 1, 2) * cfg.scale  # q was pre-scaled
+    dk, dv = (jnp.swapaxes(x[:, :, :s], 1, 2) for x in (dk, dv))
+    return dq, dk, dv
