@@ -93,7 +93,7 @@ def test_pulse_train_then_eval(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 and r["eval_loss"] > 0 for r in recs)
     assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [1, 2]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((run / "run.json").read_text())["config"]["mesh"] == {"data": 1, "fsdp": 2, "sp": 4}
+    assert json.loads((run / "run.json").read_text())["config"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}
     e = cli("eval", "--run-dir", str(run), "--max-batches", "1")  # no other flag: everything from the run
     assert "eval at step 2: loss" in e.stdout and "the run's held-out documents" in e.stdout
     assert [r["step"] for r in records(run, "eval.jsonl")] == [2]
@@ -310,13 +310,13 @@ def test_defaults_fit_8_devices_and_one_node():
     cfg = parse(["train"])
     tiny = ModelConfig.from_preset(cfg.preset)
     mesh = build_mesh(cfg.mesh, tiny, cfg.seq_len)
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "sp": 8} and resolve_batch(cfg.batch_size, mesh) == 2
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "ring": 1, "sp": 8} and resolve_batch(cfg.batch_size, mesh) == 2
     big = ModelConfig.from_preset("llama3.1-8b")
     assert dict(build_mesh(cfg.mesh, big, 131072).shape)["sp"] == 8
     four = build_mesh(MeshConfig(), tiny, 2048, devices=jax.devices()[:4])
-    assert dict(four.shape) == {"data": 1, "fsdp": 1, "sp": 4}
+    assert dict(four.shape) == {"data": 1, "fsdp": 1, "ring": 1, "sp": 4}
     two_rows = build_mesh(MeshConfig(fsdp=2), tiny, 2048)
-    assert dict(two_rows.shape) == {"data": 1, "fsdp": 2, "sp": 4} and resolve_batch(None, two_rows, 2) == 4
+    assert dict(two_rows.shape) == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4} and resolve_batch(None, two_rows, 2) == 4
     odd = build_mesh(MeshConfig(), tiny, 2049 * 2)  # 4098 = 2 x 3 x 683: sp must divide it
     assert dict(odd.shape)["sp"] == 2
 
@@ -447,6 +447,15 @@ TRAIN_ERRORS = {
     "config extension": (["--config", "{d}/run.ini"], r"unknown extension '.ini'; use a .yaml, .yml or .toml file"),
     "wandb missing": (["--wandb-project", "p"], r"--wandb-project needs the wandb package: pip install wandb"),
     "run dir is a file": (["--run-dir", "{d}/afile"], r"--run-dir .*afile is a file"),
+    "ring zero": (["--mesh.ring", "0"], r"--mesh.ring \(0\) must be a positive number of devices"),
+    "ring product": (["--mesh.fsdp", "3", "--mesh.ring", "2", "--mesh.sp", "2"],
+                     r"--mesh.data 1 x --mesh.fsdp 3 x --mesh.ring 2 x --mesh.sp 2 = 12 but there are 8 devices"),
+    "ring seq": (["--mesh.ring", "2", "--mesh.sp", "4", "--seq-len", "252"],
+                 r"--seq-len \(252\) must be a positive multiple of --mesh.ring x --mesh.sp \(2 x 4\) and of "
+                 r"2 x --mesh.ring \(4, the zigzag order\): a multiple of 8"),
+    "ring kernel": (["--mesh.ring", "2", "--mesh.sp", "4", "--attention", "pallas"],
+                    r"--attention pallas has no ring kernel yet; with --mesh.ring 2 use --attention xla, blockwise, "
+                    r"auto"),
 }
 
 

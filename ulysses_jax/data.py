@@ -14,7 +14,10 @@ Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resu
                   that order and packs them on its own; a process builds only the streams of its rows. The data
                   position is therefore kept per global row: a run resumes on another mesh or number of processes.
                   Packed rows are shuffled again in a window (``shuffle_window`` rows over the whole batch).
-  tokenize        UTF-8 bytes (vocab 256) or a Hugging Face ``tokenizer.json``; runs in Grain's reader threads.
+  tokenize        UTF-8 bytes (vocab 256) or a Hugging Face ``tokenizer.json``; runs in Grain's reader threads. With
+                  ``frame`` (``--init-from-hf``) a document is ``[bos] + text + [eos]`` as the folder's model was
+                  trained; with ``format="sft"`` each record is rendered by ``ulysses_jax.sft`` into tokens and a loss
+                  mask, carried through packing: a label whose mask is 0 (prompt, non-assistant turn) is ``IGNORE``.
   pack_rows       documents cut into pieces of at most ``seq_len`` tokens, first-fit packed into rows of exactly
                   ``seq_len`` tokens (``grain.experimental.FirstFitPackIterDataset``), labels shifted per row.
   batch           this process's ``global_batch // process_count`` rows; ``to_global`` makes global ``[B, S]`` arrays.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import pathlib
 from collections.abc import Iterator
 from typing import Literal
@@ -46,7 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.mesh import DATA, FSDP, SEQ, SP
 from ulysses_jax.sources import (  # noqa: F401  (re-exported: the names tests and scripts import from here)
     SUFFIXES,
     TEXT_SUFFIXES,
@@ -59,6 +63,7 @@ from ulysses_jax.sources import (  # noqa: F401  (re-exported: the names tests a
 
 IGNORE = -1  # the same value as ulysses_jax.loss.IGNORE (checked by a test)
 Split = Literal["train", "eval", "held_out"]  # held_out: the held-out fraction, even where eval_paths is given
+DataFormat = Literal["text", "sft"]  # text: loss on every token; sft: records of ulysses_jax.sft, loss on answers
 KEYS = ("tokens", "labels", "segment_ids", "positions")
 
 
@@ -71,6 +76,8 @@ class DataConfig:
     text_field: str = "text"  # --data-field: the text's key in .jsonl lines and column in .parquet files
     eval_fraction: float = 0.02  # --eval-fraction: share of documents held out, chosen by a hash of each one's text
     eval_paths: tuple[str, ...] = ()  # --eval-data: a separate validation source; the eval split is all of it
+    format: DataFormat = "text"  # --data-format: sft reads .jsonl SFT records (ulysses_jax.sft) with their loss masks
+    frame: bool = False  # frame text documents as the tokenizer folder's model was trained: [bos] + text + [eos]
     shuffle: bool = True  # shuffle documents (anew each epoch) and packed rows in training; eval never shuffles
     pack_bins: int = 16  # rows that first-fit packing fills at once: more bins, less padding, more host memory
     shuffle_window: int = 64  # packed rows shuffled together in training (over all rows of a batch); 0: off
@@ -87,6 +94,8 @@ def _check_config(cfg: DataConfig) -> None:
         raise ValueError(f"--eval-fraction {cfg.eval_fraction} must be in [0, 1); e.g. 0.02 holds out 2% of documents")
     if not isinstance(cfg.text_field, str) or not cfg.text_field:
         raise ValueError(f"--data-field {cfg.text_field!r} must name the text field of .jsonl/.parquet data, e.g. text")
+    if cfg.format not in ("text", "sft"):
+        raise ValueError(f"--data-format {cfg.format!r} must be text or sft")
     for name in ("pack_bins", "shuffle_window", "read_threads", "prefetch"):
         value, least = getattr(cfg, name), 1 if name == "pack_bins" else 0
         if not isinstance(value, int) or value < least:
@@ -171,14 +180,64 @@ def make_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(p, tok)
 
 
+def tokenizer_folder(path: str | None, why: str) -> pathlib.Path:
+    """The Hugging Face folder of ``--tokenizer`` (the folder itself, or the one holding its tokenizer.json)."""
+    if path is None:
+        raise ValueError(f"{why} needs the tokenizer of a Hugging Face model folder: give --init-from-hf DIR or "
+                         f"--tokenizer DIR")
+    p = pathlib.Path(path).expanduser()
+    folder = p if p.is_dir() else p.parent
+    if not (folder / "tokenizer.json").is_file() or (p.is_file() and p.name != "tokenizer.json"):
+        raise ValueError(f"{why} needs a Hugging Face tokenizer folder (tokenizer.json beside tokenizer_config.json); "
+                         f"--tokenizer {path} is not one: pass the model's folder")
+    return folder
+
+
+def document_encoder(cfg: DataConfig):
+    """A document's text -> int32 ``[T]`` tokens (``format="text"``), or -> ``{"tokens", "loss_mask"}`` (``"sft"``).
+
+    ``frame``: text documents are framed with the tokenizer folder's BOS/EOS (``hf.TokenizerConventions.frame``);
+    SFT records are framed by ``sft.SFTRenderer`` (its prompt/completion rule or the chat template) either way.
+    """
+    if cfg.format == "sft":
+        from ulysses_jax.sft import SFTRenderer
+
+        renderer = SFTRenderer(tokenizer_folder(cfg.tokenizer, "--data-format sft"))
+
+        def encode(text: str) -> dict[str, np.ndarray]:
+            example = renderer.record(json.loads(text))
+            return {"tokens": example.tokens, "loss_mask": example.loss_mask.astype(np.int32)}
+
+        return encode
+    tok = make_tokenizer(cfg.tokenizer)
+    if not cfg.frame:
+        return tok.encode
+    from ulysses_jax.hf import tokenizer_conventions
+
+    conventions = tokenizer_conventions(tokenizer_folder(cfg.tokenizer, "framing documents with BOS/EOS"))
+    return lambda text: conventions.frame(tok.encode(text))
+
+
+def _check_sft(cfg: DataConfig, index: Index, eval_index: Index | None) -> None:
+    """Render every SFT record once (roles, chat template, ...); the first bad one names its file and line."""
+    encode = document_encoder(cfg)
+    for idx, flag in ((index, "--data"), (eval_index, "--eval-data")):
+        for doc in range(len(idx) if idx is not None else 0):
+            try:
+                encode(idx.text(doc))
+            except ValueError as e:
+                raise ValueError(f"{idx.where(doc, flag)}: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------- sources
 
 
 def _indexes(cfg: DataConfig) -> tuple[Index, Index | None]:
     """The training sources' index and, with ``eval_paths``, the validation sources' (cached, see build_index)."""
     _check_config(cfg)
-    train = build_index(cfg.paths, field=cfg.text_field, flag="--data")
-    held = build_index(cfg.eval_paths, field=cfg.text_field, flag="--eval-data") if cfg.eval_paths else None
+    sft = cfg.format == "sft"
+    train = build_index(cfg.paths, field=cfg.text_field, flag="--data", sft=sft)
+    held = build_index(cfg.eval_paths, field=cfg.text_field, flag="--eval-data", sft=sft) if cfg.eval_paths else None
     return train, held
 
 
@@ -247,6 +306,10 @@ def validate_sources(cfg: DataConfig, *, need_eval: bool = False) -> SourceSumma
     """
     vocab = make_tokenizer(cfg.tokenizer).vocab_size
     index, eval_index = _indexes(cfg)
+    if cfg.format == "sft":
+        _check_sft(cfg, index, eval_index)
+    elif cfg.frame:
+        document_encoder(cfg)  # the folder's BOS/EOS conventions can be read
     _, train = split_documents(cfg, "train")
     if eval_index is not None:
         evals = len(eval_index)
@@ -315,28 +378,33 @@ def next_token_labels(tokens: np.ndarray, segment_ids: np.ndarray) -> np.ndarray
 
 
 class _Pieces(grain.experimental.FlatMapTransform):
-    """A token array -> ``{"tokens": piece}`` for consecutive pieces of at most ``seq_len`` tokens."""
+    """A token array (or ``{"tokens", "loss_mask"}``) -> ``{"tokens": piece, ...}`` for consecutive pieces of at most
+    ``seq_len`` tokens."""
 
     max_fan_out = 1  # not used by FlatMapIterDataset
 
     def __init__(self, seq_len: int, max_empty_run: int | None):
         self.seq_len, self.max_empty_run, self._empty_run = seq_len, max_empty_run, 0
 
-    def flat_map(self, tokens):
-        tokens = np.asarray(tokens, np.int32)
+    def flat_map(self, doc):
+        doc = {k: np.asarray(v, np.int32) for k, v in (doc if isinstance(doc, dict) else {"tokens": doc}).items()}
+        tokens = doc["tokens"]
         self._empty_run = 0 if len(tokens) else self._empty_run + 1
         if self.max_empty_run is not None and self._empty_run > self.max_empty_run:
             raise ValueError(
                 f"{self._empty_run} documents in a row have no tokens; check --tokenizer and --data-field"
             )
-        return [{"tokens": tokens[i : i + self.seq_len]} for i in range(0, len(tokens), self.seq_len)]
+        return [{k: v[i : i + self.seq_len] for k, v in doc.items()} for i in range(0, len(tokens), self.seq_len)]
 
 
 def _finish_row(row: dict) -> dict:
     tokens, segment_ids = row["tokens"].astype(np.int32), row["tokens_segment_ids"].astype(np.int32)
+    labels = next_token_labels(tokens, segment_ids)
+    if "loss_mask" in row:  # SFT: only the labels of trained tokens count (sft.SFTExample.loss_mask; 0 at padding)
+        labels = np.where(row["loss_mask"] > 0, labels, IGNORE).astype(np.int32)
     return {
         "tokens": tokens,
-        "labels": next_token_labels(tokens, segment_ids),
+        "labels": labels,
         "segment_ids": segment_ids,
         "positions": row["tokens_positions"].astype(np.int32),
     }
@@ -350,8 +418,11 @@ def pack_rows(
     seed: int = 0,
     shuffle: bool = False,
     max_empty_run: int | None = None,
+    masked: bool = False,
 ) -> grain.IterDataset:
     """1-D token arrays of any length -> rows (dicts of int32 ``[seq_len]``: see the module doc).
+
+    ``masked``: documents are ``{"tokens", "loss_mask"}`` (SFT): a label counts only where its position's mask is set.
 
     Documents longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own segment (Grain's packer
     rejects longer ones). ``bins`` rows are filled first-fit; ``shuffle`` permutes them by ``seed``.
@@ -359,7 +430,8 @@ def pack_rows(
     """
     pieces = grain.experimental.FlatMapIterDataset(docs, _Pieces(seq_len, max_empty_run))
     rows = grain.experimental.FirstFitPackIterDataset(
-        pieces, length_struct={"tokens": seq_len}, num_packing_bins=bins, seed=seed, shuffle_bins=shuffle
+        pieces, length_struct={"tokens": seq_len, **({"loss_mask": seq_len} if masked else {})}, num_packing_bins=bins,
+        seed=seed, shuffle_bins=shuffle,
     )
     return rows.map(_finish_row)
 
@@ -425,13 +497,14 @@ class BatchIterator:
         window = cfg.shuffle_window // global_batch if train and cfg.shuffle else 0
         threads = max(1, cfg.read_threads // self.rows) if cfg.read_threads else 0
         options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(1, cfg.prefetch // self.rows))
-        tok = self.tokenizer
+        encode = document_encoder(cfg)
         self._streams = []
         for r in self.row_ids:
-            tokens = order[r::global_batch].map(lambda d: tok.encode(index.text(int(d)))).to_iter_dataset(options)
+            tokens = order[r::global_batch].map(lambda d: encode(index.text(int(d)))).to_iter_dataset(options)
             rows = pack_rows(
                 tokens, seq_len, bins=cfg.pack_bins, seed=(seed + r) % 2**32, shuffle=train and cfg.shuffle,
                 max_empty_run=2 * per_row if train else None,  # longer: no document has a token (runs span <= 2 epochs)
+                masked=cfg.format == "sft",
             )
             if window > 1:
                 rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=window, seed=(seed + r) % 2**32)
@@ -552,10 +625,11 @@ def eval_batches(
 def to_global(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """This process's ``[rows, S]`` arrays -> global ``[rows * process_count, S]`` arrays on ``mesh``.
 
-    Sharded ``P(("data", "fsdp"), "sp")``: the batch over ``data x fsdp``, the sequence over ``sp``. Assumes each
-    process's devices hold whole rows (``sp`` groups within a host, as ``make_mesh`` orders them).
+    Sharded ``P(("data", "fsdp"), ("ring", "sp"))``: the batch over ``data x fsdp``, the sequence over ``ring x sp``.
+    Assumes each process's devices hold whole rows (``sp`` groups within a host, as ``make_mesh`` orders them; a ring
+    across hosts splits rows between processes, which this does not handle yet).
     """
-    sharding = NamedSharding(mesh, P((DATA, FSDP), SP))
+    sharding = NamedSharding(mesh, P((DATA, FSDP), SEQ))
     out = {}
     for key, local in batch.items():
         rows, seq = local.shape

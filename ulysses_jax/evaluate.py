@@ -63,15 +63,17 @@ def evaluate(cfg: EvalConfig) -> dict:
     why = runconfig.tokenizer_difference(record.get("tokenizer"), tokenizer)
     if why:
         raise ValueError(f"{why}; evaluate with the run's own tokenizer (leave out --tokenizer)")
+    # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
+    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None)
     if cfg.eval_data:
         data_cfg = DataConfig(paths=tuple(cfg.eval_data), eval_paths=tuple(cfg.eval_data), eval_fraction=0.0,
-                              tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"))
+                              tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"), **documents)
         validate_sources(data_cfg, need_eval=True)
         what = f"--eval-data {' '.join(cfg.eval_data)}"
     else:
         data_cfg = DataConfig(paths=tuple(cfg.data or rc.get("data", ())), tokenizer=tokenizer["path"],
                               text_field=rc.get("data_field", "text"), eval_fraction=rc.get("eval_fraction", 0.02),
-                              eval_paths=tuple(rc.get("eval_data", ())))
+                              eval_paths=tuple(rc.get("eval_data", ())), **documents)
         validate_sources(data_cfg, need_eval=True)
         why = sources_differ(record.get("data", []), describe_sources(data_cfg))
         if why:

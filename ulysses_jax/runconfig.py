@@ -14,9 +14,9 @@ A run directory (``--run-dir``)::
 
 Configuration: defaults < the run's record (on resume) < ``--config FILE`` (YAML or TOML, nested like the flags:
 ``mesh: {sp: 8}`` for ``--mesh.sp 8``) < flags. On resume, a value that changes what the run learns (``LEARNED``: model,
-data, tokenizer, batch, sequence length, seed, optimizer) is refused; everything else (mesh, memory tools, attention,
-steps, checkpointing, evaluation, logging) may change. Data and tokenizer are compared by content, so a corpus that
-moved can be named with its new path.
+data, tokenizer, ``--init-from-hf`` folder, batch, sequence length, seed, optimizer) is refused; everything else (mesh,
+memory tools, attention, steps, checkpointing, evaluation, logging) may change. Data, tokenizer and the Hugging Face
+folder are compared by content, so a corpus or folder that moved can be named with its new path.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from typing import Literal
 
 RECORD = "run.json"
 # Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
-COMPUTE_ONLY = ("attention_impl", "remat", "loss_chunk", "mlp_chunk", "compute_dtype")
+COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "loss_chunk", "mlp_chunk", "compute_dtype")
 CONFIG = "config.yaml"
 VERSION = 1
 
 # TrainConfig fields that change what is learned: refused on resume when they differ from the record. Data and
 # tokenizer are compared by content (fingerprints), not here.
-LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "eval_fraction", "optim.lr", "optim.warmup_steps",
-           "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2")
+LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format", "eval_fraction", "optim.lr",
+           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2")
+RECORDED_BEFORE = {"data_format": "text"}  # what a record written before a LEARNED field existed meant by it
 # Fields of one invocation, never inherited from a record or written into one.
 PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps", "distributed", "coordinator_address",
                   "num_processes", "process_id")
@@ -271,6 +272,7 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
     """The first ``LEARNED`` setting that differs between two records' configs, as one phrase; else ``None``."""
     for path in LEARNED:
         a, b = get(recorded["config"], path), get(current["config"], path)
+        a = RECORDED_BEFORE.get(path) if a is None else a
         if a != b:
             return f"{flag(path)} is {b!r} here but {a!r} in the run"
     a, b = recorded.get("model", {}), current.get("model", {})
@@ -280,6 +282,44 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
     if recorded.get("optimizer") != current.get("optimizer"):
         return f"the optimizer is {current.get('optimizer')} here but {recorded.get('optimizer')} in the run"
     return None
+
+
+HF_FOLDER_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def describe_hf_folder(path: str, *, missing_ok: bool = False) -> dict | None:
+    """``--init-from-hf`` as the run records it: the resolved path and a fingerprint of its settings files.
+
+    The folder is compared by content, not by path (a folder that moved may be named anew), as data and tokenizers
+    are. The fingerprint covers config.json (the model) and the files that frame and render documents (BOS/EOS,
+    chat template); tokenizer.json has its own record (``tokenizer``). The weights are not hashed: they are
+    gigabytes, and they are read at step 0 only (a resumed run takes its weights from its checkpoint).
+    ``missing_ok`` (resuming): a folder that is gone gives None, the run's record then stands for it.
+    """
+    import hashlib
+
+    folder = pathlib.Path(path).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        if missing_ok:
+            return None
+        raise ValueError(f"--init-from-hf {path} has no config.json; pass a Hugging Face model folder")
+    h = hashlib.blake2b(digest_size=16)
+    for name in HF_FOLDER_FILES:
+        f = folder / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
+    return {"path": str(folder), "fingerprint": h.hexdigest()}
+
+
+def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
+    if (recorded or {}).get("fingerprint") == (current or {}).get("fingerprint"):
+        return None
+    if recorded is None:
+        return f"--init-from-hf {current['path']} is given but the run was not started from a Hugging Face folder"
+    if current is None:
+        return f"the run was started from --init-from-hf {recorded['path']}"
+    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its config.json, "
+            f"tokenizer_config.json, generation_config.json or chat template differ)")
 
 
 def tokenizer_difference(recorded: dict | None, current: dict) -> str | None:
@@ -332,4 +372,5 @@ def same_run(recorded: dict, current: dict) -> str | None:
     train = lambda ds: [d for d in ds if d.get("role") == "train"]  # noqa: E731
     return (learned_difference(recorded, current)
             or sources_differ(train(recorded.get("data", [])), train(current["data"]))
-            or tokenizer_difference(recorded.get("tokenizer"), current["tokenizer"]))
+            or tokenizer_difference(recorded.get("tokenizer"), current["tokenizer"])
+            or hf_difference(recorded.get("init_from_hf"), current.get("init_from_hf")))

@@ -47,6 +47,7 @@ import numpy as np
 from ulysses_jax.hf import TokenizerConventions, tokenizer_conventions
 
 IGNORE = -1  # the same value as ulysses_jax.loss.IGNORE
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles chat templates know
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters that mark generation blocks while rendering
 _MARKERS = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -209,6 +210,8 @@ def _check_messages(messages, key: str) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{key}[{i}] must be an object with string 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{key}[{i}] has role {m['role']!r}; use one of {', '.join(ROLES)}")
         if _OPEN in m["content"] or _CLOSE in m["content"]:
             raise ValueError(f"{key}[{i}] contains the private-use characters U+E000/U+E001; remove them")
     return messages

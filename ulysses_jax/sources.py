@@ -7,6 +7,9 @@ Accepted formats (``--data PATH...``, and ``--eval-data PATH...`` for a separate
                 blank lines are skipped.
   ``.parquet``  one document per row, the text in the string column named by ``--data-field``.
 
+  With ``--data-format sft``, ``.jsonl`` files only: each line is one SFT record (``{"prompt", "completion"}`` or
+  ``{"messages"}``, see ``ulysses_jax.sft``), kept as canonical JSON: the record is the document's text.
+
   A path may be a file or a directory; directories are searched recursively, in name order, for these extensions
   (other files, and hidden files and directories, are skipped). A file named twice (say directly and through its
   directory) is read once. Text is UTF-8 with or without a byte-order mark: a leading BOM is removed from each file,
@@ -199,6 +202,20 @@ def _jsonl_text(raw: bytes, field: str, where: str, flag: str = "--data") -> str
     return value
 
 
+def _sft_record(raw: bytes, where: str, flag: str = "--data") -> str:
+    """An SFT line (``--data-format sft``) as canonical JSON, its document text; its shape checked, not rendered."""
+    try:
+        record = json.loads(raw.decode("utf-8", "replace").removeprefix(BOM))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); fix it (one JSON object per line) "
+                         f"or leave the file out of {flag}") from None
+    if not isinstance(record, dict) or not ({"prompt", "completion"} <= set(record) or "messages" in record):
+        shape = f"fields {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise ValueError(f"{where} is not an SFT record ({shape}); write {{\"prompt\": ..., \"completion\": ...}} or "
+                         f"{{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} per line")
+    return json.dumps(record, ensure_ascii=False, sort_keys=True)
+
+
 def _is_text_type(t) -> bool:
     import pyarrow as pa
 
@@ -244,7 +261,7 @@ class _FileIndex:
             self.loc.append(loc), self.line.append(line), self.digest.append(digest(text))
 
 
-def _index_file(f: SourceFile, field: str, flag: str) -> _FileIndex:
+def _index_file(f: SourceFile, field: str, flag: str, sft: bool = False) -> _FileIndex:
     out = _FileIndex(array.array("q"), array.array("I"), array.array("Q"))
     if f.format == "text":
         out.add(_read_text_file(f.path))
@@ -253,7 +270,8 @@ def _index_file(f: SourceFile, field: str, flag: str) -> _FileIndex:
         with open(f.path, "rb") as fh:
             for n, raw in enumerate(fh, start=1):
                 if raw.strip():
-                    out.add(_jsonl_text(raw, field, f"line {n} of {flag} file {f.path}", flag), offset, n)
+                    where = f"line {n} of {flag} file {f.path}"
+                    out.add(_sft_record(raw, where, flag) if sft else _jsonl_text(raw, field, where, flag), offset, n)
                 offset += len(raw)
     else:
         import pyarrow as pa
@@ -277,8 +295,9 @@ def _index_file(f: SourceFile, field: str, flag: str) -> _FileIndex:
 class Index:
     """The non-empty documents of some files, in order, as numpy arrays (see the module doc)."""
 
-    def __init__(self, sources: tuple[str, ...], files: tuple[SourceFile, ...], parts: list[_FileIndex], field: str):
-        self.sources, self.files, self.field = sources, files, field
+    def __init__(self, sources: tuple[str, ...], files: tuple[SourceFile, ...], parts: list[_FileIndex], field: str,
+                 sft: bool = False):
+        self.sources, self.files, self.field, self.sft = sources, files, field, sft
         counts = [len(p.digest) for p in parts]
         self.starts = np.cumsum([0] + counts, dtype=np.int64)  # documents of file i: starts[i]:starts[i + 1]
         self.loc = np.concatenate([np.frombuffer(p.loc, np.int64) for p in parts] or [np.zeros(0, np.int64)])
@@ -309,6 +328,11 @@ class Index:
             return f.name
         return f"{f.name}:{self.line[doc] if f.format == 'jsonl' else self.loc[doc]}"
 
+    def where(self, doc: int, flag: str = "--data") -> str:
+        """The document for an error message: ``line N of --data file PATH`` (jsonl), else the file."""
+        f = self.files[self._file(doc)]
+        return f"line {self.line[doc]} of {flag} file {f.path}" if f.format == "jsonl" else f"{flag} file {f.path}"
+
     def text(self, doc: int) -> str:
         i = self._file(doc)
         f, loc = self.files[i], int(self.loc[doc])
@@ -318,6 +342,8 @@ class Index:
             with open(f.path, "rb") as fh:
                 fh.seek(loc)
                 raw = fh.readline()
+            if self.sft:  # the record itself, as canonical JSON
+                return _sft_record(raw, f"line {self.line[doc]} of {f.path}")
             return clean_text(_jsonl_text(raw, self.field, f"line {self.line[doc]} of {f.path}") or "")
         groups = self._row_groups[i]
         g = int(np.searchsorted(groups, loc, side="right")) - 1
@@ -352,25 +378,32 @@ def _parquet_column(path: str, group: int, field: str):
 _CACHE: OrderedDict = OrderedDict()  # (files, field) -> Index, for the few source sets a job reads (train, eval)
 
 
-def build_index(paths: Sequence[str], *, field: str, flag: str) -> Index:
+def build_index(paths: Sequence[str], *, field: str, flag: str, sft: bool = False) -> Index:
     """Read and check every document of ``paths`` once; errors name ``flag`` (``--data`` or ``--eval-data``).
 
+    ``sft``: the documents are SFT records (``--data-format sft``, ``.jsonl`` only): each line's record is its text.
     Cached per process while no file changes (path, size, inode and mtime), so the trainer's check up front,
     the training iterator and each evaluation read the sources once.
     """
+    if sft and not paths:
+        raise ValueError(f"--data-format sft needs {flag} FILE.jsonl of SFT records (the built-in corpus is text)")
     sources, files = list_files(paths, flag)
-    key = (sources, files, field)
+    key = (sources, files, field, sft)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
+    for f in files if sft else ():
+        if f.format != "jsonl":
+            raise ValueError(f"{flag} file {f.path} is not .jsonl: --data-format sft reads .jsonl files of SFT records "
+                             f"only; leave it out of {flag}")
     parts = []
     for f in files:
         try:
-            parts.append(_index_file(f, field, flag))
+            parts.append(_index_file(f, field, flag, sft))
         except OSError as e:
             why = e.strerror or e
             raise ValueError(f"{flag} file {f.path} cannot be read ({why}); leave it out of {flag}") from None
-    index = Index(sources, files, parts, field)
+    index = Index(sources, files, parts, field, sft)
     if paths:
         _check_not_empty(index, paths, flag)
     _CACHE[key] = index
