@@ -23,6 +23,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 from results_io import run_header, write_table  # noqa: E402  (beside this script)
 
 from ulysses_jax.plan import GiB, PlanConfig, find_max_seq_len, plan  # noqa: E402
+from ulysses_jax.step import OptimConfig  # noqa: E402
 from ulysses_jax.trainer import MeshConfig  # noqa: E402
 
 
@@ -34,16 +35,22 @@ class Row:
     start: int  # first length tried (near the expected answer: fewer compiles)
     sp: int | None = None  # default: min(devices, 8)
     hosts: int = 1
+    optim_offload: bool = False  # bfloat16 parameters; float32 master weights and AdamW state in pinned host memory
+    remat_every: int = 1  # keep the input of every k-th layer only (ModelConfig.remat_every)
 
     @property
     def key(self) -> str:
-        return f"{self.preset}/{self.devices}/{self.remat}"
+        every = f"/every{self.remat_every}" if self.remat_every > 1 else ""
+        return f"{self.preset}/{self.devices}/{self.remat}{every}" + ("+optim-offload" if self.optim_offload else "")
 
 
 ROWS = [
     Row("llama3.1-8b", 1, "offload", 32768),
-    Row("llama3.1-8b", 8, "full", 884_736),
+    Row("llama3.1-8b", 1, "offload", 430_080, optim_offload=True),
+    Row("llama3.1-8b", 8, "full", 1_343_488),
+    Row("llama3.1-8b", 8, "full", 2_555_904, remat_every=4),
     Row("llama3.1-8b", 8, "offload", 4_194_304),
+    Row("llama3.1-8b", 8, "offload", 5_079_040, optim_offload=True),
     Row("qwen3-4b", 4, "full", 524_288),
     Row("qwen3-4b", 4, "offload", 2_097_152),
     Row("llama3.2-1b", 8, "full", 2_097_152),
@@ -56,7 +63,8 @@ def config(row: Row, seq_len: int) -> PlanConfig:
     return PlanConfig(
         preset=row.preset, seq_len=seq_len, batch_size=1, mesh=MeshConfig(fsdp=-1, sp=sp), attention="pallas",
         remat=row.remat, loss_chunk=4096, mlp_chunk=4096, target="h100", devices=row.devices, hosts=row.hosts,
-        kernels=False,
+        kernels=False, param_dtype="bfloat16" if row.optim_offload else None, remat_every=row.remat_every,
+        optim=OptimConfig(master_weights=row.optim_offload, offload=row.optim_offload),
     )
 
 
@@ -71,7 +79,9 @@ def max_context(row: Row) -> dict:
     top = "; ".join(f"{gib(n)} GiB {shapes[:70]}" for n, shapes in p.buffers[:3])
     return {
         "model": row.preset, "H100s": row.devices, "mesh": " x ".join(f"{k}={v}" for k, v in p.mesh.items() if v > 1)
-        or "1 device", "remat": row.remat, "longest context": f"{p.max_seq_len:,}",
+        or "1 device", "remat": row.remat + (f", every {row.remat_every}" if row.remat_every > 1 else ""),
+        "optimizer": "host (bf16 params, f32 master)" if row.optim_offload
+        else "device (f32 params)", "longest context": f"{p.max_seq_len:,}",
         "total GiB": gib(m["total_bytes"]), "params GiB": gib(b["parameters"]), "optimizer GiB": gib(b["optimizer"]),
         "activations+temps GiB": gib(b["activations"]), "host GiB per GPU": gib(m["host_bytes"]),
         "largest buffers at the limit": top, "search s": f"{time.time() - t0:.0f}",
@@ -93,7 +103,7 @@ def collectives_per_layer() -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", nargs="*", help="rows to run, as preset/devices/remat")
+    ap.add_argument("--only", nargs="*", help="rows to run, as preset/devices/remat[/everyK][+optim-offload]")
     ap.add_argument("--collectives", action="store_true", help="also the collectives of Llama-3.1-8B at 32K")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)

@@ -250,6 +250,34 @@ def test_remat_policies_same_gradients(policy, seed):
     assert_same(run_model(build(dataclasses.replace(cfg, remat=policy), "fsdp2xsp4", seed), batch), plain)
 
 
+@pytest.mark.parametrize("policy", ["full", "offload"])
+def test_remat_every_second_layer_same_gradients(policy, seed):
+    """remat_every=2: the input of every second layer is kept, each pair of layers re-run: same loss and gradients."""
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), num_layers=4)
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, "fsdp2xsp4", seed), batch)
+    assert_same(run_model(build(dataclasses.replace(cfg, remat=policy, remat_every=2), "fsdp2xsp4", seed), batch),
+                plain)
+
+
+def test_remat_every_k_offloads_one_input_per_group(seed):
+    """remat='offload', remat_every=2: host memory holds L/2 saved layer inputs, not L."""
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), num_layers=4, remat="offload", remat_every=2)
+    graphdef, state = nnx.split(build(cfg, "sp2", seed))
+    batch = packed_batch(seed)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss, state
+        )
+    saved = [line.split()[0] for line in out.getvalue().splitlines()]
+    assert f"f32<host>[2,{B},{S},{cfg.hidden}]" in saved, out.getvalue()
+    assert not any(s.startswith(f"f32<host>[{cfg.num_layers},") or s == f"f32[4,{B},{S},{cfg.hidden}]"
+                   for s in saved), saved
+    with pytest.raises(ValueError, match=r"remat_every \(3\) must be a positive divisor of num_layers \(4\)"):
+        dataclasses.replace(cfg, remat_every=3)
+
+
 def test_offload_puts_the_residual_stream_in_host_memory(seed):
     """remat='offload': each block's input is saved in pinned host memory, not on the device."""
     cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), remat="offload")

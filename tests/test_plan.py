@@ -1,6 +1,7 @@
 """The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
 H100s (``ulysses_jax.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -90,7 +91,7 @@ def test_tiny_train_step_plan(tmp_path):
                      json=str(tmp_path / "p.json"))
     p = plan(cfg)
     _check_consistent(p, p.breakdown["parameters"] + p.breakdown["optimizer"])
-    assert p.fits and p.num_devices == 8 and p.mesh == {"data": 1, "fsdp": 2, "sp": 4}
+    assert p.fits and p.num_devices == 8 and p.mesh == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}
     model = ModelConfig.from_preset("tiny")
     # per layer: Q/K/V and O forward, their transposes backward; bytes from the exchange formula (float32 model)
     ex = exchange_bytes(plan_heads(model.num_heads, model.num_kv_heads, 4), batch=1, seq_len=8192,
@@ -186,3 +187,77 @@ def test_make_test_gpu_fails_without_a_gpu():
     r = subprocess.run(["make", "-o", ".venv/.installed", "test-gpu", f"PY={sys.executable}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "JAX sees no GPU" in r.stderr
+
+
+def test_remat_full_keeps_one_copy_of_the_saved_layer_inputs(tmp_path):
+    """remat=full saves each layer's input, stacked [L, B, S/sp, D]; the backward must read that stack as it is,
+    not a transposed [D, L, B, S/sp] copy (27 GiB for Llama-3.1-8B at 884K tokens on 8 H100s)."""
+    from ulysses_jax.plan import largest_buffers
+    from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer,
+                                  make_schedule, make_train_step, state_shardings)
+
+    cfg = ModelConfig.from_preset("tiny", remat="full", attention_impl="pallas", loss_chunk=4096, mlp_chunk=4096)
+    mesh = h100_mesh(sp=8)
+    tx = make_optimizer(OptimConfig(), 10)
+    graphdef, state = abstract_state(cfg, mesh, tx)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state))
+    seq = 8 * 4096
+    batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+    step.trace(state, batch).lower().compile(compiler_options=dump_options(tmp_path))
+    values = " ".join(shapes for _, shapes in largest_buffers(tmp_path, n=10**6))
+    layers, local, d = cfg.num_layers, seq // 8, cfg.hidden
+    assert f"f32[{layers},1,{local},{d}]" in values  # the saved inputs, float32 in this model
+    assert f"f32[{d},{layers},1,{local}]" not in values  # ...and no transposed copy of them
+
+
+def test_optimizer_offload_puts_the_state_in_host_memory():
+    """--optim.offload --optim.master-weights --param-dtype bfloat16, compiled for 8 H100s: the float32 master
+    weights and AdamW moments are host arguments of the step (aliased to its outputs), the device holds the bfloat16
+    parameters, and the plan prints the PCIe traffic."""
+    from ulysses_jax.plan import format_plan
+    from ulysses_jax.step import OptimConfig
+
+    base = dict(preset="tiny", seq_len=8192, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), attention="pallas",
+                param_dtype="bfloat16", kernels=False)
+    on_device = plan(PlanConfig(**base, optim=OptimConfig(master_weights=True)), detail=False)
+    offloaded = plan(PlanConfig(**base, optim=OptimConfig(master_weights=True, offload=True)), detail=False)
+    opt = offloaded.breakdown["optimizer"]
+    assert opt == on_device.breakdown["optimizer"]
+    assert 0 <= opt - 6 * offloaded.breakdown["parameters"] <= 16  # 3 float32 copies of bf16 parameters, 2 counts
+    assert offloaded.optimizer_on_host and not on_device.optimizer_on_host
+    assert on_device.memory["host_bytes"] == 0 and offloaded.memory["host_bytes"] >= opt
+    assert offloaded.memory["argument_bytes"] <= on_device.memory["argument_bytes"] - opt + 16  # counts stay
+    assert offloaded.memory["total_bytes"] < on_device.memory["total_bytes"] - opt // 2  # less what streams
+    assert offloaded.memory["host_transfer_bytes"] == 2 * opt and on_device.memory["host_transfer_bytes"] == 0
+    assert "in pinned host memory" in format_plan(offloaded) and "host link floor" in format_plan(offloaded)
+
+
+def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatch):
+    """--memory auto: a search per set of memory tools (each search is the one tested above, stubbed here); the
+    longest context whose host memory per GPU fits --host-memory-gib wins, and the plan names the train flags."""
+    import types
+
+    from ulysses_jax import plan as plan_module
+
+    searched = []
+
+    def fake_search(cfg, log=print):  # host memory grows with offload, context with every tool
+        searched.append(cfg)
+        n = {("full", None): 1, ("full", 2): 2, ("offload", None): 4, ("offload", 2): 3}[cfg.remat, cfg.remat_every]
+        host = 0 if cfg.remat == "full" else (100 if cfg.remat_every is None else 50) * 2**30
+        return types.SimpleNamespace(max_seq_len=n * 1024, memory={"host_bytes": host}, memory_flags=None)
+
+    monkeypatch.setattr(plan_module, "find_max_seq_len", fake_search)
+    cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False)
+    best = plan_module.auto_memory(cfg, log=lambda *_: None)
+    assert len(searched) == 4 and {c.memory for c in searched} == {"manual"}
+    assert all(c.optim.offload and c.optim.master_weights and c.param_dtype == "bfloat16"
+               for c in searched if c.remat == "offload")
+    assert best.max_seq_len == 4096 and best.memory_flags == ("--remat offload --param-dtype bfloat16 "
+                                                              "--optim.master-weights --optim.offload")
+    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=60), log=lambda *_: None
+                                   ).memory_flags.startswith("--remat offload --remat-every 2")
+    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=0), log=lambda *_: None
+                                   ).memory_flags == "--remat full --remat-every 2"
+    r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto")
+    assert r.returncode == 2 and "--memory auto chooses the memory tools" in r.stderr

@@ -186,3 +186,62 @@ def test_weight_decay_skips_norms_and_biases():
     kept = sorted(k for k, m in flags.items() if not m)
     assert all(("norm" in k or "['b" in k) for k in kept) and len(kept) == 6  # 3 norms, 3 biases
     assert any("embed_VD" in k for k in decayed) and any("wq_DNH" in k for k in decayed)
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype):
+    """The step's new state has the dtypes and shardings of the state it was given, so the donated buffers alias
+    (a bfloat16 AdamW moment that came back float32 would double its memory and stop the aliasing)."""
+    cfg = dataclasses.replace(CFG, param_dtype=param_dtype, compute_dtype="bfloat16")
+    mesh = make_mesh(fsdp=2, sp=4)
+    tx = make_optimizer(OptimConfig(), 10)
+    graphdef, state = init_state(cfg, mesh, tx, seed=0)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state))
+    batch = random_batch(0, rows=2)
+    before = jax.tree.leaves_with_path(state)
+    compiled = step.lower(state, batch).compile()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) // len(jax.devices())
+    for _ in range(2):  # the second step runs on the first one's output
+        state, _ = step(state, batch)
+        after = jax.tree.leaves_with_path(state)
+        assert [p for p, _ in after] == [p for p, _ in before]
+        for (path, x0), (_, x1) in zip(before, after):
+            assert x1.dtype == x0.dtype, jax.tree_util.keystr(path)
+            assert x1.sharding.spec == x0.sharding.spec and x1.sharding.mesh == x0.sharding.mesh
+    for leaf in jax.tree.leaves(state["opt_state"]):
+        if leaf.ndim:
+            assert leaf.dtype == jnp.dtype(param_dtype)
+    assert compiled.memory_analysis().alias_size_in_bytes >= 0.9 * state_bytes  # the donated state is reused
+
+
+@pytest.mark.parametrize("param_dtype, master", [("float32", False), ("bfloat16", True)])
+def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master):
+    """--optim.offload: the optimizer state in pinned host memory, updated layer by layer, gives the on-device
+    optimizer's parameters and state (to float32 rounding: XLA fuses the per-layer update differently, 1-2 ulp),
+    and the state keeps its dtypes, shardings and memory kinds. The CPU backend keeps host and device in one
+    memory: this checks values and memory kinds, not where XLA puts the bytes (test_plan.py compiles for H100)."""
+    cfg = dataclasses.replace(CFG, num_layers=2, param_dtype=param_dtype)
+    mesh = make_mesh(fsdp=2, sp=4)
+    batch = random_batch(0, rows=2)
+    results = []
+    for off in (False, True):
+        optim = OptimConfig(lr=1e-2, warmup_steps=0, master_weights=master, offload=off)
+        tx = make_optimizer(optim, 10)
+        graphdef, state = init_state(cfg, mesh, tx, seed=0)
+        step = make_train_step(graphdef, tx, make_schedule(optim, 10), mesh, state_shardings(state))
+        kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"]) if x.ndim}
+        assert kinds == {"pinned_host" if off else "device"}
+        before = jax.tree.map(lambda x: (x.dtype, x.sharding), state)
+        state, first = step(state, batch)
+        after_one = jax.tree.map(np.asarray, state)
+        state, second = step(state, batch)
+        assert jax.tree.map(lambda x: (x.dtype, x.sharding), state) == before
+        results.append((float(first["loss"]), float(second["loss"]), after_one))
+    (first_a, second_a, a), (first_b, second_b, b) = results
+    assert first_a == first_b
+    np.testing.assert_allclose(second_a, second_b, rtol=1e-6)
+    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+        # float32: 1-2 ulp of the weights and of lr; a master weight 1 ulp apart may round to the next bfloat16
+        rtol, atol = (2**-7, 0) if x.dtype == jnp.bfloat16 else (1e-6, 1e-8)
+        np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -23,6 +23,8 @@ The long-context memory switches (each tested for equality with the plain path):
   * ``loss_chunk``: tokens per chunk of each device's sequence for the tiled loss (0 = plain loss).
   * ``mlp_chunk``: tokens per chunk of each device's sequence for the tiled MLP (0 = plain MLP).
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
+  * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
+    group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class ModelConfig:
     loss_chunk: int = 0
     mlp_chunk: int = 0
     remat: str = "none"
+    remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -111,6 +114,9 @@ class ModelConfig:
             raise ValueError(f"attention_impl ({self.attention_impl!r}) must be a non-empty string such as 'xla'")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
+            raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
+                             f"({self.num_layers})")
         for field in ("loss_chunk", "mlp_chunk"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

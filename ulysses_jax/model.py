@@ -15,14 +15,23 @@ Sharding: every parameter is created already split at rest (``sharding.py``): a 
 per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
 random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
 (constrained to their compute layout) where they are used; activations are constrained to batch over
-``("data", "fsdp")`` and sequence over ``sp``.
+``("data", "fsdp")`` and sequence over ``("ring", "sp")``.
+
+Ulysses x ring (a mesh with ``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model
+computes in the ring's token order (zigzag, for causal load balance): tokens, positions and segment ids are
+permuted once at the input, positions first derived in the natural order; attention masks use the true
+positions, and every other layer works per token, so nothing else changes. ``hidden_states`` / ``__call__``
+return the natural order (one gather at the end); the loss (``loss.next_token_loss``) permutes the labels
+instead and keeps the ring order throughout (``ring_order``).
 
 Layers: one ``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and
 the forward is a ``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one
 layer's gathered weights and full-size gradients at a time (an unrolled loop lets it gather every
 layer's weights up front and combine every gradient reduction at the end).
 
-Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy;
+Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each
+layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs); ``remat_every=k``
+checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
 ``mlp_chunk`` runs the MLP over sequence chunks of each device's local sequence inside ``shard_map``
 (so chunking never moves activations between devices), each chunk rematerialised.
 """
@@ -38,11 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.config import ModelConfig, local_chunks
-from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
 from ulysses_jax.sharding import (
     check_batch,
     check_param_shape,
@@ -53,9 +63,10 @@ from ulysses_jax.sharding import (
     gather_param,
     param_spec,
 )
-from ulysses_jax.ulysses import ulysses_attention
+from ulysses_jax.ulysses import ring_token_order, ulysses_attention
 
 RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
+GROUP_INPUT = "group_input"  # with remat_every > 1: each group's input, what the policy keeps instead
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +130,13 @@ def document_positions(segment_ids_BS: jax.Array) -> jax.Array:
         [jnp.ones_like(segment_ids_BS[:, :1], bool), segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1
     )
     return idx_BS - jax.lax.cummax(jnp.where(start_BS, idx_BS, 0), axis=1)
+
+
+def default_positions(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None) -> jax.Array:
+    """0, 1, ... along each row, restarting at each document of ``segment_ids`` when given (natural order)."""
+    if segment_ids_BS is None:
+        return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1], dtype=jnp.int32), tokens_BS.shape)
+    return document_positions(segment_ids_BS)
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -197,8 +215,8 @@ class Attention(nnx.Module):
         k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq), mesh, ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
         o_BSNH = ulysses_attention(
-            q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, causal=True, segment_ids=segment_ids_BS,
-            impl=cfg.attention_impl,
+            q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
+            impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
         )
         out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
@@ -218,7 +236,7 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     ``[b, chunk, F]`` intermediates exist at a time, forward and backward.
     """
     wa = fsdp_axes(over_data)
-    act = P((DATA, FSDP), SP, None)
+    act = P((DATA, FSDP), SEQ, None)
 
     def local(x_bsD, wg, wu, wd):
         wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
@@ -252,6 +270,20 @@ class MLP(nnx.Module):
         return constrain(swiglu(x_BSD, *ws), mesh, ("batch", "seq", "embed"))
 
 
+def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
+    """``x_BSD`` unchanged, pinned to the row-major layout on each device.
+
+    Applied to each layer's input under remat: the layer's backward reads its saved input transposed
+    (``[D, S]``, for the weight gradients), and left free XLA gives the whole stack of saved inputs that layout,
+    a second ``[L, S/sp, D]`` copy made between the forward and backward loops. Pinned, each layer's backward
+    transposes its own slice. Inside ``shard_map``: the constraint is per device and keeps the sharding.
+    """
+    spec = compute_spec(("batch", "seq", "embed"))
+    fix = jax.shard_map(lambda x: with_layout_constraint(x, Layout(major_to_minor=(0, 1, 2))), mesh=mesh,
+                        in_specs=spec, out_specs=spec)
+    return fix(x_BSD)
+
+
 class Block(nnx.Module):
     """One pre-norm transformer layer; built with ``ParamMaker(stack=L)`` it holds all ``L`` layers stacked."""
 
@@ -273,7 +305,7 @@ class Block(nnx.Module):
 # Remat policies
 
 
-def remat_policy(name: str, mesh: Mesh):
+def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL):
     """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs)."""
     if name == "full":
         return None
@@ -289,7 +321,7 @@ def remat_policy(name: str, mesh: Mesh):
                 f"devices of this mesh offer only {sorted(kinds)}; use remat='full' on this backend"
             )
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=[RESIDUAL],
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
             offload_src="device", offload_dst="pinned_host",
         )
     raise ValueError(f"no checkpoint policy for remat={name!r}")
@@ -307,8 +339,8 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
-        if tuple(mesh.axis_names) != (DATA, FSDP, SP):
-            raise ValueError(f"the mesh must have axes {(DATA, FSDP, SP)} (use make_mesh), got {mesh.axis_names}")
+        if tuple(mesh.axis_names) != MESH_AXES:
+            raise ValueError(f"the mesh must have axes {MESH_AXES} (use make_mesh), got {mesh.axis_names}")
         self.config, self.mesh = config, mesh
         cfg = config
         make = ParamMaker(cfg, mesh, rngs)
@@ -324,10 +356,29 @@ class Transformer(nnx.Module):
         """The ``[V, D]`` output projection: the embedding table when tied."""
         return self.embed_VD if self.config.tie_embeddings else self.lm_head_VD
 
+    def ring_permutation(self, seq_len: int) -> np.ndarray | None:
+        """The token order the model computes in (``x[:, perm]``): ``None`` (natural) without a ring."""
+        return ring_token_order(seq_len, self.mesh.shape[RING])
+
+    def ring_order(self, batch: dict) -> dict | None:
+        """``batch`` (``[B, S]`` arrays in the natural order: ``tokens``, and any of ``labels``, ``segment_ids``,
+        ``positions``) permuted into the ring's token order, ``positions`` filled in first; ``None`` without a ring.
+        Labels must be shifted already (``labels[t]`` is the token after ``tokens[t]``)."""
+        perm = self.ring_permutation(batch["tokens"].shape[1])
+        if perm is None:
+            return None
+        batch = dict(batch)
+        if batch.get("positions") is None:
+            batch["positions"] = default_positions(batch["tokens"], batch.get("segment_ids"))
+        return {k: x if x is None else x[:, perm] for k, x in batch.items()}
+
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, *, permuted: bool = False) -> jax.Array:
         """Final-normed hidden states ``[B, S, D]`` of int ``tokens [B, S]``; ``positions`` default to 0, 1, ...
-        restarting at each document of ``segment_ids`` (packed rows; equal ids attend to each other)."""
+        restarting at each document of ``segment_ids`` (packed rows; equal ids attend to each other).
+
+        ``permuted=True`` (meaningful with a ring): the inputs are already in the ring's token order
+        (``ring_order``; give ``positions``) and the output stays in it."""
         cfg, mesh = self.config, self.mesh
         tokens_BS, positions_BS, segment_ids_BS = tokens, positions, segment_ids
         if tokens_BS.ndim != 2:
@@ -337,26 +388,48 @@ class Transformer(nnx.Module):
         for name, arr in (("positions", positions_BS), ("segment_ids", segment_ids_BS)):
             if arr is not None and tuple(arr.shape) != tuple(tokens_BS.shape):
                 raise ValueError(f"{name} shape {tuple(arr.shape)} must equal the tokens' {tuple(tokens_BS.shape)}")
+        perm = self.ring_permutation(tokens_BS.shape[1])
+        if perm is not None and permuted and positions_BS is None:
+            raise ValueError("with permuted=True give the positions (permuted like the tokens: Transformer.ring_order)")
+        if perm is not None and not permuted:  # into the ring's order here, back at the end
+            ordered = self.ring_order(dict(tokens=tokens_BS, positions=positions_BS, segment_ids=segment_ids_BS))
+            tokens_BS, positions_BS, segment_ids_BS = ordered["tokens"], ordered["positions"], ordered["segment_ids"]
         tokens_BS = constrain(tokens_BS, mesh, ("batch", "seq"))
         if segment_ids_BS is not None:
             segment_ids_BS = constrain(segment_ids_BS, mesh, ("batch", "seq"))
         if positions_BS is None:
-            if segment_ids_BS is None:
-                positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1], dtype=jnp.int32), tokens_BS.shape)
-            else:
-                positions_BS = document_positions(segment_ids_BS)
+            positions_BS = default_positions(tokens_BS, segment_ids_BS)
         positions_BS = constrain(positions_BS, mesh, ("batch", "seq"))
         x_BSD = jnp.take(use(self.embed_VD, mesh, cfg.compute_jnp_dtype), tokens_BS, axis=0)
         x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
         graphdef, stacked = nnx.split(self.blocks)
 
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
+            if cfg.remat != "none":
+                x_BSD = row_major(x_BSD, mesh)
             return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS)
 
+        every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat, mesh), prevent_cse=False)
-        x_BSD, _ = jax.lax.scan(lambda x, st: (layer(x, st, positions_BS, segment_ids_BS), None), x_BSD, stacked)
-        return self.final_norm(x_BSD)
+            layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat, mesh) if every == 1 else None,
+                                   prevent_cse=False)
+
+        def layers(x_BSD, st):  # the layers of ``st``, stacked on its leading axis, one after the other
+            return jax.lax.scan(lambda x, s: (layer(x, s, positions_BS, segment_ids_BS), None), x_BSD, st)[0]
+
+        if every > 1:
+            # groups of ``every`` layers: the policy keeps (or offloads) each group's input only; a group's
+            # backward re-runs its layers' forward, holding their inputs on the device for that group alone
+            group = jax.checkpoint(lambda x, st: layers(checkpoint_name(x, GROUP_INPUT), st),
+                                   policy=remat_policy(cfg.remat, mesh, GROUP_INPUT), prevent_cse=False)
+            grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // every, every, *a.shape[1:]), stacked)
+            x_BSD = jax.lax.scan(lambda x, st: (group(x, st), None), x_BSD, grouped)[0]
+        else:
+            x_BSD = layers(x_BSD, stacked)
+        h_BSD = self.final_norm(x_BSD)
+        if perm is not None and not permuted:
+            h_BSD = constrain(h_BSD[:, np.argsort(perm)], mesh, ("batch", "seq", "embed"))
+        return h_BSD
 
     def logits(self, h_BSD: jax.Array) -> jax.Array:
         w_VD = use(self.unembedding, self.mesh, self.config.compute_jnp_dtype)

@@ -29,6 +29,7 @@ import pathlib
 import re
 import tempfile
 import time
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,10 @@ class PlanConfig(TrainConfig):
     hosts: int = 1  # hosts they are spread over (devices / hosts GPUs each)
     budget_fraction: float = 0.9  # share of device memory XLA's buffers may use (the rest: CUDA, NCCL, fragmentation)
     find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
+    memory: Literal["manual", "auto"] = "manual"
+    """auto (with --find-max-seq-len): search with each set of memory tools (remat full, every k-th layer, offload
+    with the optimizer in host memory) and keep the longest context whose host memory fits --host-memory-gib"""
+    host_memory_gib: float = 237.0  # pinned host memory per GPU that --memory auto may plan for (1.9 TB / 8)
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
 
@@ -75,6 +80,8 @@ class Plan:
     compile_seconds: float
     buffers: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # largest device allocations
     max_seq_len: int | None = None
+    optimizer_on_host: bool = False  # --optim.offload: the optimizer state's shard is in pinned host memory
+    memory_flags: str | None = None  # --memory auto: the train flags of the memory tools it chose
 
     @property
     def fits(self) -> bool:
@@ -87,6 +94,11 @@ class Plan:
     @property
     def compute_floor_s(self) -> float:
         return self.flops_per_device / self.target.peak_flops
+
+    @property
+    def host_link_floor_s(self) -> float:
+        """Seconds the host transfers of a step take at the PCIe bandwidth if nothing overlapped."""
+        return self.memory.get("host_transfer_bytes", 0) / self.target.host_link_bytes_per_s
 
     @property
     def comm_floor_s(self) -> float:
@@ -112,10 +124,13 @@ class Plan:
             "flops_per_device": self.flops_per_device,
             "compute_floor_s": self.compute_floor_s,
             "comm_floor_s": self.comm_floor_s,
+            "host_link_floor_s": self.host_link_floor_s,
+            "optimizer_on_host": self.optimizer_on_host,
             "kernels": [dataclasses.asdict(k) for k in self.kernels],
             "largest_buffers": [{"bytes": n, "shapes": shapes} for n, shapes in self.buffers],
             "compile_seconds": self.compile_seconds,
             "max_seq_len": self.max_seq_len,
+            "memory_flags": self.memory_flags,
         }
 
 
@@ -144,6 +159,8 @@ def _mesh(cfg: PlanConfig, model, seq_len: int):
 
 
 def _model(cfg: PlanConfig):
+    if cfg.init_from_hf is not None and cfg.tokenizer is None:
+        return model_config(cfg, 0)  # the folder's config.json alone (a folder of config.json only plans too)
     vocab = make_tokenizer(cfg.tokenizer).vocab_size  # reads a tokenizer file at most, never data
     return model_config(cfg, vocab)
 
@@ -203,6 +220,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         "device_bytes": target.memory_bytes,
     }
     params = _shard_bytes(state["params"])
+    memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
+                                                        _shard_bytes(state["opt_state"]))
     breakdown = {
         "parameters": params,
         "optimizer": _shard_bytes(state["opt_state"]),
@@ -216,8 +235,20 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
-        compile_seconds=seconds, buffers=buffers,
+        compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload,
     )
+
+
+def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: int, batch_size: int,
+                        optimizer_bytes: int) -> int:
+    """Bytes one device moves over PCIe per step (both ways): the optimizer state in and out (``--optim.offload``),
+    the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers)."""
+    total = 2 * optimizer_bytes if cfg.optim.offload else 0
+    if model.remat == "offload":
+        local_tokens = (batch_size // (mesh["data"] * mesh["fsdp"])) * (seq_len // (mesh.get("ring", 1) * mesh["sp"]))
+        saved = model.num_layers // model.remat_every
+        total += 2 * saved * local_tokens * model.hidden * model.compute_jnp_dtype.itemsize
+    return total
 
 
 def seq_len_unit(cfg: PlanConfig, sp: int) -> int:
@@ -259,8 +290,8 @@ def find_max_seq_len(cfg: PlanConfig, *, log=print) -> Plan:
     """The plan at the longest sequence length that fits (``max_seq_len`` set; 0 when even one unit does not)."""
     _, mesh = _mesh(cfg, _model(cfg), cfg.seq_len)
     # the mesh the search plans on: resolved once, so that an automatic --mesh.sp does not change with the length
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "sp")}))
-    unit = seq_len_unit(cfg, mesh.shape["sp"])
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
+    unit = seq_len_unit(cfg, mesh.shape["ring"] * mesh.shape["sp"])  # the sequence splits over ring x sp
 
     def fits(n_units: int) -> bool:
         p = plan(cfg, seq_len=n_units * unit, detail=False)
@@ -294,7 +325,8 @@ def format_plan(p: Plan) -> str:
         "",
         "Memory per device (GiB; XLA's buffers, from the compiled GPU program)",
         f"  parameters            {gib(b['parameters']):>9}   (state shard)",
-        f"  optimizer state       {gib(b['optimizer']):>9}   (state shard)",
+        f"  optimizer state       {gib(b['optimizer']):>9}   "
+        f"({'state shard, in pinned host memory: not in the total' if p.optimizer_on_host else 'state shard'})",
         f"  gradients             {gib(b['gradients']):>9}   (estimate: one parameter shard, inside temp)",
         f"  activations and temps {gib(b['activations']):>9}   (temp - gradients)",
         f"  batch                 {gib(b['batch']):>9}",
@@ -303,7 +335,7 @@ def format_plan(p: Plan) -> str:
         f"  total                 {gib(m['total_bytes']):>9}   = argument + output + temp - alias",
         f"  budget                {gib(m['budget_bytes']):>9}   = {m['budget_bytes'] / m['device_bytes']:.0%} of "
         f"{gib(m['device_bytes'])} (margin for CUDA context, NCCL, fragmentation)",
-        f"  host (pinned) memory  {gib(m['host_bytes']):>9}",
+        f"  host (pinned) memory  {gib(m['host_bytes']):>9}   (per GPU)",
         f"  verdict: {'FITS' if p.fits else 'OVER'}",
         "",
         "Collectives per step (per device; the layer loop counted once per layer)",
@@ -320,6 +352,9 @@ def format_plan(p: Plan) -> str:
         f"(a bound, not a measurement)",
         f"  collective floor {seconds(p.comm_floor_s)} if nothing overlapped (NVLink "
         f"{p.target.nvlink_bytes_per_s / 1e9:.0f} GB/s, network {p.target.network_bytes_per_s / 1e9:.0f} GB/s per GPU)",
+        f"  host link floor {seconds(p.host_link_floor_s)}: {gib(m.get('host_transfer_bytes', 0))} GiB over PCIe per "
+        f"step per GPU if nothing overlapped ({p.target.host_link_bytes_per_s / 1e9:.0f} GB/s; optimizer offload, "
+        f"remat offload)",
     ]
     if p.kernels:
         lines += ["", "Pallas kernels (ptxas -v, sm_90a)"]
@@ -333,15 +368,59 @@ def format_plan(p: Plan) -> str:
         lines += [f"  {gib(n):>8}  {shapes[:110]}" for n, shapes in p.buffers[:8]]
     if p.max_seq_len is not None:
         lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
+    if p.memory_flags is not None:
+        lines += [f"Memory tools chosen (--memory auto); train with: {p.memory_flags} --seq-len {p.max_seq_len}"]
     lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
     return "\n".join(lines)
+
+
+def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
+    """``(train flags, PlanConfig changes)`` of each set of memory tools ``--memory auto`` tries."""
+    k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
+            default=1)
+    host = dict(param_dtype="bfloat16", optim=dataclasses.replace(cfg.optim, master_weights=True, offload=True))
+    host_flags = "--param-dtype bfloat16 --optim.master-weights --optim.offload"
+    choices = [("--remat full", dict(remat="full", remat_every=None))]
+    if k > 1:
+        choices.append((f"--remat full --remat-every {k}", dict(remat="full", remat_every=k)))
+    choices.append((f"--remat offload {host_flags}", dict(remat="offload", remat_every=None, **host)))
+    if num_layers % 2 == 0:
+        choices.append((f"--remat offload --remat-every 2 {host_flags}", dict(remat="offload", remat_every=2, **host)))
+    return choices
+
+
+def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
+    """``--memory auto``: the longest context over ``memory_choices`` whose host memory per GPU fits the budget."""
+    if cfg.host_memory_gib < 0:
+        raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
+    best, results = None, []
+    for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
+        log(f"{flags}:")
+        p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log)
+        host_ok = p.memory["host_bytes"] <= cfg.host_memory_gib * GiB
+        results.append((flags, p.max_seq_len, p.memory["host_bytes"], host_ok))
+        if host_ok and p.max_seq_len and (best is None or p.max_seq_len > best.max_seq_len):
+            best, best_flags = p, flags
+    log("Memory tools tried (longest context, host memory per GPU):")
+    for flags, n, host, ok in results:
+        log(f"  {n:>12,} tokens  {gib(host):>8} GiB host{'' if ok else ' (over --host-memory-gib)'}  {flags}")
+    if best is None:
+        raise ValueError("no set of memory tools fits even one unit of the sequence on these devices within "
+                         f"--host-memory-gib {cfg.host_memory_gib}; plan more devices")
+    best.memory_flags = best_flags
+    return best
 
 
 def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
     """What ``ulysses-jax plan`` does: plan (or search), print, and write the JSON if asked."""
     if cfg.json is not None and pathlib.Path(cfg.json).is_dir():
         raise ValueError(f"--json {cfg.json} is a directory; give a file path such as plan.json")
-    p = find_max_seq_len(cfg, log=log) if cfg.find_max_seq_len else plan(cfg)
+    if cfg.memory == "auto" and not cfg.find_max_seq_len:
+        raise ValueError("--memory auto chooses the memory tools for the longest context: add --find-max-seq-len")
+    if cfg.find_max_seq_len:
+        p = auto_memory(cfg, log=log) if cfg.memory == "auto" else find_max_seq_len(cfg, log=log)
+    else:
+        p = plan(cfg)
     log(format_plan(p))
     if cfg.json is not None:
         path = pathlib.Path(cfg.json)

@@ -26,10 +26,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax import offload
 from ulysses_jax.config import ModelConfig
 from ulysses_jax.loss import next_token_loss
 from ulysses_jax.model import Transformer
-from ulysses_jax.mesh import DATA, FSDP, SP
+from ulysses_jax.mesh import DATA, FSDP, SEQ
 from ulysses_jax.sharding import param_shardings
 
 BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
@@ -47,6 +48,12 @@ class OptimConfig:
     clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
     b1: float = 0.9  # AdamW first-moment decay
     b2: float = 0.95  # AdamW second-moment decay
+    master_weights: bool = False
+    """keep float32 master weights in the optimizer state and update those: for bfloat16 parameters (--param-dtype
+    bfloat16), whose device copy is then the master rounded (``offload.py``)"""
+    offload: bool = False
+    """optimizer state (AdamW moments, master weights) in pinned host memory, streamed through the device one
+    layer at a time by the update (``offload.py``)"""
 
     def __post_init__(self):
         checks = (
@@ -119,18 +126,23 @@ def decay_mask(params):
 def make_optimizer(
     cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()
 ) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW, as an ``offload.Optimizer`` (an optax transformation that names its parts,
+    with master weights and host memory as ``cfg`` asks)."""
     adamw = optax.adamw(
         make_schedule(cfg, total_steps, replans), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
+    return offload.Optimizer.of(cfg.clip_norm, adamw, master_weights=cfg.master_weights, offload=cfg.offload)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """``[B, S]`` batch arrays: rows over ``("data", "fsdp")``, sequence over ``sp``."""
-    return NamedSharding(mesh, P((DATA, FSDP), SP))
+    """``[B, S]`` batch arrays: rows over ``("data", "fsdp")``, sequence over ``("ring", "sp")``."""
+    return NamedSharding(mesh, P((DATA, FSDP), SEQ))
 
 
 def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
+    if getattr(tx, "offload", False):
+        return offload.host_shardings(tx, abstract_opt, _opt_shardings(tx.on_device, abstract_opt, param_shardings,
+                                                                       mesh))
     return optax.tree_map_params(
         tx,
         lambda _, s: s,
@@ -141,9 +153,17 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
     )
 
 
-def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int) -> tuple[nnx.GraphDef, dict]:
-    """A fresh train state, every array created in its final sharding."""
-    model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transformer | None = None
+               ) -> tuple[nnx.GraphDef, dict]:
+    """A fresh train state, every array created in its final sharding.
+
+    ``model``: start from these parameters (``hf.from_hf``: already in their shardings) instead of random ones; the
+    optimizer state starts fresh either way.
+    """
+    if model is None:
+        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    elif model.config != config:
+        raise ValueError(f"the starting model is {model.config}, not the configured {config}")
     graphdef, params = nnx.split(model)
     shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), shardings, mesh)
@@ -199,7 +219,7 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
     grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
-    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SP))
+    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def step(state, batch):
         params = state["params"]
@@ -220,10 +240,16 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
             (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
         denom = jnp.maximum(count, 1).astype(jnp.float32)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
+        # moments float32 after one step, and the new state would no longer fit the donated buffers
+        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+        if getattr(tx, "offload", False):
+            new_params, opt_state = offload.streamed_update(tx, grads, state["opt_state"], params)
+        else:
+            new_params, opt_state = offload.apply(tx, grads, state["opt_state"], params)
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         new_state = {
-            "params": optax.apply_updates(params, updates),
+            "params": new_params,
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "rng": state["rng"],

@@ -28,8 +28,8 @@ from ulysses_jax import flops, runconfig
 from ulysses_jax.attention import device_platform
 from ulysses_jax.checkpoint import Checkpointer, gather
 from ulysses_jax.config import PRESETS, ModelConfig, RopeScaling
-from ulysses_jax.data import (BatchIterator, DataConfig, describe_sources, describe_tokenizer, eval_batches,
-                              merge_states, to_global, validate_sources)
+from ulysses_jax.data import (BatchIterator, DataConfig, DataFormat, describe_sources, describe_tokenizer,
+                              eval_batches, merge_states, to_global, validate_sources)
 from ulysses_jax.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
 from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, init_state, make_eval_step,
@@ -37,7 +37,7 @@ from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sha
 
 COMPUTE_ONLY = runconfig.COMPUTE_ONLY
 Paths = Annotated[tuple[str, ...], tyro.conf.arg(metavar="PATH [PATH ...]")]
-Impl = Literal["auto", "xla", "pallas", "cudnn"]
+Impl = Literal["auto", "xla", "blockwise", "pallas", "cudnn"]
 Remat = Literal["none", "full", "save_matmuls", "offload"]
 
 
@@ -45,7 +45,9 @@ Remat = Literal["none", "full", "save_matmuls", "offload"]
 class TrainConfig:
     """Train a model (defaults: the tiny preset on the built-in corpus for 24 steps, Ulysses over the devices)."""
 
-    preset: Annotated[str, tyro.conf.arg(metavar="NAME", help=f"model preset: {', '.join(PRESETS)}")] = "tiny"
+    preset: Annotated[str | None, tyro.conf.arg(metavar="NAME", help=f"model preset: {', '.join(PRESETS)} (not with "
+                                                 f"--init-from-hf)")] = "tiny"
+    init_from_hf: str | None = None  # a Hugging Face model folder: start from its config.json, weights and tokenizer
     steps: int = 24  # total optimizer steps (a resumed run continues up to this count)
     seq_len: int = 2048  # tokens per row (the context length)
     batch_size: int | None = None  # rows per global batch; None: 2, or one per data x fsdp device if more
@@ -53,11 +55,18 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
     attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
     remat: Remat | None = None  # rematerialisation per layer; None: the preset's
+    remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
     loss_chunk: int | None = None  # tiled loss chunk in tokens (0: off; None: the preset's)
     mlp_chunk: int | None = None  # tiled MLP chunk in tokens (0: off; None: the preset's)
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
+    is updated with the optimizer state (in host memory with --optim.offload)"""
     optim: OptimConfig = OptimConfig()
     data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
     data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
+    data_format: DataFormat = "text"
+    """text: loss on every token; sft: .jsonl {"prompt", "completion"} or {"messages"} records rendered with
+    the tokenizer and chat template of the --init-from-hf (or --tokenizer) folder, loss on the answers only"""
     eval_data: Paths = ()  # a validation source; none: the documents held out of --data by --eval-fraction
     eval_fraction: float = 0.02  # share of --data documents held out for evaluation (chosen by a hash of the text)
     tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
@@ -96,10 +105,24 @@ def _model_config(preset: str, vocab_size: int, **overrides) -> ModelConfig:
     return cfg
 
 
+PRESET_AND_HF = ("--preset and --init-from-hf exclude each other (the model is the folder's config.json); drop "
+                 "--preset")
+
+
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The model a ``TrainConfig`` trains: its preset with the memory tools and attention of the flags."""
-    return _model_config(cfg.preset, vocab_size, attention_impl=cfg.attention, remat=cfg.remat,
-                         loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk)
+    """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
+    the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
+    compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+                   param_dtype=cfg.param_dtype, remat_every=cfg.remat_every)
+    if cfg.init_from_hf is None:
+        return _model_config(cfg.preset or "tiny", vocab_size, **compute)
+    if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
+        raise ValueError(PRESET_AND_HF)
+    model = ModelConfig.from_hf(cfg.init_from_hf, **{k: v for k, v in compute.items() if v is not None})
+    if vocab_size > model.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens but --init-from-hf {cfg.init_from_hf} has a "
+                         f"vocabulary of {model.vocab_size}; use the folder's own tokenizer (leave out --tokenizer)")
+    return model
 
 
 def model_config_from_run(record: dict, **compute) -> ModelConfig:
@@ -136,7 +159,18 @@ def _profile_range(spec: str | None) -> tuple[int, int] | None:
 
 def data_config(cfg: TrainConfig) -> DataConfig:
     return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
-                      eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data))
+                      eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data), format=cfg.data_format,
+                      frame=cfg.init_from_hf is not None)
+
+
+def _hf_weights(folder: str | None, model: ModelConfig, mesh):
+    """The ``--init-from-hf`` model with its weights, each parameter read into its sharding on ``mesh`` (or None)."""
+    if folder is None:
+        return None
+    from ulysses_jax.hf import HF_CONFIG_FIELDS, from_hf
+
+    training = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in HF_CONFIG_FIELDS}
+    return from_hf(folder, mesh=mesh, **training)
 
 
 def default_run_dir(preset: str) -> str:
@@ -207,12 +241,25 @@ def setup_train(cfg: TrainConfig) -> Run:
         if value < least:
             raise ValueError(f"{name} ({value}) must be at least {least}")
     resuming = cfg.resume or cfg.resume_from is not None
+    if cfg.init_from_hf is not None:  # the model, and unless --tokenizer is given the tokenizer, come from the folder
+        if cfg.preset not in (None, "tiny"):
+            raise ValueError(PRESET_AND_HF)
+        folder = pathlib.Path(cfg.init_from_hf).expanduser().resolve()
+        if not folder.is_dir() and not resuming:
+            raise ValueError(f"--init-from-hf {cfg.init_from_hf} is not a folder; pass a Hugging Face model folder "
+                             f"(config.json, *.safetensors, tokenizer.json)")
+        if cfg.tokenizer is None and not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"--init-from-hf {cfg.init_from_hf} has no tokenizer.json; pass the model's tokenizer "
+                             f"with --tokenizer")
+        cfg = dataclasses.replace(cfg, preset=None, init_from_hf=str(folder),
+                                  tokenizer=str(folder) if cfg.tokenizer is None else cfg.tokenizer)
     if cfg.run_dir is None:
         if resuming:
             raise ValueError("--resume needs --run-dir: the directory of the run to continue")
         if jax.process_count() > 1:
             raise ValueError("a multi-process run needs --run-dir (every process must write to the same directory)")
-        cfg = dataclasses.replace(cfg, run_dir=default_run_dir(cfg.preset))
+        name = cfg.preset or pathlib.Path(cfg.init_from_hf or "tiny").name
+        cfg = dataclasses.replace(cfg, run_dir=default_run_dir(name))
     check_wandb(cfg.wandb_project)
     where = runconfig.inspect(cfg.run_dir)
     if not resuming and where.steps:
@@ -226,7 +273,18 @@ def setup_train(cfg: TrainConfig) -> Run:
     data_cfg = data_config(cfg)
     summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
-    model = model_config(cfg, summary.vocab_size)
+    hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
+                                                                                  missing_ok=resuming)
+    if resuming and (recorded or {}).get("init_from_hf"):
+        # the run's model is its record's (config.json is not read again); a changed folder is refused below
+        model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
+                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk)
+        hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
+        if summary.vocab_size > model.vocab_size:
+            raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
+                             f"{model.vocab_size}; resume with the run's tokenizer (leave out --tokenizer)")
+    else:
+        model = model_config(cfg, summary.vocab_size)
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
@@ -239,6 +297,7 @@ def setup_train(cfg: TrainConfig) -> Run:
         start, optim, replans = 0, cfg.optim.resolved(cfg.steps), []
         horizon = optim.decay_steps
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
+    record["init_from_hf"] = hf_folder
     if recorded is not None:
         why = runconfig.same_run(recorded, record)
         if why and resuming:
@@ -266,7 +325,7 @@ def setup_train(cfg: TrainConfig) -> Run:
             reader.close()
         it.set_state(data_state)
     else:
-        graphdef, state = init_state(model, mesh, tx, cfg.seed)
+        graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh))
     step_fn = make_train_step(graphdef, tx, make_schedule(optim, cfg.steps, tuple(map(tuple, replans))), mesh,
                               state_shardings(state), grad_accum=cfg.grad_accum)
     # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
