@@ -95,7 +95,7 @@ def test_config_values_are_checked(tmp_path):
     assert cfg.seq_len == 512 and cfg.data == ("a.jsonl",) and cfg.mesh.sp == 4 and cfg.optim.lr == 1.0
     for values, message in [
         ({"seq_len": "long"}, "f: seq_len is 'long', not an integer"),
-        ({"attention": "fast"}, "f: attention is 'fast', not 'auto' or 'xla' or 'pallas' or 'cudnn'"),
+        ({"attention": "fast"}, "f: attention is 'fast', not 'auto' or 'xla' or 'blockwise' or 'pallas' or 'cudnn'"),
         ({"mesh": 8}, "f: mesh must be a mapping"),
         ({"mesh": {"spp": 2}}, "f: unknown setting 'mesh.spp'; did you mean 'sp'?"),
         ({"resume": "yes"}, "f: resume is 'yes', not true or false"),

@@ -1,0 +1,150 @@
+"""Bad inputs to the real entry point: each must give exit status 2 (usage or input error), one line on stderr
+beginning "error:", no traceback, and write nothing (no new run directory; an existing run's files unchanged).
+
+    python experiments/bad_inputs.py [--out experiments/results/bad_inputs]
+
+Makes a small real run first (tiny preset, 2 steps, 256-token rows) so that resume, eval and checkpoint mistakes
+have a run to get wrong; then tries every case in its own process on 8 fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from results_io import run_header, write_table
+
+RUN = ["--preset", "tiny", "--seq-len", "256", "--batch-size", "2", "--mesh.fsdp", "2", "--mesh.sp", "4",
+       "--no-progress"]
+
+
+def cli(*args, timeout=900):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "ulysses_jax", *args], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    return p, time.time() - t
+
+
+def snapshot(root: pathlib.Path) -> dict:
+    """path -> sha256 of every file under root (missing root: empty)."""
+    if not root.exists():
+        return {}
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def cases(d: pathlib.Path, run: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """(what is wrong, argv) pairs. ``NEW`` in an argv stands for a run directory that must not appear."""
+    w = d / "files"
+    w.mkdir()
+    (w / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (w / "nofield.jsonl").write_text('{"body": "a document"}\n')
+    (w / "empty.jsonl").write_text('{"text": ""}\n{"text": "   "}\n')
+    (w / "notes.csv").write_text("a,b\n")
+    (w / "emptydir").mkdir()
+    (w / "other.jsonl").write_text('{"text": "another corpus entirely"}\n' * 50)
+    (w / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    (w / "garbage.json").write_text("{not json")
+    (w / "syntax.yaml").write_text("mesh: {sp: 8\n")
+    (w / "unknown.yaml").write_text("no_such_setting: 3\n")
+    (w / "sft_bad.jsonl").write_text('{"prompt": "hi"}\n')
+    return [
+        ("unknown preset", ["train", "--preset", "llama9", "--run-dir", "NEW"]),
+        ("sequence not divisible by sp", ["train", *RUN, "--seq-len", "250", "--run-dir", "NEW"]),
+        ("sp that the devices do not allow", ["train", *RUN, "--mesh.sp", "3", "--run-dir", "NEW"]),
+        ("fsdp that does not divide the devices", ["train", *RUN, "--mesh.fsdp", "3", "--run-dir", "NEW"]),
+        ("batch not divisible by the batch axes", ["train", *RUN, "--batch-size", "3", "--run-dir", "NEW"]),
+        ("data path that does not exist", ["train", *RUN, "--data", str(w / "missing.jsonl"), "--run-dir", "NEW"]),
+        ("malformed jsonl line", ["train", *RUN, "--data", str(w / "bad.jsonl"), "--run-dir", "NEW"]),
+        ("jsonl without the text field", ["train", *RUN, "--data", str(w / "nofield.jsonl"), "--run-dir", "NEW"]),
+        ("only empty documents", ["train", *RUN, "--data", str(w / "empty.jsonl"), "--run-dir", "NEW"]),
+        ("unknown file extension", ["train", *RUN, "--data", str(w / "notes.csv"), "--run-dir", "NEW"]),
+        ("directory without documents", ["train", *RUN, "--data", str(w / "emptydir"), "--run-dir", "NEW"]),
+        ("tokenizer that does not exist", ["train", *RUN, "--tokenizer", str(w / "nope.json"), "--run-dir", "NEW"]),
+        ("sentencepiece tokenizer.model", ["train", *RUN, "--tokenizer", str(w / "tokenizer.model"),
+                                           "--run-dir", "NEW"]),
+        ("tokenizer.json that is not JSON", ["train", *RUN, "--tokenizer", str(w / "garbage.json"),
+                                             "--run-dir", "NEW"]),
+        ("zero steps", ["train", *RUN, "--steps", "0", "--run-dir", "NEW"]),
+        ("negative learning rate", ["train", *RUN, "--optim.lr", "-1", "--run-dir", "NEW"]),
+        ("loss chunk not dividing the local sequence", ["train", *RUN, "--loss-chunk", "48", "--run-dir", "NEW"]),
+        ("unknown remat policy", ["train", *RUN, "--remat", "sometimes", "--run-dir", "NEW"]),
+        ("unknown attention implementation", ["train", *RUN, "--attention", "magic", "--run-dir", "NEW"]),
+        ("cuDNN attention on CPU devices", ["train", *RUN, "--attention", "cudnn", "--run-dir", "NEW"]),
+        ("eval fraction above 1", ["train", *RUN, "--eval-fraction", "1.5", "--run-dir", "NEW"]),
+        ("checkpoint every 0 steps", ["train", *RUN, "--checkpoint-every", "0", "--run-dir", "NEW"]),
+        ("config file that does not exist", ["train", "--config", str(w / "missing.yaml"), "--run-dir", "NEW"]),
+        ("config file with a YAML syntax error", ["train", "--config", str(w / "syntax.yaml"), "--run-dir", "NEW"]),
+        ("config file with an unknown setting", ["train", "--config", str(w / "unknown.yaml"), "--run-dir", "NEW"]),
+        ("unknown flag", ["train", *RUN, "--learning-rate", "3e-4", "--run-dir", "NEW"]),
+        ("unknown command", ["frobnicate"]),
+        ("resume of a directory that is not a run", ["train", "--resume", "--run-dir", "NEW"]),
+        ("existing run reused without --resume", ["train", *RUN, "--run-dir", str(run)]),
+        ("resume with another sequence length", ["train", "--resume", "--run-dir", str(run), "--seq-len", "512",
+                                                 "--steps", "4"]),
+        ("resume with other data", ["train", "--resume", "--run-dir", str(run), "--steps", "4",
+                                    "--data", str(w / "other.jsonl")]),
+        ("resume from a checkpoint that does not exist", ["train", "--resume-from", "7", "--run-dir", str(run),
+                                                          "--steps", "9"]),
+        ("resume of a finished run without more steps", ["train", "--resume", "--run-dir", str(run)]),
+        ("eval of a directory that is not a run", ["eval", "--run-dir", "NEW"]),
+        ("eval on a source too small to hold a document out", ["eval", "--run-dir", str(run), "--data",
+                                                                str(w / "other.jsonl")]),
+        ("plan for an unknown GPU", ["plan", "--target", "a100", "--devices", "8"]),
+        ("plan with devices the mesh does not multiply to", ["plan", "--devices", "6", "--mesh.sp", "4",
+                                                              "--mesh.fsdp", "1"]),
+        ("corrupt checkpoint", ["train", "--resume", "--run-dir", "CORRUPT", "--steps", "4"]),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "bad_inputs"),
+                    help="results stem: writes STEM.md and STEM.csv")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        d = pathlib.Path(tmp)
+        run = d / "run"
+        p, _ = cli("train", *RUN, "--steps", "2", "--checkpoint-every", "1", "--run-dir", str(run))
+        if p.returncode:
+            sys.exit(f"the reference run failed:\n{p.stderr[-3000:]}")
+        corrupt = d / "corrupt"
+        subprocess.run(["cp", "-r", str(run), str(corrupt)], check=True)
+        for f in (corrupt / "checkpoints" / "2").rglob("*"):  # truncate every array file of the latest checkpoint
+            if f.is_file() and f.stat().st_size > 1024:
+                f.write_bytes(f.read_bytes()[:100])
+        rows = []
+        for what, argv in cases(d, run):
+            new = d / f"new-{len(rows)}"
+            argv = [str(new) if a == "NEW" else str(corrupt) if a == "CORRUPT" else a for a in argv]
+            watched = corrupt if str(corrupt) in argv else run
+            before = snapshot(watched)
+            p, secs = cli(*argv)
+            err = [line for line in p.stderr.splitlines() if line.strip()]
+            errors = [line for line in err if line.startswith("error:")]
+            ok = (p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr and not new.exists()
+                  and snapshot(watched) == before)
+            rows.append({"case": what, "exit": p.returncode, "one line": len(errors) == 1,
+                         "traceback": "Traceback" in p.stderr, "wrote": new.exists() or snapshot(watched) != before,
+                         "ok": ok, "message": (errors or err or ["(none)"])[-1][:200].replace("|", "/"),
+                         "s": round(secs, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    meta = run_header(result=f"{sum(r['ok'] for r in rows)} of {len(rows)} cases give exit 2, one `error:` line, "
+                             "no traceback, and write nothing")
+    paths = write_table(args.out, "Bad inputs to the ulysses-jax entry point (8 fake CPU devices)", meta,
+                        list(rows[0]), rows)
+    print("wrote", *paths)
+    sys.exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
