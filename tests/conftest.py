@@ -13,7 +13,27 @@ import pytest  # noqa: E402
 from ulysses_jax.targets import INSTALL_HINT, cuda_plugin_installed  # noqa: E402
 
 
+# Kept out of the default `make test` (run by `make test-slow`) to hold it near 15 minutes on 2 cores: each repeats
+# coverage that a faster variant in the default suite keeps (another mesh, dtype or jit mode of the same check), or
+# is a smoke run of a benchmark script or a second multi-process run (tests/test_hf.py runs two processes too).
+SLOW = frozenset({
+    "tests/test_experiments.py::test_benchmark_smoke[bench_train.py]",
+    "tests/test_experiments.py::test_benchmark_smoke[bench_attention.py]",
+    "tests/test_multiprocess.py::test_two_processes_train_resume_and_continue_on_one",
+    "tests/test_step.py::test_offloaded_optimizer_equals_the_on_device_one[bfloat16-True]",
+    "tests/test_step.py::test_grad_accumulation_equals_large_batch[dp2xfsdp2xsp2]",
+    "tests/test_model.py::test_sharded_equals_single_device[fsdp8-gqa-llama3]",
+    "tests/test_model.py::test_remat_every_second_layer_same_gradients[full]",
+    "tests/test_ulysses.py::test_inputs_in_other_shardings[eager]",
+    "tests/test_loss.py::test_tiled_loss_equals_plain[sp4-gqa-llama3]",
+    "tests/test_sharding.py::test_same_seed_same_parameters_on_any_mesh",  # test_model: SP=P == SP=1 from the init
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
     # aot tests compile for H100s without a GPU; they need the CUDA plugin (`make test` installs it on Linux).
     # In CI (CI set) they always run, so a missing plugin fails there instead of passing by skipping.
     skip_aot = None
