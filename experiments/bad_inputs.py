@@ -134,7 +134,7 @@ def main():
                   and snapshot(watched) == before)
             rows.append({"case": what, "exit": p.returncode, "one line": len(errors) == 1,
                          "traceback": "Traceback" in p.stderr, "wrote": new.exists() or snapshot(watched) != before,
-                         "ok": ok, "message": (errors or err or ["(none)"])[-1][:200].replace("|", "/"),
+                         "ok": ok, "message": (errors or err or ["(none)"])[-1].replace(str(d), "$TMPDIR")[:200].replace("|", "/"),
                          "s": round(secs, 1)})
             print(json.dumps(rows[-1]), flush=True)
     os.environ["JAX_PLATFORMS"] = "cpu"
