@@ -260,9 +260,8 @@ def test_remat_every_second_layer_same_gradients(policy, seed):
                 plain)
 
 
-def test_remat_every_k_offloads_one_input_per_group(seed):
-    """remat='offload', remat_every=2: host memory holds L/2 saved layer inputs, not L."""
-    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), num_layers=4, remat="offload", remat_every=2)
+def saved_residuals(cfg, seed) -> list[str]:
+    """Type and shape (``f32<host>[L,B,S,D]``) of each residual the loss's backward saves, on sp=2."""
     graphdef, state = nnx.split(build(cfg, "sp2", seed))
     batch = packed_batch(seed)
     out = io.StringIO()
@@ -270,8 +269,14 @@ def test_remat_every_k_offloads_one_input_per_group(seed):
         jax.ad_checkpoint.print_saved_residuals(
             lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss, state
         )
-    saved = [line.split()[0] for line in out.getvalue().splitlines()]
-    assert f"f32<host>[2,{B},{S},{cfg.hidden}]" in saved, out.getvalue()
+    return [line.split()[0] for line in out.getvalue().splitlines()]
+
+
+def test_remat_every_k_offloads_one_input_per_group(seed):
+    """remat='offload', remat_every=2: host memory holds L/2 saved layer inputs, not L."""
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), num_layers=4, remat="offload", remat_every=2)
+    saved = saved_residuals(cfg, seed)
+    assert f"f32<host>[2,{B},{S},{cfg.hidden}]" in saved, saved
     assert not any(s.startswith(f"f32<host>[{cfg.num_layers},") or s == f"f32[4,{B},{S},{cfg.hidden}]"
                    for s in saved), saved
     with pytest.raises(ValueError, match=r"remat_every \(3\) must be a positive divisor of num_layers \(4\)"):
@@ -281,15 +286,8 @@ def test_remat_every_k_offloads_one_input_per_group(seed):
 def test_offload_puts_the_residual_stream_in_host_memory(seed):
     """remat='offload': each block's input is saved in pinned host memory, not on the device."""
     cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), remat="offload")
-    graphdef, state = nnx.split(build(cfg, "sp2", seed))
-    batch = packed_batch(seed)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(
-            lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss, state
-        )
     # the layer scan stacks the saved block inputs: one [L, B, S, D] residual, in host memory
-    saved = [line.split()[0] for line in out.getvalue().splitlines()]
+    saved = saved_residuals(cfg, seed)
     assert f"f32<host>[{cfg.num_layers},{B},{S},{cfg.hidden}]" in saved, saved
     assert f"f32[{cfg.num_layers},{B},{S},{cfg.hidden}]" not in saved
 

@@ -52,12 +52,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     run_dir = pathlib.Path(cfg.run_dir)
     record = runconfig.read_record(run_dir)
     where = runconfig.inspect(run_dir)
-    if not where.steps:
-        raise ValueError(f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir of a run")
-    step = where.steps[-1] if cfg.step is None else cfg.step
-    if step not in where.steps:
-        raise ValueError(f"--step {step}: no such checkpoint in {where.checkpoints} (steps: "
-                         f"{', '.join(map(str, where.steps))})")
+    step = where.pick_step(cfg.step, none=f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir "
+                                          f"of a run")
     rc = record["config"]
     tokenizer = describe_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else rc.get("tokenizer"))
     why = runconfig.tokenizer_difference(record.get("tokenizer"), tokenizer)

@@ -66,12 +66,8 @@ def export_run(cfg: ExportConfig) -> dict:
                          f"written)")
     record = runconfig.read_record(run_dir)
     where = runconfig.inspect(run_dir)
-    if not where.steps:
-        raise ValueError(f"--run-dir {cfg.run_dir} has no checkpoint in {where.checkpoints}; train it first")
-    step = where.steps[-1] if cfg.step is None else cfg.step
-    if step not in where.steps:
-        raise ValueError(f"--step {step}: no such checkpoint in {where.checkpoints} (steps: "
-                         f"{', '.join(map(str, where.steps))})")
+    step = where.pick_step(cfg.step, none=f"--run-dir {cfg.run_dir} has no checkpoint in {where.checkpoints}; train "
+                                          f"it first")
     model_cfg = model_config_from_run(record)
     folder, tokenizer = _tokenizer_source(record)
     source_config = hf._read_json(folder / "config.json") if folder and (folder / "config.json").is_file() else {}
