@@ -86,6 +86,37 @@ def test_bf16_kernels_compile_without_spills(h100, tmp_path, d, segments, causal
         assert k.warps == fa._launch(blocks, fa.KERNELS.index(kernel), d)[0]
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["diag", "full"])
+def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal):
+    """The ring's variant (``pair_forward`` / ``pair_backward``: float32 outputs, separate query and key segment
+    ids, the log-sum-exp given): Llama-3.1-8B's per-device ring pair at ring=4 x sp=8 (4 query heads, 1 KV head,
+    head_dim 128, bfloat16), still without spills."""
+    from ulysses_jax.targets.kernels import dump_options, kernels
+
+    s, h, hkv, d = 8192, 4, 1, 128
+    q, k, v, seg = _structs(h100, s=s, h=h, hkv=hkv, d=d, dtype=jnp.bfloat16, segments=True)
+    rows = jax.ShapeDtypeStruct((1, h, s), jnp.float32, sharding=SingleDeviceSharding(h100))
+
+    def both(q, k, v, seg, lse, delta):
+        pos = jnp.arange(s)
+        o, l = fa.pair_forward(q, k, v, pos, pos, seg, seg + 1, causal=causal, scale=0.1, interpret=False)
+        grads = fa.pair_backward(q, k, v, pos, pos, seg, seg + 1, o.astype(q.dtype), lse, delta, causal=causal,
+                                 scale=0.1, interpret=False)
+        return o, l, grads
+
+    with jax.default_device(h100):
+        lowered = jax.jit(both).trace(q, k, v, seg, rows, rows).lower()
+    lowered.compile(compiler_options=dump_options(tmp_path))
+    found = {k.name: k for k in kernels(tmp_path, prefix="flash_attention")}
+    print(f"\nring pair causal={causal}: {_report(found)}")
+    assert set(found) == set(NAMES), sorted(found)
+    for k in found.values():
+        assert k.registers is not None and (k.spill_store_bytes, k.spill_load_bytes) == (0, 0), _report(found)
+        assert k.shared_memory_bytes <= SHARED_MEMORY_PER_BLOCK, _report(found)
+    # the outputs are float32 (o, dq, dk, dv): what the ring merges and accumulates
+    assert all(x.dtype == jnp.float32 for x in [lowered.out_info[0], *lowered.out_info[2]])
+
+
 def test_spill_check_sees_spills(h100, tmp_path):
     """The figures can fail the test above: the blocks and warps before tuning (4 warps at head_dim 64) spill."""
     found = _compile(h100, tmp_path, d=64, block_sizes=BlockSizes(num_warps=(4, 4, 4), num_stages=2))

@@ -18,6 +18,8 @@ from ulysses_jax.ring import (
     DIAG,
     FULL,
     SKIP,
+    BLOCKWISE_KERNEL,
+    PALLAS_INTERPRET_KERNEL,
     XLA_KERNEL,
     LocalKernel,
     ring_attention,
@@ -51,13 +53,14 @@ def rank_of_token(order, ring):
     return np.argsort(sequence_order(order, S, ring)) // (S // ring)
 
 
-def sequence_parallel(fn, mesh, order, ring, use_seg, seg):
+def sequence_parallel(fn, mesh, order, ring, use_seg, seg, check_vma=True):
     """``fn`` on the local blocks of global ``q, k, v`` (original order): permute once, shard over
     ``("ring", "sp")``, unpermute the output: a function of the global inputs, differentiable."""
     perm = sequence_order(order, S, ring)
     inv = np.argsort(perm)
     spec = P(None, ("ring", "sp"))
-    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * (4 if use_seg else 3), out_specs=spec)
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * (4 if use_seg else 3), out_specs=spec,
+                            check_vma=check_vma)
 
     def attend(q, k, v):
         args = [x[:, perm] for x in (q, k, v)] + ([seg[:, perm]] if use_seg else [])
@@ -81,9 +84,12 @@ def check_against_reference(attend, q, k, v, do, seg, causal, dtype):
     return errs
 
 
-# ring x heads x (causal, segment ids), with dtype and token order rotating over the cases
+KERNELS = {"xla": XLA_KERNEL, "blockwise": BLOCKWISE_KERNEL, "pallas": PALLAS_INTERPRET_KERNEL}
+# ring x heads x (causal, segment ids), with dtype, token order and local kernel rotating over the cases (the
+# kernel as a Latin square: each kernel meets every ring size, head layout and mask setting)
 MATRIX = [
-    (ring, heads, causal, use_seg, ["float32", "bfloat16"][i % 2], ["zigzag", "contiguous"][i // 2 % 2])
+    (ring, heads, causal, use_seg, ["float32", "bfloat16"][i % 2], ["zigzag", "contiguous"][i // 2 % 2],
+     list(KERNELS)[(i + i // 3 + i // 9) % 3])
     for i, (ring, heads, (causal, use_seg)) in enumerate(
         itertools.product([2, 4, 8], HEADS, [(True, True), (True, False), (False, True)])
     )
@@ -91,13 +97,21 @@ MATRIX = [
 
 
 def case_id(c):
-    ring, heads, causal, use_seg, dtype, order = c
-    return f"ring{ring}-{heads}-{'causal' if causal else 'full'}-{'seg' if use_seg else 'noseg'}-{dtype}-{order}"
+    ring, heads, causal, use_seg, dtype, order, kernel = c
+    return (f"ring{ring}-{heads}-{'causal' if causal else 'full'}-{'seg' if use_seg else 'noseg'}-{dtype}-{order}"
+            f"-{kernel}")
+
+
+def test_matrix_gives_every_kernel_every_ring_layout_and_mask():
+    for kernel in KERNELS:
+        cases = [c for c in MATRIX if c[-1] == kernel]
+        assert {c[0] for c in cases} == {2, 4, 8} and {c[1] for c in cases} == set(HEADS)
+        assert {c[2:4] for c in cases} == {(True, True), (True, False), (False, True)}
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=case_id)
 def test_ring_matches_reference(case, seed):
-    ring, heads, causal, use_seg, dtype, order = case
+    ring, heads, causal, use_seg, dtype, order, kernel = case
     h, hkv = HEADS[heads]
     # no document boundary on a chunk boundary: documents cross the boundaries between ranks
     q, k, v, do, seg = random_inputs(seed, B, S, h, hkv, D, jnp.dtype(dtype), shard=S // (2 * ring))
@@ -106,9 +120,11 @@ def test_ring_matches_reference(case, seed):
         assert any(len(set(ranks[np.asarray(seg)[b] == i])) > 1 for b in range(B) for i in range(3))
 
     def fn(q, k, v, s=None):
-        return ring_attention(q, k, v, axis_name="ring", causal=causal, segment_ids=s, order=order)
+        return ring_attention(q, k, v, axis_name="ring", causal=causal, segment_ids=s, order=order,
+                              kernel=KERNELS[kernel])
 
-    attend = sequence_parallel(fn, ring_mesh(ring), order, ring, use_seg, seg)
+    # Pallas calls carry no varying-manual-axes annotations
+    attend = sequence_parallel(fn, ring_mesh(ring), order, ring, use_seg, seg, check_vma=kernel != "pallas")
     check_against_reference(attend, q, k, v, do, seg if use_seg else None, causal, dtype)
 
 

@@ -62,7 +62,7 @@ GRID = [
     for (ring, sp), heads, (causal, use_seg) in itertools.product(SHAPES, HEADS, MASKS)
     if not (heads == "h6" and sp == 1)  # h6 matters where sp does not divide the heads
 ]
-MATRIX = [(*c, ["float32", "bfloat16"][j % 2], ["xla", "blockwise"][j // 2 % 2]) for j, c in enumerate(GRID)]
+MATRIX = [(*c, ["float32", "bfloat16"][j % 2], ["xla", "blockwise", "pallas"][j // 2 % 3]) for j, c in enumerate(GRID)]
 QUICK = MATRIX[::5]  # the default suite: a fifth, every shape, layout, dtype and kernel
 
 
@@ -74,6 +74,12 @@ def case_id(c):
 @pytest.mark.parametrize("case", QUICK, ids=case_id)
 def test_matches_reference(case, seed):
     run_case(*case, seed=seed)
+
+
+def test_quick_cases_cover_every_kernel_shape_layout_and_dtype():
+    for i, values in enumerate(zip(*MATRIX)):
+        if i in (0, 1, 2, 5, 6):  # ring, sp, heads, dtype, kernel
+            assert set(values) == {c[i] for c in QUICK}, i
 
 
 @pytest.mark.slow
@@ -110,8 +116,9 @@ def test_errors_name_the_axes():
     with pytest.raises(ValueError, match=r"sequence length \(20\) must be divisible by ring x sp \(4 x 2\) and by "
                                          r"2 x ring \(8, the zigzag order\)"):
         ulysses_attention(x[:, :20], x[:, :20], x[:, :20], mesh=mesh)
-    with pytest.raises(ValueError, match=r"attention impl='pallas' has no ring kernel yet"):
-        ulysses_attention(x, x, x, mesh=mesh, impl="pallas")
+    with pytest.raises(ValueError, match=r"attention impl='cudnn' has no ring kernel; with a ring use one of 'xla', "
+                                         r"'blockwise', 'pallas', 'auto'"):
+        ulysses_attention(x, x, x, mesh=mesh, impl="cudnn")
 
 
 SIXTEEN = textwrap.dedent("""

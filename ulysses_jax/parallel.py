@@ -104,7 +104,7 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
         raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {hosts // row_hosts} processes (hosts) "
                          f"that hold separate rows")
     if ring > 1 and cfg.attention_impl not in RING_IMPLS:
-        raise ValueError(f"--attention {cfg.attention_impl} has no ring kernel yet; with --mesh.ring {ring} use "
+        raise ValueError(f"--attention {cfg.attention_impl} has no ring kernel; with --mesh.ring {ring} use "
                          f"--attention {', '.join(RING_IMPLS)}")
     if hosts > 1 and per_host % sp and sp % per_host:
         raise ValueError(

@@ -46,11 +46,11 @@ q_seg, k_seg, *, causal, scale) -> (o, lse)`` (``o`` float32 ``[b, sq, h, d]`` n
 ``[b, h, sq]`` natural log, ``-inf`` for a row that sees no key) and ``backward(..., do, lse, delta, *,
 causal, scale) -> (dq, dk, dv)`` in float32 given the *global* lse and ``delta = rowsum(dO * O)``.
 ``causal=True`` is only asked for ``DIAG`` pairs, whose query and key positions coincide, so a kernel
-with the usual aligned causal flag serves. ``XLA_KERNEL`` is the plain ``jnp`` one below. To plug the
-Pallas kernel (``kernels/flash_attention.py``): its ``_forward`` gives ``(O, L)`` with ``L [B, H, S]`` in
-base 2 (``lse = L * ln 2``; its empty rows carry ``+inf``, map them to ``-inf``), its ``_backward_dkv`` /
-``_backward_dq`` already take ``L`` and ``delta``; what it lacks is separate query and KV segment ids
-(it takes one array for both) and float32 outputs.
+with the usual aligned causal flag serves. Three kernels (:func:`ring_kernel` picks by ``impl`` and platform):
+``XLA_KERNEL``, the plain ``jnp`` one below; ``BLOCKWISE_KERNEL`` (``kernels/blockwise.py``, tiles in lax loops);
+``PALLAS_KERNEL``, our FlashAttention kernels (``kernels/flash_attention.py``: ``pair_forward`` /
+``pair_backward``, the same Triton kernels with float32 outputs, separate query and key segment ids and the
+log-sum-exp converted from base 2), in Pallas interpret mode off GPUs (``PALLAS_INTERPRET_KERNEL``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from jax import lax
 
 from ulysses_jax.attention import check_qkv
 from ulysses_jax.head_layout import HeadLayout
-from ulysses_jax.kernels import blockwise
+from ulysses_jax.kernels import blockwise, flash_attention
 
 ORDERS = ("zigzag", "contiguous")
 SKIP, FULL, DIAG = 0, 1, 2  # what a (query chunk, KV chunk) pair needs: nothing, no causal mask, the mask
@@ -211,15 +211,26 @@ def xla_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal:
 XLA_KERNEL = LocalKernel(xla_forward, xla_backward)
 # tile by tile in lax loops: memory linear in the block length (kernels/blockwise.py)
 BLOCKWISE_KERNEL = LocalKernel(blockwise.pair_forward, blockwise.pair_backward)
-RING_IMPLS = {"xla": XLA_KERNEL, "blockwise": BLOCKWISE_KERNEL, "auto": BLOCKWISE_KERNEL}
+# our FlashAttention kernels (kernels/flash_attention.py): Triton on GPUs, Pallas interpret mode elsewhere
+PALLAS_KERNEL = LocalKernel(functools.partial(flash_attention.pair_forward, interpret=False),
+                            functools.partial(flash_attention.pair_backward, interpret=False))
+PALLAS_INTERPRET_KERNEL = LocalKernel(functools.partial(flash_attention.pair_forward, interpret=True),
+                                      functools.partial(flash_attention.pair_backward, interpret=True))
+RING_IMPLS = ("xla", "blockwise", "pallas", "auto")
 
 
-def ring_kernel(impl: str) -> LocalKernel:
-    """The local kernel of each ring step for an attention ``impl`` (``"auto"``: blockwise, any platform)."""
+def ring_kernel(impl: str, platform: str = "gpu") -> LocalKernel:
+    """The local kernel of each ring step for an attention ``impl`` on ``platform`` (the mesh's devices').
+
+    ``"auto"``: ``"pallas"`` on GPUs, as without a ring; ``"blockwise"`` elsewhere (faster than interpret mode)."""
     if impl not in RING_IMPLS:
-        raise ValueError(f"attention impl={impl!r} has no ring kernel yet; with a ring use one of "
+        raise ValueError(f"attention impl={impl!r} has no ring kernel; with a ring use one of "
                          f"{', '.join(map(repr, RING_IMPLS))}")
-    return RING_IMPLS[impl]
+    if impl == "auto":
+        impl = "pallas" if platform == "gpu" else "blockwise"
+    if impl == "pallas":
+        return PALLAS_KERNEL if platform == "gpu" else PALLAS_INTERPRET_KERNEL
+    return XLA_KERNEL if impl == "xla" else BLOCKWISE_KERNEL
 
 # ---------------------------------------------------------------------------------------------------
 # The ring: forward steps, custom_vjp, backward steps

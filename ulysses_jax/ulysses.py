@@ -41,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.attention import attention, check_qkv, device_platform, resolve_impl
 from ulysses_jax.head_layout import HeadLayout, plan_heads
-from ulysses_jax.ring import ring_kernel, sequence_order, ulysses_ring_local
+from ulysses_jax.ring import (PALLAS_INTERPRET_KERNEL, PALLAS_KERNEL, ring_kernel, sequence_order,
+                              ulysses_ring_local)
 
 
 def seq_to_heads(x: jax.Array, axis_name: str) -> jax.Array:
@@ -136,7 +137,8 @@ def ulysses_attention(
     Same contract as ``ulysses_jax.attention``. The batch is split over the mesh's other
     non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
     as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
-    ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``; ``"auto"``: blockwise), and
+    ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``, ``"pallas"``; ``"auto"``: pallas
+    on GPUs, blockwise elsewhere), and
     ``permuted=True`` means inputs (and the output) are in ``ring_token_order(S, R)``. Raises ``ValueError``
     for a sequence length not divisible by the axis sizes, a batch not divisible by the batch axes, or
     shapes that do not fit.
@@ -192,7 +194,7 @@ def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_
                   impl: str, permuted: bool) -> jax.Array:
     """The ``ring > 1`` branch of :func:`ulysses_attention`: one ``shard_map`` over ``(ring_axis, sp_axis)``."""
     s, h, d = q.shape[1:]
-    kernel = ring_kernel(impl)
+    kernel = ring_kernel(impl, device_platform(mesh))
     layout = plan_heads(h, k.shape[2], mesh.shape[sp_axis])
     perm = None if permuted else ring_token_order(s, mesh.shape[ring_axis])
     if perm is not None:  # once at the input; the output goes back at the end
@@ -207,5 +209,7 @@ def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_
         in_specs.append(seg_spec)
     local = functools.partial(ulysses_ring_local, sp_axis=sp_axis, ring_axis=ring_axis, layout=layout, causal=causal,
                               scale=scale, order="zigzag", kernel=kernel)
-    out = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec)(*args)
+    # Pallas kernels carry no varying-manual-axes annotations (as without a ring)
+    out = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec,
+                        check_vma=kernel not in (PALLAS_KERNEL, PALLAS_INTERPRET_KERNEL))(*args)
     return out if perm is None else out[:, np.argsort(perm)]

@@ -101,6 +101,10 @@ class _Config:
     group: int  # G = H // Hkv
     blocks: BlockSizes
     interpret: bool
+    float32_out: bool = False  # O, dQ, dK, dV written in float32 (the ring's partial results), else the input dtype
+
+    def out_dtype(self, dtype):
+        return jnp.float32 if self.float32_out else dtype
 
     @property
     def padded(self) -> bool:
@@ -236,18 +240,18 @@ def _compiler_params(cfg: _Config, kernel: int, head_dim: int):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, cfg: _Config):
-    # q_ref [Bq, D] | k_ref, v_ref [S, D] (this head's KV head) | seg_ref [S] or None
+def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cfg: _Config):
+    # q_ref [Bq, D] | k_ref, v_ref [S, D] (this head's KV head) | q_seg_ref, k_seg_ref [S] or None
     # o_ref [Bq, D] | lse_ref [Bq]
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     qi = pl.program_id(0)
     q = q_ref[...]
-    q_seg = None if seg_ref is None else seg_ref[pl.ds(qi * bq, bq)]
+    q_seg = None if q_seg_ref is None else q_seg_ref[pl.ds(qi * bq, bq)]
 
     def body(kj, carry):
         acc, m, l = carry  # [Bq, D], [Bq], [Bq]: running numerator, max, denominator
         ks = pl.ds(kj * bk, bk)
-        k_seg = None if seg_ref is None else seg_ref[ks]
+        k_seg = None if k_seg_ref is None else k_seg_ref[ks]
         s = _logits(q, k_ref[ks, :], qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)  # rescales what was accumulated under the old max
@@ -273,7 +277,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, cfg: _Config):
 
 
 def _forward(q, k, v, seg, cfg: _Config):
-    """q [B, S, H, D], k/v [B, S, Hkv, D], seg [B, S] | None -> (O [B, S, H, D], L [B, H, S] float32)."""
+    """q [B, S, H, D], k/v [B, S, Hkv, D], seg (query ids, key ids) [B, S] each | None
+    -> (O [B, S, H, D], L [B, H, S] float32)."""
     b, s, h, d = q.shape
     bq, g = cfg.blocks.block_q, cfg.group
     whole_kv = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0))
@@ -282,18 +287,23 @@ def _forward(q, k, v, seg, cfg: _Config):
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(s // bq, b, h),
-        in_specs=[q_block, whole_kv, whole_kv, seg_spec],
+        in_specs=[q_block, whole_kv, whole_kv, seg_spec, seg_spec],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, cfg.out_dtype(q.dtype)), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         compiler_params=_compiler_params(cfg, 0, d),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, seg)
+    )(q, k, v, *_segments(seg))
 
 
 # ---------------------------------------------------------------------------------------------------
 # Public wrapper
 # ---------------------------------------------------------------------------------------------------
+
+
+def _segments(seg) -> tuple:
+    """``(query ids, key ids)`` for the kernels' two segment-id operands (``(None, None)`` without ids)."""
+    return (None, None) if seg is None else seg
 
 
 def _next_pow2(n: int) -> int:
@@ -364,6 +374,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     seg = segment_ids
     if seg is not None:  # [B, S] -> [B, S_pad]; -1 for padding (the length mask hides it anyway)
         seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, s_pad - s)), constant_values=-1)
+        seg = (seg, seg)  # queries and keys of one sequence: the same ids
     out = _flash(pad(q), pad(k), pad(v), seg, cfg)
     return out[:, :s, :, :d]
 
@@ -384,7 +395,7 @@ def _flash_bwd(cfg: _Config, res, do):
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     dk, dv = _backward_dkv(q, k, v, seg, do, lse, delta, cfg)
     dq = _backward_dq(q, k, v, seg, do, lse, delta, cfg)
-    return dq, dk, dv, None
+    return dq, dk, dv, None if seg is None else (None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -395,19 +406,20 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # ---------------------------------------------------------------------------------------------------
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config):
+def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                cfg: _Config):
     # q_ref, do_ref [S, G, D] (the G query heads of this KV head) | k_ref, v_ref [Bk, D]
-    # lse_ref, delta_ref [G, S] | seg_ref [S] or None | dk_ref, dv_ref [Bk, D]
+    # lse_ref, delta_ref [G, S] | q_seg_ref, k_seg_ref [S] or None | dk_ref, dv_ref [Bk, D]
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
     kj = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
-    k_seg = None if seg_ref is None else seg_ref[pl.ds(kj * bk, bk)]
+    k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(kj * bk, bk)]
 
     def q_step(qi, carry, g):
         dk, dv = carry
         qs = pl.ds(qi * bq, bq)
         q, do = q_ref[qs, g, :], do_ref[qs, g, :]
-        q_seg = None if seg_ref is None else seg_ref[qs]
+        q_seg = None if q_seg_ref is None else q_seg_ref[qs]
         s = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg)
         p = jnp.exp2(s - lse_ref[g, qs][:, None])  # [Bq, Bk] probabilities, recomputed
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
@@ -437,26 +449,27 @@ def _backward_dkv(q, k, v, seg, do, lse, delta, cfg: _Config):
     return pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg),
         grid=(s // bk, b, hkv),
-        in_specs=[q_heads, kv_block, kv_block, seg_spec, q_heads, rows, rows],
+        in_specs=[q_heads, kv_block, kv_block, seg_spec, seg_spec, q_heads, rows, rows],
         out_specs=[kv_block, kv_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, cfg.out_dtype(k.dtype)),
+                   jax.ShapeDtypeStruct(v.shape, cfg.out_dtype(v.dtype))],
         compiler_params=_compiler_params(cfg, 1, d),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
-    )(q, k, v, seg, do, lse, delta)
+    )(q, k, v, *_segments(seg), do, lse, delta)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Config):
-    # q_ref, do_ref, dq_ref [Bq, D] | k_ref, v_ref [S, D] | lse_ref, delta_ref [Bq] | seg_ref [S] or None
+def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Config):
+    # q_ref, do_ref, dq_ref [Bq, D] | k_ref, v_ref [S, D] | lse_ref, delta_ref [Bq] | q_seg_ref, k_seg_ref [S] or None
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     qi = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    q_seg = None if seg_ref is None else seg_ref[pl.ds(qi * bq, bq)]
+    q_seg = None if q_seg_ref is None else q_seg_ref[pl.ds(qi * bq, bq)]
 
     def body(kj, dq):
         ks = pl.ds(kj * bk, bk)
-        k_seg = None if seg_ref is None else seg_ref[ks]
+        k_seg = None if k_seg_ref is None else k_seg_ref[ks]
         k = k_ref[ks, :]
         s = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg)
         p = jnp.exp2(s - lse[:, None])
@@ -478,13 +491,80 @@ def _backward_dq(q, k, v, seg, do, lse, delta, cfg: _Config):
     return pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(s // bq, b, h),
-        in_specs=[q_block, whole_kv, whole_kv, seg_spec, q_block, rows, rows],
+        in_specs=[q_block, whole_kv, whole_kv, seg_spec, seg_spec, q_block, rows, rows],
         out_specs=q_block,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, cfg.out_dtype(q.dtype)),
         compiler_params=_compiler_params(cfg, 2, d),
         interpret=cfg.interpret,
         name="flash_attention_dq",
-    )(q, k, v, seg, do, lse, delta)
+    )(q, k, v, *_segments(seg), do, lse, delta)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring steps: one (query block, KV block) pair, with the log-sum-exp (ring.LocalKernel)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, segment_ids: bool) -> _Config:
+    """The kernels' config for a ring pair: equal query and KV lengths, float32 outputs."""
+    b, s, h, d = q.shape
+    if k.shape[1] != s:
+        raise ValueError(f"a ring pair needs equal query and KV block lengths; got {q.shape=}, {k.shape=}")
+    if interpret is None:
+        interpret = jax.devices()[0].platform != "gpu"
+    blocks = _fit_blocks(default_block_sizes(d, q.dtype), s)
+    multiple = max(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("block_"))
+    if not interpret:
+        _check_shared_memory(blocks, d, q.dtype, segment_ids)
+    return _Config(causal=bool(causal), scale=float(scale), seq_len=s, padded_len=pl.cdiv(s, multiple) * multiple,
+                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=True)
+
+
+def _pair_pad(cfg: _Config, head_dim: int):
+    """Pads ``[B, S, heads, D]`` to ``[B, S_pad, heads, D_pad]`` and ``[B, S]`` segment ids to ``[B, S_pad]``."""
+    s, s_pad, d_pad = cfg.seq_len, cfg.padded_len, max(MIN_BLOCK, _next_pow2(head_dim))
+
+    def pad(x):
+        return x if (s_pad, d_pad) == (s, head_dim) else jnp.pad(
+            x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - head_dim)))
+
+    def pad_ids(x):  # -1 on padded rows; padded keys are masked by the length anyway
+        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, s_pad - s)), constant_values=-1)
+
+    return pad, pad_ids
+
+
+def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None):
+    """One ring pair: ``o [b, s, H, D]`` float32, normalised (0 for a row that sees no key), and ``lse [b, H, s]``
+    float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and key positions coincide
+    (``ring.py`` asks for it only then), so the positions themselves are not read."""
+    del q_pos, k_pos
+    b, s, h, d = q.shape
+    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None)
+    pad, pad_ids = _pair_pad(cfg, d)
+    seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
+    o, lse2 = _forward(pad(q), pad(k), pad(v), seg, cfg)
+    lse = jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * math.log(2.0))  # base 2 -> natural; empty rows -> -inf
+    return o[:, :s, :, :d], lse[:, :, :s]
+
+
+def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float,
+                  interpret: bool | None = None):
+    """Gradients of one ring pair given the *global* ``lse`` (natural log, ``-inf`` for a row that sees no key
+    anywhere) and ``delta = rowsum(dO * O)``, both ``[b, H, s]`` float32: float32 ``dq``, ``dk``, ``dv``."""
+    del q_pos, k_pos
+    b, s, h, d = q.shape
+    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None)
+    pad, pad_ids = _pair_pad(cfg, d)
+    seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
+    rows = ((0, 0), (0, 0), (0, cfg.padded_len - s))
+    # the kernels' L is base 2 with +inf for an empty row (exp2(x - inf) = 0); padded rows are empty too
+    lse2 = jnp.pad(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E), rows, constant_values=jnp.inf)
+    delta = jnp.pad(delta.astype(jnp.float32), rows)
+    q, k, v, do = pad(q), pad(k), pad(v), pad(do.astype(q.dtype))
+    dk, dv = _backward_dkv(q, k, v, seg, do, lse2, delta, cfg)
+    dq = _backward_dq(q, k, v, seg, do, lse2, delta, cfg)
+    return dq[:, :s, :, :d], dk[:, :s, :, :d], dv[:, :s, :, :d]
 
 
 # ---------------------------------------------------------------------------------------------------
