@@ -2,14 +2,15 @@
 
     python experiments/plan_ring.py                       # the table of experiments/results/plan_ring_llama8b.md
     python experiments/plan_ring.py --only ring4xsp8 --no-search
+    python experiments/plan_ring.py --only ring4xsp8-pallas sp32 ring8xsp8-pallas --out experiments/results/plan_ring_llama8b_pallas
 
 Per mesh: the longest context that fits (skipped with --no-search), and at one common length
 (--seq-len, default 1M tokens) the bytes per device per step over NVLink (collectives whose groups stay in one host)
 and over the network (the others), read from the compiled H100 program, with the collective-permutes' async
 start/done pairs and how many have compute scheduled inside. Settings as experiments/plan_max_context.py: float32
 parameters and AdamW state sharded over all devices, bf16 compute, loss and MLP tiled in 4096-token chunks, batch 1,
-remat offload; attention: our Pallas kernel for Ulysses alone, the blockwise kernel for the ring steps (the Pallas
-kernel has no ring variant yet). Compile-only: no time is measured.
+remat offload; attention: our Pallas kernel for Ulysses alone, per row the blockwise or the Pallas kernel for the
+ring steps. Compile-only: no time is measured.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Row:
     ring: int
     sp: int
     start: int  # the second length the search tries (after the common one): near the expected limit
+    attention: str = "pallas"  # the local kernel (of each ring step, with a ring)
 
     @property
     def hosts(self) -> int:
@@ -42,16 +44,18 @@ class Row:
 
 
 ROWS = [  # Ulysses alone cannot take 64 GPUs for one sequence: sp is at most the 32 query heads
-    Row("ring4xsp8", 32, 4, 8, 7_000_000),
+    Row("ring4xsp8", 32, 4, 8, 7_000_000, "blockwise"),
+    Row("ring4xsp8-pallas", 32, 4, 8, 12_000_000),
     Row("sp32", 32, 1, 32, 7_000_000),
-    Row("ring8xsp8", 64, 8, 8, 14_000_000),
+    Row("ring8xsp8", 64, 8, 8, 14_000_000, "blockwise"),
+    Row("ring8xsp8-pallas", 64, 8, 8, 19_000_000),
 ]
 
 
 def config(row: Row, seq_len: int) -> PlanConfig:
     return PlanConfig(
         preset="llama3.1-8b", seq_len=seq_len, batch_size=1,
-        mesh=MeshConfig(fsdp=-1, ring=row.ring, sp=row.sp), attention="pallas" if row.ring == 1 else "blockwise",
+        mesh=MeshConfig(fsdp=-1, ring=row.ring, sp=row.sp), attention=row.attention,
         remat="offload", loss_chunk=4096, mlp_chunk=4096, target="h100", devices=row.devices, hosts=row.hosts,
         kernels=False,
     )

@@ -117,6 +117,23 @@ def test_llama8b_full_depth_at_32k_on_8_h100s():
     assert p.collectives["all-to-all"].inter_host_bytes == 0  # sp=8 within the host
 
 
+A2A_HLO = """HloModule m
+
+ENTRY %main (p: f32[8,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %a2a = f32[8,16]{1,0} all-to-all(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+}
+"""
+
+
+@pytest.mark.parametrize("per_host, network", [(4, 0), (2, 256), (1, 384), (None, 0)])
+def test_all_to_all_bytes_split_by_destination_host(per_host, network):
+    """A 512-byte all-to-all in groups of 4: each member sends a quarter of its buffer to each; with 2 devices per
+    host half of it leaves the host, with 1 three quarters (the own quarter never moves)."""
+    c = hlo.collectives(A2A_HLO, devices_per_host=per_host, num_devices=8)["all-to-all"]
+    assert (c.bytes, c.inter_host_bytes, c.intra_host_bytes) == (512, network, 512 - network)
+
+
 def test_search_finds_the_boundary():
     for limit in (0, 1, 5, 6, 7, 100, 1000):
         calls = []

@@ -8,7 +8,10 @@ operation takes and what it gives (an all-gather's gathered output, a reduce-sca
 that crosses the links at most.
 
 Each collective is also placed relative to the hosts, from its replica groups (or source-target pairs) and the
-number of devices per host: ``intra_host`` when every group stays within one host (NVLink), else ``inter_host``.
+number of devices per host: ``intra_host`` when every group stays within one host (NVLink), else ``inter_host``;
+an all-to-all whose groups span hosts is split, since each device sends ``1/g`` of its buffer to each member of
+its group of ``g``: the parts bound for other hosts count as ``inter_host``, the rest (its own part included) as
+``intra_host``.
 For asynchronous pairs, ``overlapped`` counts the pairs with compute (a fusion, a custom call, a matmul)
 scheduled between ``start`` and ``done``: a collective that can hide behind work.
 """
@@ -171,6 +174,16 @@ def _crosses_hosts(attrs: str, devices_per_host: int | None, num_devices: int | 
     return any(len({d // devices_per_host for d in grp}) > 1 for grp in groups)
 
 
+def _off_host_fraction(attrs: str, devices_per_host: int | None, num_devices: int | None) -> float:
+    """For an all-to-all: the mean share of a device's buffer addressed to group members on other hosts."""
+    groups = _groups(attrs) or ([list(range(num_devices))] if num_devices else None)
+    if not devices_per_host or not groups:
+        return 0.0
+    shares = [sum(d // devices_per_host != me // devices_per_host for d in grp) / len(grp)
+              for grp in groups for me in grp]
+    return sum(shares) / len(shares)
+
+
 def collectives(
     hlo_text: str, *, devices_per_host: int | None = None, num_devices: int | None = None
 ) -> dict[str, Collective]:
@@ -199,7 +212,11 @@ def collectives(
             c = out.setdefault(kind, Collective(kind))
             c.count += n
             c.bytes += n * size
-            if _crosses_hosts(ins.attrs, devices_per_host, num_devices):
+            if kind == "all-to-all":
+                off = round(n * size * _off_host_fraction(ins.attrs, devices_per_host, num_devices))
+                c.inter_host_bytes += off
+                c.intra_host_bytes += n * size - off
+            elif _crosses_hosts(ins.attrs, devices_per_host, num_devices):
                 c.inter_host_bytes += n * size
             else:
                 c.intra_host_bytes += n * size
