@@ -278,3 +278,14 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
                                    ).memory_flags == "--remat full --remat-every 2"
     r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto")
     assert r.returncode == 2 and "--memory auto chooses the memory tools" in r.stderr
+
+
+def test_offload_params_is_refused_by_plan_with_the_reason():
+    """Compile-only GPUs have no memory kinds, so the layers' gradients cannot be typed as host memory there: plan
+    says so instead of printing a program that would keep them on the device (tests/test_gpu.py checks a real GPU)."""
+    from ulysses_jax.step import OptimConfig
+
+    cfg = PlanConfig(preset="tiny", seq_len=4096, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), offload_params=True,
+                     optim=OptimConfig(offload=True), kernels=False)
+    with pytest.raises(ValueError, match=r"plan cannot compile --offload-params for compile-only GPUs yet"):
+        plan(cfg)

@@ -220,28 +220,35 @@ def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master):
     optimizer's parameters and state (to float32 rounding: XLA fuses the per-layer update differently, 1-2 ulp),
     and the state keeps its dtypes, shardings and memory kinds. The CPU backend keeps host and device in one
     memory: this checks values and memory kinds, not where XLA puts the bytes (test_plan.py compiles for H100)."""
-    cfg = dataclasses.replace(CFG, num_layers=2, param_dtype=param_dtype)
     mesh = make_mesh(fsdp=2, sp=4)
     batch = random_batch(0, rows=2)
     results = []
-    for off in (False, True):
+    # on the device; the optimizer state in host memory; that and the stacked layers' parameters (--offload-params)
+    for off, params_off in ((False, False), (True, False), (True, True)):
+        cfg = dataclasses.replace(CFG, num_layers=2, param_dtype=param_dtype, offload_params=params_off)
         optim = OptimConfig(lr=1e-2, warmup_steps=0, master_weights=master, offload=off)
         tx = make_optimizer(optim, 10)
         graphdef, state = init_state(cfg, mesh, tx, seed=0)
         step = make_train_step(graphdef, tx, make_schedule(optim, 10), mesh, state_shardings(state))
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"]) if x.ndim}
         assert kinds == {"pinned_host" if off else "device"}
+        layer_kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["blocks"])}
+        assert layer_kinds == {"pinned_host" if params_off else "device"}
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["embed_VD"])} == {"device"}
         before = jax.tree.map(lambda x: (x.dtype, x.sharding), state)
         state, first = step(state, batch)
         after_one = jax.tree.map(np.asarray, state)
         state, second = step(state, batch)
         assert jax.tree.map(lambda x: (x.dtype, x.sharding), state) == before
-        results.append((float(first["loss"]), float(second["loss"]), after_one))
-    (first_a, second_a, a), (first_b, second_b, b) = results
-    assert first_a == first_b
-    np.testing.assert_allclose(second_a, second_b, rtol=1e-6)
-    for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
-        # float32: 1-2 ulp of the weights and of lr; a master weight 1 ulp apart may round to the next bfloat16
-        rtol, atol = (2**-7, 0) if x.dtype == jnp.bfloat16 else (1e-6, 1e-8)
-        np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol,
-                                   err_msg=jax.tree_util.keystr(path))
+        results.append((float(first["loss"]), float(second["loss"]), float(first["grad_norm"]), after_one))
+    first_a, second_a, norm_a, a = results[0]
+    for first_b, second_b, norm_b, b in results[1:]:
+        assert first_a == first_b
+        np.testing.assert_allclose(second_a, second_b, rtol=1e-6)
+        # the norm is reduced in the gradients' dtype on the device, in float32 when streamed from host memory
+        np.testing.assert_allclose(norm_a, norm_b, rtol=2**-7 if param_dtype == "bfloat16" else 1e-6)
+        for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
+            # float32: 1-2 ulp of the weights and of lr; a master weight 1 ulp apart may round to the next bfloat16
+            rtol, atol = (2**-7, 0) if x.dtype == jnp.bfloat16 else (1e-6, 1e-8)
+            np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol,
+                                       err_msg=jax.tree_util.keystr(path))

@@ -25,6 +25,10 @@ The long-context memory switches (each tested for equality with the plain path):
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
   * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
     group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
+  * ``offload_params``: the stacked layers' parameters live in pinned host memory; the layer scan moves each
+    layer's to the device when it runs it and sends its gradient back to host memory (``offload.stream_in``), so
+    the device holds one layer of parameters and of gradients at a time. The update must stream too
+    (``OptimConfig.offload``).
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class ModelConfig:
     mlp_chunk: int = 0
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
+    offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",

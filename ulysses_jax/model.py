@@ -51,6 +51,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax import offload
 from ulysses_jax.config import ModelConfig, local_chunks
 from ulysses_jax.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
 from ulysses_jax.sharding import (
@@ -407,6 +408,8 @@ class Transformer(nnx.Module):
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
+            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
+                layer_state = offload.stream_in(layer_state)
             return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS)
 
         every = cfg.remat_every if cfg.remat != "none" else 1

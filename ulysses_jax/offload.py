@@ -50,6 +50,38 @@ def to_host(tree):
     return jax.tree.unflatten(treedef, [_to_host(x) for x in leaves])
 
 
+def _streamed(move_in, move_out):
+    """An identity that moves its input with ``move_in`` and its cotangent with ``move_out``."""
+
+    @jax.custom_vjp
+    def move(x):
+        return move_in(x)
+
+    move.defvjp(lambda x: (move_in(x), None), lambda _, ct: (move_out(ct),))
+    return move
+
+
+# Arrays typed as host memory (devices with memory kinds: GPUs, CPUs) move by ``device_put`` to a memory space, which
+# keeps JAX's types right; on compile-only GPUs (no memory kinds: every array is typed as device memory) the
+# ``compute_on2`` annotations tell XLA instead, as for the optimizer state.
+_stream_typed = _streamed(lambda x: jax.device_put(x, jax.memory.Space.Device),
+                          lambda ct: jax.device_put(ct, jax.memory.Space.Host))
+_stream_annotated = _streamed(_to_device, _to_host)
+
+
+def stream_in(tree):
+    """``tree`` (one layer's parameters, at rest in host memory) moved to the device; its cotangent (the layer's
+    gradient) goes back to host memory. In the layer scan (``ModelConfig.offload_params``) the device then holds
+    one layer's parameters in the forward and one layer's gradient in the backward; the stacked gradient is
+    written to host memory layer by layer."""
+
+    def move(x):
+        on_host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        return _stream_typed(x) if on_host else _stream_annotated(x)
+
+    return jax.tree.map(move, tree)
+
+
 class MasterState(NamedTuple):
     master: Any  # float32 copy of the parameters
     inner: Any  # the wrapped optimizer's state (of the float32 weights)
@@ -124,12 +156,24 @@ def _fill(values, like, mask):
     return [next(it) if m else jnp.zeros((0,), x.dtype) for x, m in zip(like, mask)]
 
 
-def streamed_update(tx: Optimizer, grads, opt_state, params):
+def _sum_of_squares(stacked, prep):
+    """float32 sum of squares of the stacked arrays' slices, each ``prep``-ed, one layer at a time (a ``scan``)."""
+
+    def body(total, xs):
+        return total + sum(jnp.sum(jnp.square(prep(x).astype(jnp.float32))) for x in xs), None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), stacked)[0]
+
+
+def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host_params: bool = False):
     """``tx``'s update (global-norm clipping, AdamW, with master weights or not) with the optimizer state in host
-    memory: ``(new params, new optimizer state)``.
+    memory: ``(new params, new optimizer state, gradient norm)``.
 
     Layer by layer for the stacked parameters (a ``scan``: one layer's state on the device at a time), then the
-    other parameters one array at a time. The gradients stay in their dtype until a layer's update casts them.
+    other parameters one array at a time. ``grads`` are divided by ``denom`` (the token count; ``None``: already
+    done) as each part reaches the device, and stay in their dtype until a layer's update casts them.
+    ``host_params`` (``ModelConfig.offload_params``): the stacked parameters and their gradients are in host memory;
+    the gradients stream in for the norm and again for the update, the new parameters go back out layer by layer.
     """
     adamw, clip_norm = tx.adamw, tx.clip_norm
     master = isinstance(opt_state, MasterState)
@@ -137,20 +181,34 @@ def streamed_update(tx: Optimizer, grads, opt_state, params):
     clip_state, adam_state = chain_state if clip_norm else (None, chain_state)
     weights = opt_state.master if master else params
 
+    def prep(g):  # on the device, divided by the token count, in its own dtype
+        g = to_device(g) if host_params else g
+        return g if denom is None else (g / denom).astype(g.dtype)
+
     def seen(g):  # a gradient in the dtype the optimizer works in: float32 for the master weights
         return g.astype(jnp.float32) if master else g
 
-    if clip_norm:  # optax.clip_by_global_norm: its norm over the whole model once, its scaling per part
-        g_norm = optax.tree.norm(jax.tree.map(seen, grads))
-        trigger = jnp.squeeze(g_norm < clip_norm)
-
-        def clipped(g):
-            g = seen(g)
-            return jax.lax.select(trigger, g, (g / g_norm.astype(g.dtype)) * clip_norm)
-    else:
-        clipped = seen
     p_leaves, p_def = jax.tree.flatten(params)
     flags = jax.tree.leaves(stacked_flags(params))
+    if host_params:  # the stacked gradients stream through the device for the norm: float32 sums of squares
+        g_all = jax.tree.leaves(grads)
+        squares = _sum_of_squares([g for g, f in zip(g_all, flags) if f], prep)
+        squares += sum(jnp.sum(jnp.square(prep(g).astype(jnp.float32))) for g, f in zip(g_all, flags) if not f)
+        grad_norm = seen_norm = jnp.sqrt(squares)
+    else:
+        grads = jax.tree.map(prep, grads)
+        prep = lambda g: g  # noqa: E731  (done)
+        grad_norm = optax.tree.norm(grads)
+        seen_norm = optax.tree.norm(jax.tree.map(seen, grads)) if clip_norm else None
+    if clip_norm:  # optax.clip_by_global_norm: its norm over the whole model once, its scaling per part
+        trigger = jnp.squeeze(seen_norm < clip_norm)
+
+        def clipped(g):
+            g = seen(prep(g))
+            return jax.lax.select(trigger, g, (g / seen_norm.astype(g.dtype)) * clip_norm)
+    else:
+        def clipped(g):
+            return seen(prep(g))
     g_leaves, w_leaves = jax.tree.leaves(grads), jax.tree.leaves(weights)
     s_leaves, s_def = jax.tree.flatten(adam_state)
     g_seen = [jax.ShapeDtypeStruct((), jnp.float32 if master else x.dtype) for x in g_leaves]  # dtypes only
@@ -179,8 +237,11 @@ def streamed_update(tx: Optimizer, grads, opt_state, params):
         g, st, w = xs
         w, st, _ = run(g, st, w, True)
         new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
-        return None, (new_p, to_host(w) if master else [], st)
+        return None, (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
 
+    # A scan: its outputs are new stacks, a second copy of the stacked state in host memory (XLA's buffer report);
+    # a loop updating the donated stacks in place (dynamic_update_slice into host memory) does not compile for the
+    # compile-only H100 target (XLA: a host-to-host copy-start), so the copy stays.
     is_layer = [k == "stacked" for k in kinds]
     is_whole = [k == "whole" for k in kinds]
     _, (p_layers, m_layers, s_layers) = jax.lax.scan(
@@ -200,9 +261,18 @@ def streamed_update(tx: Optimizer, grads, opt_state, params):
     p_rest = [x.astype(p.dtype) for x, p in zip(w_rest, pick(p_leaves, not_flags))]
     new_params = p_def.unflatten(merge(flags, p_layers, p_rest))
     if not master:
-        return new_params, new_chain
+        return new_params, new_chain, grad_norm
     new_master = p_def.unflatten(merge(flags, m_layers, to_host(w_rest)))
-    return new_params, MasterState(new_master, new_chain)
+    return new_params, MasterState(new_master, new_chain), grad_norm
+
+
+def host_param_shardings(shardings):
+    """Parameter ``shardings`` with the stacked layers' (``ModelConfig.offload_params``) in pinned host memory."""
+
+    def host(s, stacked):
+        return NamedSharding(s.mesh, s.spec, memory_kind=HOST) if stacked and isinstance(s, NamedSharding) else s
+
+    return jax.tree.map(host, shardings, stacked_flags(shardings), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
 
 
 def host_shardings(tx, abstract_opt, shardings):

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from ulysses_jax import flops, hlo
 from ulysses_jax.data import make_tokenizer
-from ulysses_jax.step import BATCH_KEYS, abstract_state, batch_sharding, make_optimizer, make_schedule, make_train_step
+from ulysses_jax.step import (BATCH_KEYS, abstract_state, batch_sharding, check_offload_params, make_optimizer,
+                              make_schedule, make_train_step)
 from ulysses_jax.targets import GpuTarget, get_target, target_devices
 from ulysses_jax.targets.kernels import KernelInfo, dump_options, kernels
 from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch
@@ -191,6 +192,11 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     target, mesh = _mesh(cfg, model, seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
+    check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
+    if model.offload_params:
+        raise ValueError("plan cannot compile --offload-params for compile-only GPUs yet: their devices have no memory "
+                         "kinds, so the layers' gradients cannot be typed as host memory; plan without it (train runs "
+                         "it on devices with memory kinds: GPUs, and CPUs where it is tested)")
     tx = make_optimizer(cfg.optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
     step = make_train_step(graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh,
@@ -221,7 +227,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     }
     params = _shard_bytes(state["params"])
     memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
-                                                        _shard_bytes(state["opt_state"]))
+                                                        _shard_bytes(state["opt_state"]),
+                                                        _shard_bytes(state["params"]["blocks"]))
     breakdown = {
         "parameters": params,
         "optimizer": _shard_bytes(state["opt_state"]),
@@ -240,10 +247,14 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
 
 
 def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: int, batch_size: int,
-                        optimizer_bytes: int) -> int:
+                        optimizer_bytes: int, layer_param_bytes: int = 0) -> int:
     """Bytes one device moves over PCIe per step (both ways): the optimizer state in and out (``--optim.offload``),
-    the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers)."""
+    the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers), and with
+    ``--offload-params`` the stacked layers' parameters in for the forward (and again for the recomputation under
+    remat), their gradients out, in twice for the update (norm, then update) and the new parameters out."""
     total = 2 * optimizer_bytes if cfg.optim.offload else 0
+    if model.offload_params:
+        total += (5 + (model.remat != "none")) * layer_param_bytes
     if model.remat == "offload":
         local_tokens = (batch_size // (mesh["data"] * mesh["fsdp"])) * (seq_len // (mesh.get("ring", 1) * mesh["sp"]))
         saved = model.num_layers // model.remat_every

@@ -166,6 +166,9 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transfo
         raise ValueError(f"the starting model is {model.config}, not the configured {config}")
     graphdef, params = nnx.split(model)
     shardings = jax.tree.map(lambda x: x.sharding, params)
+    if config.offload_params:  # the stacked layers at rest in host memory
+        shardings = offload.host_param_shardings(shardings)
+        params = jax.device_put(params, shardings)
     opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), shardings, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     replicated = NamedSharding(mesh, P())
@@ -186,6 +189,8 @@ def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> t
     abstract_model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed)))
     graphdef, params = nnx.split(abstract_model)
     shardings = param_shardings(abstract_model, mesh)  # eval_shape drops shardings: read the metadata
+    if config.offload_params:
+        shardings = offload.host_param_shardings(shardings)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     if tx is None:
         return graphdef, {"params": params}
@@ -214,15 +219,29 @@ def _loss_sums(graphdef, params, batch):
     return out.sum, out.count
 
 
+def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
+    """``ModelConfig.offload_params`` needs the streamed update (``tx``: an ``OptimConfig`` or the optimizer made from
+    one) and one micro-batch: else ``ValueError``."""
+    if offload_params and not getattr(tx, "offload", False):
+        raise ValueError("--offload-params needs --optim.offload: the update must stream the parameters and their "
+                         "gradients from host memory layer by layer")
+    if offload_params and grad_accum > 1:
+        raise ValueError(f"--offload-params takes --grad-accum 1 (got {grad_accum}): gradients in host memory are "
+                         f"not summed over micro-batches; use a longer --seq-len or a larger --batch-size instead")
+
+
 def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
     grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+
     micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def step(state, batch):
         params = state["params"]
+        host_params = nnx.merge(graphdef, params).config.offload_params
+        check_offload_params(host_params, tx, grad_accum)
         if grad_accum == 1:
             (total, count), grads = grad_fn(params, batch)
         else:
@@ -240,13 +259,15 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
             (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
         denom = jnp.maximum(count, 1).astype(jnp.float32)
-        # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
-        # moments float32 after one step, and the new state would no longer fit the donated buffers
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
-        if getattr(tx, "offload", False):
-            new_params, opt_state = offload.streamed_update(tx, grads, state["opt_state"], params)
+        if getattr(tx, "offload", False):  # divides by the count itself, part by part on the device
+            new_params, opt_state, grad_norm = offload.streamed_update(
+                tx, grads, state["opt_state"], params, denom=denom, host_params=host_params)
         else:
+            # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
+            # moments float32 after one step, and the new state would no longer fit the donated buffers
+            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
             new_params, opt_state = offload.apply(tx, grads, state["opt_state"], params)
+            grad_norm = optax.tree.norm(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         new_state = {
             "params": new_params,
@@ -257,7 +278,7 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
         metrics = {
             "loss": total / denom,
             "tokens": count,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
         }
         return new_state, metrics

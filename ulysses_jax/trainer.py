@@ -32,8 +32,8 @@ from ulysses_jax.data import (BatchIterator, DataConfig, DataFormat, describe_so
                               eval_batches, merge_states, to_global, validate_sources)
 from ulysses_jax.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
-from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, init_state, make_eval_step,
-                              make_optimizer, make_schedule, make_train_step, state_shardings)
+from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, check_offload_params, init_state,
+                              make_eval_step, make_optimizer, make_schedule, make_train_step, state_shardings)
 
 COMPUTE_ONLY = runconfig.COMPUTE_ONLY
 Paths = Annotated[tuple[str, ...], tyro.conf.arg(metavar="PATH [PATH ...]")]
@@ -61,6 +61,9 @@ class TrainConfig:
     param_dtype: Literal["float32", "bfloat16"] | None = None
     """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
     is updated with the optimizer state (in host memory with --optim.offload)"""
+    offload_params: bool = False
+    """the stacked layers' parameters and gradients in pinned host memory, one layer on the device at a time (needs
+    --optim.offload)"""
     optim: OptimConfig = OptimConfig()
     data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
     data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
@@ -113,7 +116,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
     the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
     compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                   param_dtype=cfg.param_dtype, remat_every=cfg.remat_every)
+                   param_dtype=cfg.param_dtype, remat_every=cfg.remat_every, offload_params=cfg.offload_params or None)
     if cfg.init_from_hf is None:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
@@ -288,6 +291,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
+    check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
 
     notes: list[str] = []
