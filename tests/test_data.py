@@ -31,6 +31,7 @@ from ulysses_jax.data import (
     sources_differ,
     stdlib_corpus_files,
     stdlib_root,
+    process_rows,
     to_global,
     validate_sources,
 )
@@ -482,6 +483,27 @@ def test_to_global_shards_batch_and_sequence(tmp_path, seed):
     with pytest.raises(ValueError, match=r"--batch-size \(3\) must be divisible by --mesh.data x --mesh.fsdp \(2\)"):
         to_global({"tokens": np.zeros((3, 32), np.int32)}, mesh)
     assert jax.process_count() == 1
+
+
+def test_rows_by_devices_give_each_device_its_part(tmp_path, seed):
+    """process_rows: the global rows this process's devices hold (all of them on one process); to_global with row_ids
+    builds the same arrays from any subset order, each device's part cut from the rows it holds."""
+    cfg = write_corpus(tmp_path / "c.jsonl", 20, seed)
+    mesh = make_mesh(fsdp=2, ring=2, sp=2)
+    rows = process_rows(mesh, 4, 64)
+    assert rows == (0, 1, 2, 3)
+    it = single(cfg, seq_len=64, global_batch=4, seed=seed)
+    local = next(BatchIterator(cfg, seq_len=64, global_batch=4, seed=seed, process_index=0, process_count=1,
+                               row_ids=rows))
+    np.testing.assert_array_equal(local["tokens"], next(it)["tokens"])
+    backwards = {k: v[::-1] for k, v in local.items()}
+    for batch, ids in ((local, rows), (backwards, rows[::-1])):
+        arrays = to_global(batch, mesh, global_batch=4, row_ids=ids)
+        for key, arr in arrays.items():
+            assert arr.sharding.spec == P(("data", "fsdp"), ("ring", "sp"))
+            np.testing.assert_array_equal(np.asarray(arr), local[key])
+    with pytest.raises(ValueError, match=r"row_ids \[4\] must be rows of the global batch of 4"):
+        BatchIterator(cfg, seq_len=64, global_batch=4, seed=seed, process_index=0, process_count=1, row_ids=[4])
 
 
 # ---------------------------------------------------------------------------------------------- bad inputs

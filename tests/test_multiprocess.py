@@ -75,3 +75,29 @@ def test_partial_launch_flags_are_refused(tmp_path):
 
 if sys.platform != "linux":
     pytestmark = pytest.mark.skip("gloo CPU collectives are tested on Linux only")
+
+
+def test_ring_across_two_processes_equals_one(tmp_path):
+    """ring=2 x sp=4 with 4 devices per process: each row's sequence is split between the processes, which read the
+    same rows (data.process_rows) and give their devices their half; the losses are those of one 8-device process."""
+    ring = ["--preset", "tiny", "--seq-len", "256", "--batch-size", "2", "--mesh.fsdp", "1", "--mesh.ring", "2",
+            "--mesh.sp", "4", "--attention", "xla", "--no-progress", "--steps", "2"]
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ulysses_jax", "train", *ring, "--cpu-devices", "4", "--run-dir",
+             str(tmp_path / "two"), "--coordinator-address", f"localhost:{port}", "--num-processes", "2",
+             "--process-id", str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        for i in range(2)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"exit {p.returncode}\n{out}\n{err[-3000:]}"
+    p = subprocess.run([sys.executable, "-m", "ulysses_jax", "train", *ring, "--cpu-devices", "8", "--run-dir",
+                        str(tmp_path / "one")], capture_output=True, text=True, env=env(), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    got, want = ({r["step"]: r["loss"] for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())}
+                 for d in ("two", "one"))
+    assert sorted(got) == sorted(want) == [1, 2]
+    for step in (1, 2):
+        assert abs(got[step] - want[step]) <= 2e-5 * abs(want[step]), (step, got[step], want[step])

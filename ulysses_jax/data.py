@@ -41,7 +41,7 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import grain
@@ -472,6 +472,7 @@ class BatchIterator:
         split: Split = "train",
         process_index: int | None = None,
         process_count: int | None = None,
+        row_ids: Sequence[int] | None = None,
     ):
         pi = jax.process_index() if process_index is None else process_index
         pc = jax.process_count() if process_count is None else process_count
@@ -479,14 +480,19 @@ class BatchIterator:
             raise ValueError(f"--seq-len ({seq_len}) and --batch-size ({global_batch}) must be positive")
         if pc < 1 or not 0 <= pi < pc:
             raise ValueError(f"process index {pi} must be in [0, {pc}) (the number of processes)")
-        if global_batch % pc:
+        if row_ids is None and global_batch % pc:
             raise ValueError(
                 f"--batch-size ({global_batch}) must be divisible by the number of processes ({pc}); "
                 f"choose a multiple of {pc}"
             )
-        self.cfg, self.seq_len, self.rows = cfg, seq_len, global_batch // pc
+        if row_ids is not None and (not row_ids or any(not 0 <= r < global_batch for r in row_ids)):
+            raise ValueError(f"row_ids {list(row_ids)} must be rows of the global batch of {global_batch}")
+        # rows of the global batch this process reads: its share, or what its devices hold (process_rows: processes
+        # that share rows, when a ring or sp group spans hosts, read the same rows)
+        self.row_ids = range(pi * (global_batch // pc), (pi + 1) * (global_batch // pc)) if row_ids is None \
+            else tuple(row_ids)
+        self.cfg, self.seq_len, self.rows, self.global_batch = cfg, seq_len, len(self.row_ids), global_batch
         self.process_index, self.process_count = pi, pc
-        self.row_ids = range(pi * self.rows, (pi + 1) * self.rows)
         self.tokenizer = make_tokenizer(cfg.tokenizer)
         index, docs = split_documents(cfg, split)
         train = split == "train"
@@ -589,6 +595,7 @@ def eval_batches(
     process_index: int | None = None,
     process_count: int | None = None,
     split: Split = "eval",
+    row_ids: Sequence[int] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """One deterministic pass over the eval split: local batches, at most ``max_batches``.
 
@@ -600,7 +607,7 @@ def eval_batches(
     """
     it = BatchIterator(
         cfg, seq_len=seq_len, global_batch=global_batch, seed=0, split=split,
-        process_index=process_index, process_count=process_count,
+        process_index=process_index, process_count=process_count, row_ids=row_ids,
     )  # fmt: skip
     if max_batches is None and it.process_count > 1:
         raise ValueError(
@@ -622,17 +629,41 @@ def eval_batches(
     return gen()
 
 
-def to_global(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """This process's ``[rows, S]`` arrays -> global ``[rows * process_count, S]`` arrays on ``mesh``.
+def process_rows(mesh: jax.sharding.Mesh, global_batch: int, seq_len: int) -> tuple[int, ...]:
+    """The rows of the global ``[global_batch, seq_len]`` batch that this process's devices hold (whole rows, or parts
+    of their sequence when a ring or sp group spans hosts): the rows it must read."""
+    sharding = NamedSharding(mesh, P((DATA, FSDP), SEQ))
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map((global_batch, seq_len)).values():
+        rows.update(range(global_batch)[index[0]])
+    return tuple(sorted(rows))
+
+
+def to_global(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh, *, global_batch: int | None = None,
+              row_ids: Sequence[int] | None = None) -> dict[str, jax.Array]:
+    """This process's ``[rows, S]`` arrays -> global ``[B, S]`` arrays on ``mesh``.
 
     Sharded ``P(("data", "fsdp"), ("ring", "sp"))``: the batch over ``data x fsdp``, the sequence over ``ring x sp``.
-    Assumes each process's devices hold whole rows (``sp`` groups within a host, as ``make_mesh`` orders them; a ring
-    across hosts splits rows between processes, which this does not handle yet).
+    Without ``row_ids``: each process holds its share of whole rows (``B = rows * process_count``). With ``row_ids``
+    (``process_rows``) and ``global_batch``: the local rows are those global rows, and each device takes its part of
+    them, so processes that share rows (a ring across hosts) each give their devices their part of the sequence.
     """
     sharding = NamedSharding(mesh, P((DATA, FSDP), SEQ))
     out = {}
     for key, local in batch.items():
         rows, seq = local.shape
+        if row_ids is not None:
+            if global_batch is None or len(row_ids) != rows:
+                raise ValueError(f"to_global: {rows} local rows for row_ids {list(row_ids)} of a global batch of "
+                                 f"{global_batch}")
+            where = {r: i for i, r in enumerate(row_ids)}
+
+            def part(index, local=local, where=where):
+                picked = [where[r] for r in range(global_batch)[index[0]]]
+                return local[picked][:, index[1]]
+
+            out[key] = jax.make_array_from_callback((global_batch, seq), sharding, part)
+            continue
         shape = (rows * jax.process_count(), seq)
         if shape[0] % (mesh.shape[DATA] * mesh.shape[FSDP]):
             raise ValueError(

@@ -29,7 +29,7 @@ from ulysses_jax.attention import device_platform
 from ulysses_jax.checkpoint import Checkpointer, gather
 from ulysses_jax.config import PRESETS, ModelConfig, RopeScaling
 from ulysses_jax.data import (BatchIterator, DataConfig, DataFormat, describe_sources, describe_tokenizer,
-                              eval_batches, merge_states, to_global, validate_sources)
+                              eval_batches, merge_states, process_rows, to_global, validate_sources)
 from ulysses_jax.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.parallel import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
 from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, check_offload_params, init_state,
@@ -318,7 +318,8 @@ def setup_train(cfg: TrainConfig) -> Run:
             notes.append(f"{cfg.run_dir} holds this run, which saved no checkpoint: starting it again from step 0 "
                          f"(its earlier metrics are dropped)")
 
-    it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed)
+    it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed,
+                       row_ids=process_rows(mesh, batch_size, cfg.seq_len))
     tx = make_optimizer(optim, cfg.steps, tuple(map(tuple, replans)))
     if resuming:
         graphdef, target = abstract_state(model, mesh, tx, cfg.seed)
@@ -407,8 +408,10 @@ def train(cfg: TrainConfig) -> dict:
 def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,
                   max_batches: int | None) -> dict:
     total, count, batches = 0.0, 0, 0
-    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches):
-        s, c = eval_step(params, to_global(local, mesh))
+    rows = process_rows(mesh, batch_size, seq_len)
+    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
+                              row_ids=rows):
+        s, c = eval_step(params, to_global(local, mesh, global_batch=batch_size, row_ids=rows))
         total, count, batches = total + float(s), count + int(c), batches + 1
     if count == 0:
         raise ValueError("no eval tokens: the eval split is empty; raise --eval-fraction or give --eval-data")
@@ -435,7 +438,7 @@ def train_run(run: Run) -> dict:
             for step in range(run.start_step, cfg.steps):
                 if run.profile and step == run.profile[0]:
                     jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
-                batch = to_global(next(run.data), mesh)
+                batch = to_global(next(run.data), mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
                 t0 = time.perf_counter()
                 state, metrics = run.step_fn(state, batch)
                 loss = float(metrics["loss"])  # waits for the step
