@@ -55,6 +55,9 @@ ROWS = [
     Row("qwen3-4b", 4, "offload", 2_097_152),
     Row("llama3.2-1b", 8, "full", 2_097_152),
     Row("llama3.2-1b", 8, "offload", 8_388_608),
+    Row("llama3.2-1b", 8, "offload", 12_288_000, optim_offload=True),
+    Row("qwen3-4b", 8, "offload", 4_194_304, optim_offload=True),
+    Row("qwen3-8b", 1, "offload", 262_144, optim_offload=True),
 ]
 
 

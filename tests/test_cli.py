@@ -453,6 +453,8 @@ TRAIN_ERRORS = {
     "ring seq": (["--mesh.ring", "2", "--mesh.sp", "4", "--seq-len", "252"],
                  r"--seq-len \(252\) must be a positive multiple of --mesh.ring x --mesh.sp \(2 x 4\) and of "
                  r"2 x --mesh.ring \(4, the zigzag order\): a multiple of 8"),
+    "remat choice": (["--remat", "bogus"], r"invalid choice 'bogus' for argument '--remat'. Expected one of full, none, "
+                                           r"offload, save_matmuls; see `ulysses-jax train --help`"),
     "offload params alone": (["--offload-params"], r"--offload-params needs --optim.offload: the update must stream"),
     "offload params accum": (["--offload-params", "--optim.offload", "--grad-accum", "2", "--batch-size", "2"],
                              r"--offload-params takes --grad-accum 1 \(got 2\)"),

@@ -104,6 +104,12 @@ def _one_line(text: str, prog: str) -> str:
     message = re.sub(r"^Error parsing [\w.]+: (--)", r"\1", message)  # our own check, already naming the flag
     message = re.sub(r"invalid literal for int\(\) with base 10: ('.*?')", r"\1 is not an integer", message)
     message = re.sub(r"could not convert string to float: ('.*?')", r"\1 is not a number", message)
+
+    def choices(m):  # tyro lists an optional flag's choices in set order, with its None default among them
+        names = sorted(set(re.findall(r"'([^']*)'", m.group(1))) - {"None"})
+        return "Expected one of " + ", ".join(names)
+
+    message = re.sub(r"Expected one of \(([^)]*)\)", choices, message)
     hint = ""
     for b in blocks:
         if b and b[0].startswith("Perhaps you meant"):
