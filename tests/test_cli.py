@@ -458,6 +458,11 @@ TRAIN_ERRORS = {
     "offload params alone": (["--offload-params"], r"--offload-params needs --optim.offload: the update must stream"),
     "offload params accum": (["--offload-params", "--optim.offload", "--grad-accum", "2", "--batch-size", "2"],
                              r"--offload-params takes --grad-accum 1 \(got 2\)"),
+    "attn chunk with a ring": (["--mesh.ring", "2", "--mesh.sp", "4", "--attn-chunk", "16"],
+                               r"--attn-chunk \(16\) tiles the Ulysses exchange of a mesh without a ring; with "
+                               r"--mesh.ring 2 use --attn-chunk 0"),
+    "attn chunk": (["--mesh.sp", "4", "--attn-chunk", "48"],
+                   r"--attn-chunk \(48\) must divide the per-device sequence length \(64 = seq / sp\)"),
     "ring kernel": (["--mesh.ring", "2", "--mesh.sp", "4", "--attention", "cudnn"],
                     r"--attention cudnn has no ring kernel; with --mesh.ring 2 use --attention xla, blockwise, "
                     r"pallas, auto"),

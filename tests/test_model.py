@@ -27,6 +27,7 @@ MESHES = {  # name -> (data, fsdp, sp, ZeRO-3 over data)
     "fsdp2xsp4": (1, 2, 4, False),
     "fsdp4xsp2": (1, 4, 2, False),
     "data2xfsdp2xsp2-zero3": (2, 2, 2, True),
+    "data2xsp4": (2, 1, 4, False),  # replicas: parameters whole over data, their gradients summed over it
 }
 
 
@@ -208,7 +209,7 @@ def test_rope_llama3_scaling_against_scalar_formula():
     assert np.array_equal(rope_frequencies(ModelConfig.from_preset("qwen3-8b"))[:1], [1.0])
 
 
-@pytest.mark.parametrize("mesh_name", ["sp4", "data2xfsdp2xsp2-zero3"])
+@pytest.mark.parametrize("mesh_name", ["sp4", "data2xfsdp2xsp2-zero3", "data2xsp4"])
 def test_tiled_mlp_equals_plain(mesh_name, seed):
     cfg = VARIANTS["gqa-qknorm"]()
     batch = packed_batch(seed)
@@ -216,6 +217,33 @@ def test_tiled_mlp_equals_plain(mesh_name, seed):
     # local sequence 64 / sp: chunks of 4 tokens -> 4 (sp4) or 8 (sp2) chunks per device
     tiled = run_model(build(dataclasses.replace(cfg, mlp_chunk=4), mesh_name, seed), batch)
     assert_same(tiled, plain)
+
+
+@pytest.mark.parametrize("variant,mesh_name,impl,remat", [
+    ("gqa-qknorm", "sp4", "blockwise", "none"),  # qk-norm, untied; 16 local tokens in 4 chunks
+    ("mha-bias", "data2xfsdp2xsp2-zero3", "xla", "full"),  # q/k/v bias, ZeRO-3: 32 local tokens in 8 chunks, remat
+    ("gqa-llama3", "sp8", "pallas", "none"),  # 2 KV heads on 8 devices (each copied to 4), Pallas (interpret)
+    ("gqa-llama3", "fsdp2xsp4", "blockwise", "offload"),  # FSDP, layer inputs in host memory
+    ("gqa-qknorm", "data2xsp4", "blockwise", "none"),  # replicas
+])
+def test_tiled_attention_equals_plain(variant, mesh_name, impl, remat, seed):
+    """attn_chunk: the norm, projections and both all-to-alls chunk by chunk around one kernel call, with its own
+    backward: the same logits, loss and gradients as the plain sublayer, on packed documents."""
+    cfg = dataclasses.replace(VARIANTS[variant](), attention_impl=impl, remat=remat)
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, mesh_name, seed), batch)
+    assert_same(run_model(build(dataclasses.replace(cfg, attn_chunk=4), mesh_name, seed), batch), plain)
+
+
+def test_tiled_attention_refuses_a_ring_and_a_chunk_that_does_not_divide(seed):
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), attn_chunk=4)
+    ring = Transformer(cfg, mesh=make_mesh(fsdp=1, ring=2, sp=4), rngs=nnx.Rngs(seed))
+    with pytest.raises(ValueError, match=r"attn_chunk \(4\) tiles the Ulysses exchange of a mesh without a ring, but "
+                                         r"this mesh has ring = 2; set attn_chunk to 0 with a ring"):
+        ring(jnp.zeros((1, 64), jnp.int32))
+    odd = Transformer(dataclasses.replace(cfg, attn_chunk=5), mesh=mesh_for("sp4"), rngs=nnx.Rngs(seed))
+    with pytest.raises(ValueError, match=r"attn_chunk \(5\) must divide the per-device sequence length \(16 = "):
+        odd(jnp.zeros((1, 64), jnp.int32))
 
 
 def assert_gathers_only_parameters(hlo_text, model):

@@ -22,6 +22,9 @@ re-runs the validation, so an invalid combination raises ``ValueError`` at once.
 The long-context memory switches (each tested for equality with the plain path):
   * ``loss_chunk``: tokens per chunk of each device's sequence for the tiled loss (0 = plain loss).
   * ``mlp_chunk``: tokens per chunk of each device's sequence for the tiled MLP (0 = plain MLP).
+  * ``attn_chunk``: tokens per chunk of each device's sequence for the tiled attention sublayer: norm,
+    projections and the Ulysses all-to-alls chunk by chunk around one whole-sequence kernel call
+    (``tiled_attention.py``; 0 = plain; needs ``ring = 1``).
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
   * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
     group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
@@ -88,6 +91,7 @@ class ModelConfig:
     shard_params_over_data: bool = False  # ZeRO-3 over data x fsdp x sp instead of fsdp x sp
     loss_chunk: int = 0
     mlp_chunk: int = 0
+    attn_chunk: int = 0  # tokens per chunk of each device's sequence for the tiled attention sublayer (0: off)
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
@@ -122,7 +126,7 @@ class ModelConfig:
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")
-        for field in ("loss_chunk", "mlp_chunk"):
+        for field in ("loss_chunk", "mlp_chunk", "attn_chunk"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field} ({value!r}) must be 0 (off) or a positive number of tokens per chunk")

@@ -32,8 +32,10 @@ layer's weights up front and combine every gradient reduction at the end).
 Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each
 layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs); ``remat_every=k``
 checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
-``mlp_chunk`` runs the MLP over sequence chunks of each device's local sequence inside ``shard_map``
-(so chunking never moves activations between devices), each chunk rematerialised.
+``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's local sequence
+inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
+``attn_chunk`` does the same for the attention sublayer around one whole-sequence kernel call
+(``tiled_attention.py``: the projections and the all-to-alls per chunk).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax import offload
+from ulysses_jax.chunked import chunk_map
 from ulysses_jax.config import ModelConfig, local_chunks
 from ulysses_jax.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
 from ulysses_jax.sharding import (
@@ -64,6 +67,7 @@ from ulysses_jax.sharding import (
     gather_param,
     param_spec,
 )
+from ulysses_jax.tiled_attention import tiled_attention
 from ulysses_jax.ulysses import ring_token_order, ulysses_attention
 
 RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
@@ -228,29 +232,36 @@ def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
     return h_BSF @ w_down_FD
 
 
-def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool):
+def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
+                 norm: tuple[jax.Array, float] | None = None):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
     chunking moves nothing between devices. Weights arrive in their at-rest layout and are all-gathered
     here (the FSDP gather; its transpose is the reduce-scatter of the gradient). Only one chunk's
-    ``[b, chunk, F]`` intermediates exist at a time, forward and backward.
+    ``[b, chunk, F]`` intermediates exist at a time, forward and backward (``chunked.chunk_map``: each chunk
+    recomputed in the backward).
+
+    ``norm=(scale, eps)``: the whole sublayer ``x + swiglu(rms_norm(x))`` per chunk (``scale`` at rest), so that
+    neither the normed input nor its gradient exists for the whole local sequence.
     """
     wa = fsdp_axes(over_data)
     act = P((DATA, FSDP), SEQ, None)
 
-    def local(x_bsD, wg, wu, wd):
+    def local(x_bsD, wg, wu, wd, *scale):
         wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
         wd = gather_param(wd, 1, over_data=over_data)
-        b, s, d = x_bsD.shape
-        n = local_chunks(chunk, s, "mlp_chunk")
-        x_nbcD = x_bsD.reshape(b, n, chunk, d).swapaxes(0, 1)
-        body = jax.checkpoint(swiglu, prevent_cse=False)
-        y_nbcD = jax.lax.map(lambda xc: body(xc, wg, wu, wd), x_nbcD)
-        return y_nbcD.swapaxes(0, 1).reshape(b, s, d)
+        n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
+        if scale:
+            g = gather_param(scale[0], 0, over_data=over_data)
+            return chunk_map(lambda xc, ws: xc + swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3]), n, x_bsD,
+                             (wg, wu, wd, g))
+        return chunk_map(lambda xc, ws: swiglu(xc, *ws), n, x_bsD, (wg, wu, wd))
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(act, P(wa, None), P(wa, None), P(None, wa)), out_specs=act)
-    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD)
+    specs = (act, P(wa, None), P(wa, None), P(None, wa), *([P(wa)] if norm else []))
+    # chunk_map's backward carries no varying-manual-axes types
+    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
+    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *([norm[0]] if norm else []))
 
 
 class MLP(nnx.Module):
@@ -260,6 +271,14 @@ class MLP(nnx.Module):
         self.w_gate_DF = make("mlp.w_gate", (d, f), ("embed", "mlp"))
         self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
         self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
+
+    def residual_tiled(self, x_BSD, norm: RMSNorm):
+        """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``)."""
+        cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
+        ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
+        return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
+                            over_data=cfg.shard_params_over_data,
+                            norm=(norm.scale.get_value().astype(jnp.float32), cfg.rms_eps))
 
     def __call__(self, x_BSD):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
@@ -297,9 +316,26 @@ class Block(nnx.Module):
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS):
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+        if self.attn.cfg.attn_chunk:
+            h_BSD = tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(),
+                                    cfg=self.attn.cfg, mesh=self.mesh, chunk=self.attn.cfg.attn_chunk)
+        else:
+            h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
+        if self.mlp.cfg.mlp_chunk:  # the norm and the residual inside the chunks too
+            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm), self.mesh, ("batch", "seq", "embed"))
         return constrain(h_BSD + self.mlp(self.mlp_norm(h_BSD)), self.mesh, ("batch", "seq", "embed"))
+
+    def attention_params(self) -> dict:
+        """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
+        (norm scales in float32)."""
+        a, dt = self.attn, self.attn.cfg.compute_jnp_dtype
+        found = {"norm": self.attn_norm.scale, "wq": a.wq_DNH, "wk": a.wk_DKH, "wv": a.wv_DKH, "wo": a.wo_NHD}
+        if a.cfg.qkv_bias:
+            found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
+        if a.cfg.qk_norm:
+            found.update(q_norm=a.q_norm.scale, k_norm=a.k_norm.scale)
+        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") else dt) for k, p in found.items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -112,9 +112,13 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
             f"one host (or be a multiple of them: whole hosts, the all-to-alls over the network); use --mesh.sp <= "
             f"{per_host}, and --mesh.ring to span hosts"
         )
-    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk)):
+    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk),
+                        ("--attn-chunk", cfg.attn_chunk)):
         if chunk:
             local_chunks(chunk, seq_len // (ring * sp), flag)
+    if cfg.attn_chunk and ring > 1:
+        raise ValueError(f"--attn-chunk ({cfg.attn_chunk}) tiles the Ulysses exchange of a mesh without a ring; with "
+                         f"--mesh.ring {ring} use --attn-chunk 0")
     # training rows are packed documents, so segment ids are always present
     if ring > 1:
         return  # the ring's kernels serve any platform, dtype and head_dim

@@ -264,7 +264,7 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
 
 def seq_len_unit(cfg: PlanConfig, sp: int) -> int:
     """The step of the search: sequence lengths divisible by sp, each device's part by the chunk sizes and 128."""
-    chunk = math.lcm(128, cfg.loss_chunk or 1, cfg.mlp_chunk or 1)
+    chunk = math.lcm(128, cfg.loss_chunk or 1, cfg.mlp_chunk or 1, cfg.attn_chunk or 1)
     return sp * chunk
 
 

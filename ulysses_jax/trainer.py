@@ -58,6 +58,9 @@ class TrainConfig:
     remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
     loss_chunk: int | None = None  # tiled loss chunk in tokens (0: off; None: the preset's)
     mlp_chunk: int | None = None  # tiled MLP chunk in tokens (0: off; None: the preset's)
+    attn_chunk: int | None = None
+    """tiled attention sublayer: norm, projections and the all-to-alls per chunk of this many tokens of each device's
+    sequence (0: off; None: the preset's); needs --mesh.ring 1"""
     param_dtype: Literal["float32", "bfloat16"] | None = None
     """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
     is updated with the optimizer state (in host memory with --optim.offload)"""
@@ -116,7 +119,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
     the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
     compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                   param_dtype=cfg.param_dtype, remat_every=cfg.remat_every, offload_params=cfg.offload_params or None)
+                   attn_chunk=cfg.attn_chunk, param_dtype=cfg.param_dtype, remat_every=cfg.remat_every, offload_params=cfg.offload_params or None)
     if cfg.init_from_hf is None:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
@@ -281,7 +284,8 @@ def setup_train(cfg: TrainConfig) -> Run:
     if resuming and (recorded or {}).get("init_from_hf"):
         # the run's model is its record's (config.json is not read again); a changed folder is refused below
         model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
-                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk)
+                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+                                      attn_chunk=cfg.attn_chunk)
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
         if summary.vocab_size > model.vocab_size:
             raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
