@@ -70,6 +70,7 @@ def test_overrides_and_replace_revalidate():
         (dict(remat="selective"), r"remat 'selective' is not one of none, full, save_matmuls, offload"),
         (dict(loss_chunk=-1), r"loss_chunk \(-1\) must be 0 \(off\) or a positive number"),
         (dict(mlp_chunk=True), r"mlp_chunk \(True\) must be 0 \(off\) or a positive number"),
+        (dict(attn_chunk=-1), r"attn_chunk \(-1\) must be 0 \(off\) or a positive number"),
         (dict(compute_dtype="fp8"), r"compute_dtype 'fp8' is not one of float32, bfloat16, float16"),
         (dict(attention_impl=""), r"attention_impl \(''\) must be a non-empty string"),
         (dict(rope_theta=1.0), r"rope_theta \(1.0\) must be > 1"),

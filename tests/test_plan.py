@@ -260,18 +260,26 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
 
     def fake_search(cfg, log=print):  # host memory grows with offload, context with every tool
         searched.append(cfg)
-        n = {("full", None): 1, ("full", 2): 2, ("offload", None): 4, ("offload", 2): 3}[cfg.remat, cfg.remat_every]
-        host = 0 if cfg.remat == "full" else (100 if cfg.remat_every is None else 50) * 2**30
+        n = {("full", None, None): 1, ("full", 2, None): 2, ("offload", None, None): 4, ("offload", 2, None): 3,
+             ("offload", None, 4096): 5}[cfg.remat, cfg.remat_every, cfg.attn_chunk]
+        host = {"full": 0, None: 100, 2: 50}[cfg.remat if cfg.remat == "full" else cfg.remat_every] * 2**30
+        host += 20 * 2**30 * bool(cfg.attn_chunk)
         return types.SimpleNamespace(max_seq_len=n * 1024, memory={"host_bytes": host}, memory_flags=None)
 
     monkeypatch.setattr(plan_module, "find_max_seq_len", fake_search)
     cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False)
     best = plan_module.auto_memory(cfg, log=lambda *_: None)
-    assert len(searched) == 4 and {c.memory for c in searched} == {"manual"}
+    assert len(searched) == 5 and {c.memory for c in searched} == {"manual"}
     assert all(c.optim.offload and c.optim.master_weights and c.param_dtype == "bfloat16"
                for c in searched if c.remat == "offload")
-    assert best.max_seq_len == 4096 and best.memory_flags == ("--remat offload --param-dtype bfloat16 "
-                                                              "--optim.master-weights --optim.offload")
+    assert best.max_seq_len == 5120 and best.memory_flags == ("--remat offload --param-dtype bfloat16 "
+                                                              "--optim.master-weights --optim.offload --attn-chunk 4096")
+    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=110), log=lambda *_: None
+                                   ).memory_flags == ("--remat offload --param-dtype bfloat16 --optim.master-weights "
+                                                      "--optim.offload")
+    searched.clear()  # with a ring, no tiled attention
+    plan_module.auto_memory(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ring=2)), log=lambda *_: None)
+    assert len(searched) == 4 and not any(c.attn_chunk for c in searched)
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=60), log=lambda *_: None
                                    ).memory_flags.startswith("--remat offload --remat-every 2")
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=0), log=lambda *_: None

@@ -397,6 +397,10 @@ def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
     choices.append((f"--remat offload {host_flags}", dict(remat="offload", remat_every=None, **host)))
     if num_layers % 2 == 0:
         choices.append((f"--remat offload --remat-every 2 {host_flags}", dict(remat="offload", remat_every=2, **host)))
+    if cfg.mesh.ring == 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
+        c = cfg.attn_chunk or cfg.mlp_chunk or 4096
+        choices.append((f"--remat offload {host_flags} --attn-chunk {c}",
+                        dict(remat="offload", remat_every=None, attn_chunk=c, **host)))
     return choices
 
 
