@@ -62,6 +62,7 @@ ROWS = [
     Row("qwen3-8b", 1, "offload", 262_144, optim_offload=True),
     # the tiled attention sublayer (and the MLP sublayer's norm and residual inside its chunks)
     Row("llama3.1-8b", 8, "offload", 8_388_608, optim_offload=True, attn_chunk=4096),
+    Row("llama3.1-8b", 8, "offload", 7_864_320, optim_offload=True, attn_chunk=4096, remat_every=2),  # host < 237 GiB
     Row("llama3.1-8b", 1, "offload", 524_288, optim_offload=True, attn_chunk=4096),
     Row("llama3.1-8b", 8, "offload", 6_291_456, attn_chunk=4096),
     Row("llama3.2-1b", 8, "offload", 16_777_216, optim_offload=True, attn_chunk=4096),
