@@ -73,7 +73,8 @@ def config(row: Row, seq_len: int) -> PlanConfig:
     sp = row.sp or min(row.devices, 8)
     return PlanConfig(
         preset=row.preset, seq_len=seq_len, batch_size=1, mesh=MeshConfig(fsdp=-1, sp=sp), attention="pallas",
-        remat=row.remat, loss_chunk=4096, mlp_chunk=4096, attn_chunk=row.attn_chunk, target="h100", devices=row.devices, hosts=row.hosts,
+        remat=row.remat, loss_chunk=4096, mlp_chunk=4096, attn_chunk=row.attn_chunk, target="h100", devices=row.devices,
+        hosts=row.hosts,
         kernels=False, param_dtype="bfloat16" if row.optim_offload else None, remat_every=row.remat_every,
         optim=OptimConfig(master_weights=row.optim_offload, offload=row.optim_offload),
     )

@@ -272,8 +272,8 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
     assert len(searched) == 5 and {c.memory for c in searched} == {"manual"}
     assert all(c.optim.offload and c.optim.master_weights and c.param_dtype == "bfloat16"
                for c in searched if c.remat == "offload")
-    assert best.max_seq_len == 5120 and best.memory_flags == ("--remat offload --param-dtype bfloat16 "
-                                                              "--optim.master-weights --optim.offload --attn-chunk 4096")
+    assert best.max_seq_len == 5120 and best.memory_flags == (
+        "--remat offload --param-dtype bfloat16 --optim.master-weights --optim.offload --attn-chunk 4096")
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=110), log=lambda *_: None
                                    ).memory_flags == ("--remat offload --param-dtype bfloat16 --optim.master-weights "
                                                       "--optim.offload")

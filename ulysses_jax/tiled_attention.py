@@ -9,11 +9,12 @@ are what fills an H100 (``experiments/results/memory_to_the_limit_h100.md``).
 Here each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk`` tokens. Per chunk:
 RMSNorm, the Q/K/V projections (bias, per-head norm, RoPE), the head layout of ``head_layout.py``, and the
 all-to-alls, whose results go straight into their place in three whole-sequence buffers ``q [b, S, hq, H]``,
-``k, v [b, S, k_loc, H]``. Q, K and V cross in three all-to-alls per chunk, not one fused one: slicing a fused
-result makes XLA lay the whole-sequence Q buffer out heads-major and copy it before the kernel (8 GiB per H100 at
-8M tokens on 8, read from the compiled program). The local kernel (any ``impl``) runs once on them. Then per chunk: that chunk of the
-output goes back by its all-to-all, through the output projection, and is added to the residual. Only one
-chunk's pre-exchange tensors exist at a time.
+``k, v [b, S, k_loc, H]``. Q, K and V cross in three all-to-alls per chunk (each result lands whole in its
+buffer; a fused one would be sliced per chunk), and the buffers are pinned row-major: left free, XLA gave them the
+all-to-all's heads-major layout and copied Q, whole, into the kernel's layout (seen in the compiled H100 program).
+The local kernel (any ``impl``) runs once on them. Then per chunk: that chunk of the output goes back by its
+all-to-all, through the output projection, and is added to the residual. Only one chunk's pre-exchange tensors
+exist at a time.
 
 Where a chunk lands. Chunk ``i`` of every device travels in the same all-to-all: device ``j``'s part holds the
 global tokens ``j*s + i*c ...``. Viewed as ``[b, sp, n, c, heads, H]``, the buffer takes the all-to-all's
@@ -210,7 +211,6 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     float32) and at-rest layout."""
     sp = mesh.shape[SP]
     check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
-    b, s, d = x_BSD.shape
     platform = device_platform(mesh)
     dt = cfg.compute_jnp_dtype
     impl = resolve_impl(cfg.attention_impl, dtype=dt, head_dim=cfg.head_dim,

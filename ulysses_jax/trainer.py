@@ -119,7 +119,8 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
     the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
     compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                   attn_chunk=cfg.attn_chunk, param_dtype=cfg.param_dtype, remat_every=cfg.remat_every, offload_params=cfg.offload_params or None)
+                   attn_chunk=cfg.attn_chunk, param_dtype=cfg.param_dtype, remat_every=cfg.remat_every,
+                   offload_params=cfg.offload_params or None)
     if cfg.init_from_hf is None:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
