@@ -235,6 +235,37 @@ def test_tiled_attention_equals_plain(variant, mesh_name, impl, remat, seed):
     assert_same(run_model(build(dataclasses.replace(cfg, attn_chunk=4), mesh_name, seed), batch), plain)
 
 
+@pytest.mark.parametrize("variant,mesh_name,impl,remat,head_chunk,recompute", [
+    ("gqa-llama3", "1dev", "blockwise", "none", 1, False),  # 8 heads, 2 KV heads on one device: 8 groups sharing KV
+    ("gqa-llama3", "1dev", "xla", "full", 4, True),  # 2 groups of one KV head each, remat, output recomputed
+    ("gqa-qknorm", "sp2", "pallas", "none", 2, True),  # qk-norm; 4 heads, 2 KV per device: one KV head per group
+    ("mha-bias", "fsdp2xsp4", "blockwise", "offload", 1, False),  # q/k/v bias, FSDP, layer inputs in host memory
+    ("gqa-llama3", "sp8", "xla", "none", 1, False),  # 1 head per device, its KV head copied: one group
+    ("gqa-qknorm", "data2xfsdp2xsp2-zero3", "blockwise", "full", 1, True),  # ZeRO-3, replicas, 4 groups of one head
+    ("gqa-qknorm", "sp4", "blockwise", "none", 0, True),  # one group, output recomputed
+])
+def test_tiled_attention_head_groups_equal_plain(variant, mesh_name, impl, remat, head_chunk, recompute, seed):
+    """attn_head_chunk: each group of a device's heads projected, exchanged and run through the kernel alone, with
+    the weights cut per group (dummy and copied heads included); attn_recompute: no output kept for the backward.
+    The logits, loss and gradients of the plain sublayer."""
+    cfg = dataclasses.replace(VARIANTS[variant](), attention_impl=impl, remat=remat)
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, mesh_name, seed), batch)
+    tiled = dataclasses.replace(cfg, attn_chunk=4, attn_head_chunk=head_chunk, attn_recompute=recompute)
+    assert_same(run_model(build(tiled, mesh_name, seed), batch), plain)
+
+
+def test_tiled_attention_head_chunk_that_does_not_fit_is_refused(seed):
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), attn_chunk=4, attn_head_chunk=3)
+    model = Transformer(cfg, mesh=mesh_for("sp2"), rngs=nnx.Rngs(seed))
+    with pytest.raises(ValueError, match=r"attn_head_chunk \(3\) must divide the 4 query heads each device computes "
+                                         r"\(8 heads, 2 KV heads over sp=2\) .* choose one of 1, 2, 4, or 0"):
+        model(jnp.zeros((1, 64), jnp.int32))
+    with pytest.raises(ValueError, match=r"attn_head_chunk \(2\) groups the heads of the tiled attention sublayer; "
+                                         r"set attn_chunk too"):
+        dataclasses.replace(cfg, attn_chunk=0, attn_head_chunk=2)
+
+
 def test_tiled_attention_refuses_a_ring_and_a_chunk_that_does_not_divide(seed):
     cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), attn_chunk=4)
     ring = Transformer(cfg, mesh=make_mesh(fsdp=1, ring=2, sp=4), rngs=nnx.Rngs(seed))

@@ -25,6 +25,11 @@ The long-context memory switches (each tested for equality with the plain path):
   * ``attn_chunk``: tokens per chunk of each device's sequence for the tiled attention sublayer: norm,
     projections and the Ulysses all-to-alls chunk by chunk around one whole-sequence kernel call
     (``tiled_attention.py``; 0 = plain; needs ``ring = 1``).
+  * ``attn_head_chunk``: with ``attn_chunk``, query heads per group of the tiled attention on each device: the
+    heads are projected, exchanged and run through the kernel one group at a time, so the kernel's
+    whole-sequence operands and gradients exist for one group only (0 = all of a device's heads at once).
+  * ``attn_recompute``: with ``attn_chunk``, the tiled attention keeps no output for its backward, where each
+    group's kernel forward runs again (one more attention forward per layer, one ``[S/sp, D]`` buffer less).
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
   * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
     group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
@@ -92,6 +97,8 @@ class ModelConfig:
     loss_chunk: int = 0
     mlp_chunk: int = 0
     attn_chunk: int = 0  # tokens per chunk of each device's sequence for the tiled attention sublayer (0: off)
+    attn_head_chunk: int = 0  # with attn_chunk: query heads per device in each group of the kernel (0: all at once)
+    attn_recompute: bool = False  # with attn_chunk: no attention output kept for the backward; recomputed there
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
@@ -126,10 +133,19 @@ class ModelConfig:
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")
-        for field in ("loss_chunk", "mlp_chunk", "attn_chunk"):
+        for field in ("loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{field} ({value!r}) must be 0 (off) or a positive number of tokens per chunk")
+                what = "query heads" if field == "attn_head_chunk" else "tokens"
+                raise ValueError(f"{field} ({value!r}) must be 0 (off) or a positive number of {what} per chunk")
+        if self.attn_head_chunk and not self.attn_chunk:
+            raise ValueError(f"attn_head_chunk ({self.attn_head_chunk}) groups the heads of the tiled attention "
+                             f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
+        if not isinstance(self.attn_recompute, bool):
+            raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
+        if self.attn_recompute and not self.attn_chunk:
+            raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
+                             "too (tokens per chunk, e.g. 4096)")
 
     @property
     def param_jnp_dtype(self):

@@ -37,6 +37,7 @@ class EvalConfig:
     loss_chunk: int | None = None  # tiled loss chunk in tokens; None: the run's
     mlp_chunk: int | None = None  # tiled MLP chunk in tokens; None: the run's
     attn_chunk: int | None = None  # tiled attention chunk in tokens; None: the run's
+    attn_head_chunk: int | None = None  # query heads per device per group of the tiled attention; None: the run's
     eval_data: Paths = ()  # evaluate on these documents instead of the run's eval split
     data: Paths = ()  # where the run's --data is now, if it moved (checked against the run's fingerprints)
     tokenizer: str | None = None  # where the run's --tokenizer is now, if it moved (checked likewise)
@@ -78,7 +79,8 @@ def evaluate(cfg: EvalConfig) -> dict:
                              f"(--data where it is now, if it moved) or other documents with --eval-data")
         what = "the run's --eval-data" if rc.get("eval_data") else "the run's held-out documents"
     model = model_config_from_run(record, attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk,
-                                  mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk)
+                                  mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk,
+                                  attn_head_chunk=cfg.attn_head_chunk)
     seq_len = record["seq_len"]
     mesh = build_mesh(cfg.mesh, model, seq_len)
     rows = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -318,7 +318,9 @@ class Block(nnx.Module):
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
         if self.attn.cfg.attn_chunk:
             h_BSD = tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(),
-                                    cfg=self.attn.cfg, mesh=self.mesh, chunk=self.attn.cfg.attn_chunk)
+                                    cfg=self.attn.cfg, mesh=self.mesh, chunk=self.attn.cfg.attn_chunk,
+                                    head_chunk=self.attn.cfg.attn_head_chunk,
+                                    recompute=self.attn.cfg.attn_recompute)
         else:
             h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))

@@ -231,21 +231,33 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     def pick(xs, mask):
         return [x for x, m in zip(xs, mask) if m]
 
-    layer_params = pick(p_leaves, flags)  # only their dtypes are read
-
-    def body(_, xs):  # one layer of the stacked parameters
-        g, st, w = xs
-        w, st, _ = run(g, st, w, True)
-        new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
-        return None, (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
-
-    # A scan: its outputs are new stacks, a second copy of the stacked state in host memory (XLA's buffer report);
-    # a loop updating the donated stacks in place (dynamic_update_slice into host memory) does not compile for the
-    # compile-only H100 target (XLA: a host-to-host copy-start), so the copy stays.
+    layer_params = pick(p_leaves, flags)
     is_layer = [k == "stacked" for k in kinds]
     is_whole = [k == "whole" for k in kinds]
-    _, (p_layers, m_layers, s_layers) = jax.lax.scan(
-        body, None, (pick(g_leaves, flags), pick(s_leaves, is_layer), pick(w_leaves, flags)))
+    # The state's stacks in host memory are the scan's outputs: new stacks, a second copy of the stacked state in host
+    # memory (XLA's buffer report); a loop updating them in place (dynamic_update_slice into host memory) does not
+    # compile for the compile-only H100 target (XLA: a host-to-host copy-start), so that copy stays. The parameters'
+    # stacks on the device are updated in place instead (the loop's carry, the donated parameters): as scan outputs
+    # they were zeros buffers that XLA created with the gradients' before the backward, 15 GiB held through it on
+    # one H100 for Llama-3.1-8B.
+    in_place = not host_params
+
+    def body(carry, xs):  # one layer of the stacked parameters
+        i, stacks = carry
+        g, st, w = xs
+        if not master:  # the parameters are the weights: this layer's, from the stacks being updated
+            w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks] if in_place else w
+        w, st, _ = run(g, st, w, True)
+        new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
+        if in_place:
+            stacks = [jax.lax.dynamic_update_index_in_dim(p, x, i, axis=0) for p, x in zip(stacks, new_p)]
+            new_p = []
+        return (i + 1, stacks), (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
+
+    xs = (pick(g_leaves, flags), pick(s_leaves, is_layer), pick(w_leaves, flags) if master or not in_place else [])
+    (_, stacks), (p_layers, m_layers, s_layers) = jax.lax.scan(
+        body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
+    p_layers = stacks if in_place else p_layers
     not_flags = [not f for f in flags]
     w_rest, s_rest, scalars = run(pick(g_leaves, not_flags), pick(s_leaves, is_whole), pick(w_leaves, not_flags),
                                   False)

@@ -14,8 +14,10 @@ import jax
 
 from ulysses_jax.attention import device_platform, resolve_impl
 from ulysses_jax.config import ModelConfig, local_chunks
+from ulysses_jax.head_layout import plan_heads
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.ring import RING_IMPLS
+from ulysses_jax.tiled_attention import head_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,8 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
     if cfg.attn_chunk and ring > 1:
         raise ValueError(f"--attn-chunk ({cfg.attn_chunk}) tiles the Ulysses exchange of a mesh without a ring; with "
                          f"--mesh.ring {ring} use --attn-chunk 0")
+    if cfg.attn_head_chunk:
+        head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), cfg.attn_head_chunk, flag="--attn-head-chunk")
     # training rows are packed documents, so segment ids are always present
     if ring > 1:
         return  # the ring's kernels serve any platform, dtype and head_dim

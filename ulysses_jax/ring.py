@@ -219,16 +219,22 @@ PALLAS_INTERPRET_KERNEL = LocalKernel(functools.partial(flash_attention.pair_for
 RING_IMPLS = ("xla", "blockwise", "pallas", "auto")
 
 
-def ring_kernel(impl: str, platform: str = "gpu") -> LocalKernel:
+def ring_kernel(impl: str, platform: str = "gpu", *, float32: bool = True) -> LocalKernel:
     """The local kernel of each ring step for an attention ``impl`` on ``platform`` (the mesh's devices').
 
-    ``"auto"``: ``"pallas"`` on GPUs, as without a ring; ``"blockwise"`` elsewhere (faster than interpret mode)."""
+    ``"auto"``: ``"pallas"`` on GPUs, as without a ring; ``"blockwise"`` elsewhere (faster than interpret mode).
+    ``float32=False``: the Pallas kernels write ``o``, ``dq``, ``dk``, ``dv`` in the inputs' dtype instead (for a
+    caller that keeps them whole, ``tiled_attention.py``); the others compute and return float32 either way."""
     if impl not in RING_IMPLS:
         raise ValueError(f"attention impl={impl!r} has no ring kernel; with a ring use one of "
                          f"{', '.join(map(repr, RING_IMPLS))}")
     if impl == "auto":
         impl = "pallas" if platform == "gpu" else "blockwise"
     if impl == "pallas":
+        if not float32:
+            interpret = platform != "gpu"
+            return LocalKernel(functools.partial(flash_attention.pair_forward, interpret=interpret, float32=False),
+                               functools.partial(flash_attention.pair_backward, interpret=interpret, float32=False))
         return PALLAS_KERNEL if platform == "gpu" else PALLAS_INTERPRET_KERNEL
     return XLA_KERNEL if impl == "xla" else BLOCKWISE_KERNEL
 

@@ -1,32 +1,49 @@
-"""The attention sublayer in sequence tiles around the Ulysses exchange (``ModelConfig.attn_chunk``).
+"""The attention sublayer in sequence tiles around the Ulysses exchange, its heads in groups
+(``ModelConfig.attn_chunk``, ``ModelConfig.attn_head_chunk``).
 
-``x + attention(norm(x))`` for one layer, computed so that no tensor the size of a device's whole
-``[S/sp, heads]`` slice exists twice. The plain path (``model.Attention`` + ``ulysses_attention``) holds, per
-device and all at once, the normed input, the fused Q/K/V projection before the all-to-all and its head-sliced
-form after it, and the attention output before and after its all-to-all; at the longest contexts those copies
-are what fills an H100 (``experiments/results/memory_to_the_limit_h100.md``).
+``x + attention(rms_norm(x))`` for one layer, computed so that no tensor the size of a device's whole
+``[S/sp, heads]`` slice exists twice, and the kernel's whole-sequence operands exist for one group of heads at a
+time. The plain path (``model.Attention`` + ``ulysses_attention``) holds, per device and all at once, the normed
+input, the fused Q/K/V projection before the all-to-all and its head-sliced form after it, and the attention
+output before and after its all-to-all; at the longest contexts those copies are what fills an H100
+(``experiments/results/memory_to_the_limit_h100.md``).
 
-Here each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk`` tokens. Per chunk:
-RMSNorm, the Q/K/V projections (bias, per-head norm, RoPE), the head layout of ``head_layout.py``, and the
-all-to-alls, whose results go straight into their place in three whole-sequence buffers ``q [b, S, hq, H]``,
-``k, v [b, S, k_loc, H]``. Q, K and V cross in three all-to-alls per chunk (each result lands whole in its
-buffer; a fused one would be sliced per chunk), and the buffers are pinned row-major: left free, XLA gave them the
-all-to-all's heads-major layout and copied Q, whole, into the kernel's layout (seen in the compiled H100 program).
-The local kernel (any ``impl``) runs once on them. Then per chunk: that chunk of the output goes back by its
-all-to-all, through the output projection, and is added to the residual. Only one chunk's pre-exchange tensors
-exist at a time.
+Sequence tiles. Each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk`` tokens. Per chunk:
+RMSNorm, the Q/K/V projections (bias, per-head norm, RoPE) and the all-to-alls, whose results go straight into
+their place in whole-sequence buffers ``q [b, S, heads, H]``, ``k, v [b, S, kv, H]``. Q, K and V cross in three
+all-to-alls per chunk (each result lands whole in its buffer; a fused one would be sliced per chunk), and the
+buffers are pinned row-major: left free, XLA gave them the all-to-all's heads-major layout and copied Q, whole,
+into the kernel's layout (seen in the compiled H100 program). Then the kernel runs on them, and per chunk the
+output goes back by its all-to-all, through the output projection, and is added to the residual.
 
 Where a chunk lands. Chunk ``i`` of every device travels in the same all-to-all: device ``j``'s part holds the
 global tokens ``j*s + i*c ...``. Viewed as ``[b, sp, n, c, heads, H]``, the buffer takes the all-to-all's
 ``[b, sp, c, heads, H]`` at index ``i`` of its third axis, and the view is the natural token order, so the
 kernel sees the sequence as the plain path does (causal masks and segment ids unchanged).
 
-The backward (``jax.custom_vjp``) walks the chunks again: for the input side it slices the whole-sequence
-gradient of Q/K/V per chunk, sends it back, and differentiates the recomputed chunk projection (its weight
-gradients summed in float32); for the output side it recomputes the chunk's all-to-all of the output (one
-extra all-to-all of ``O`` per layer: the price of not keeping the exchanged output) and writes the output's
-gradient into its whole-sequence buffer. Plain autodiff of the same loops would keep every chunk's
-projections as residuals, which is the memory this module exists to avoid.
+Head groups. A device computes ``hq`` query heads (``head_layout.py``: real, padded or sharing a copied KV head).
+``attn_head_chunk = h`` cuts them into ``hq / h`` groups of ``h`` (0: one group); each group is projected,
+exchanged and run through the kernel on its own, so the whole-sequence Q, K, V, dO, dQ, dK, dV buffers are those
+of one group: ``hq / h`` times smaller. ``h`` must be a multiple or a divisor of the query heads per KV head on a
+device (``g``), so that a group is plain GQA: whole KV heads, or a share of one KV head's queries (that KV head is
+then projected and exchanged once per group that reads it: more K/V bytes on the wire, the same attention).
+The weights are cut per group (``HeadGroups``: the exchange's slot order of ``head_layout.py`` applied to the
+weights' head axes, dummy heads zero), so a group's projection produces exactly its slots.
+
+Forward: per group, the chunked projection and exchange, then the kernel's forward with the log-sum-exp
+(``ring.LocalKernel``); its output goes into the device's whole ``O [b, S, hq, H]``; then the output's chunked
+exchange and projection (one pass over all heads, as without groups). Residuals: the input, the weights, ``O``
+and the log-sum-exps. Backward: the output projection's weight gradient chunk by chunk (each chunk's exchange of
+``O`` recomputed: one extra all-to-all of ``O`` per layer, the price of not keeping the exchanged output); then
+per group: ``dO`` of the group's heads chunk by chunk (``ct @ wo^T`` then the sequence -> heads all-to-all), the
+group's Q/K/V recomputed chunk by chunk, the kernel's backward, and per chunk its gradients sent back and through
+the projection's backward, added into the input's gradient, the weights' gradients summed in float32. Plain
+autodiff of the same loops would keep every chunk's projections as residuals, which is the memory this module
+exists to avoid. With several groups the input's gradient sums one term per group in the compute dtype (as a
+tensor-parallel all-reduce of activation gradients does); the forward is summed as without groups.
+
+Kernels: ``xla``, ``blockwise`` and ``pallas`` through ``ring.ring_kernel`` (forward and backward with the
+log-sum-exp); ``cudnn`` has no log-sum-exp, so its backward re-runs its forward (``jax.vjp``).
 
 Needs a mesh without a ring (``ring = 1``): with a ring, each device's tokens of the exchange are the ring's
 zigzag share, which these buffers do not model. Runs in ``shard_map``; parameters arrive in their at-rest
@@ -35,11 +52,13 @@ zigzag share, which these buffers do not model. Runs in ``shard_map``; parameter
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -49,7 +68,8 @@ from ulysses_jax.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.config import ModelConfig, local_chunks
 from ulysses_jax.head_layout import HeadLayout, plan_heads
 from ulysses_jax.mesh import DATA, FSDP, RING, SEQ, SP
-from ulysses_jax.sharding import fsdp_axes, gather_param, param_spec
+from ulysses_jax.ring import ring_kernel
+from ulysses_jax.sharding import fsdp_axes, param_spec
 from ulysses_jax.ulysses import heads_to_seq, seq_to_heads
 
 # The attention parameters of one layer, by name: (logical axes, the axis to gather for FSDP or None).
@@ -65,15 +85,92 @@ PARAMS = {
     "q_norm": (("head_dim",), None),
     "k_norm": (("head_dim",), None),
 }
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Head groups: which heads each group's exchange carries, and the weights cut to them
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGroups:
+    """A device's ``hq`` query heads cut into ``count`` groups of ``size`` (module doc)."""
+
+    layout: HeadLayout
+    size: int
+
+    @property
+    def count(self) -> int:
+        return self.layout.heads_per_device // self.size
+
+    @property
+    def kv(self) -> int:
+        """KV heads per group on a device."""
+        return max(1, self.size // self.layout.group)
+
+    def q_heads(self) -> np.ndarray:
+        """``[count, sp * size]``: the query head in each slot of a group's exchange (device-major), -1 = dummy."""
+        sp = self.layout.sp
+        slots = np.asarray(self.layout.q_slots).reshape(sp, self.count, self.size)
+        return slots.transpose(1, 0, 2).reshape(self.count, sp * self.size)
+
+    def kv_heads(self) -> np.ndarray:
+        """``[count, sp * kv]``: the KV head in each slot of a group's exchange, -1 = dummy."""
+        sp, k_loc = self.layout.sp, self.layout.kv_per_device
+        slots = np.asarray(self.layout.kv_slots).reshape(sp, k_loc)
+        first = np.arange(self.count) * self.size // self.layout.group  # each group's first local KV head
+        cols = first[:, None] + np.arange(self.kv)[None, :]
+        return slots[:, cols].transpose(1, 0, 2).reshape(self.count, sp * self.kv)
+
+
+def head_groups(layout: HeadLayout, head_chunk: int, flag: str = "attn_head_chunk") -> HeadGroups:
+    """The groups of ``head_chunk`` query heads (0: all of a device's in one); ``ValueError`` naming the choices."""
+    hq, g = layout.heads_per_device, layout.group
+    size = head_chunk or hq
+    if hq % size or (size % g and g % size):
+        valid = [d for d in range(1, hq + 1) if hq % d == 0 and (d % g == 0 or g % d == 0)]
+        raise ValueError(
+            f"{flag} ({head_chunk}) must divide the {hq} query heads each device computes ({layout.num_heads} heads, "
+            f"{layout.num_kv_heads} KV heads over sp={layout.sp}) and be a multiple or a divisor of the {g} query "
+            f"heads per KV head there; choose one of {', '.join(map(str, valid))}, or 0 for one group")
+    return HeadGroups(layout, size)
+
+
+def group_weights(w: dict, groups: HeadGroups, t) -> dict:
+    """The weights of group ``t`` (traced or int): each head axis (``PARAMS``'s ``heads`` / ``kv_heads``) in the
+    group's exchange slot order, dummy heads zero; other entries unchanged. Linear in ``w``."""
+    tables = {"heads": groups.q_heads(), "kv_heads": groups.kv_heads()}
+    out = dict(w)
+    for name, value in w.items():
+        axes = PARAMS[name][0]
+        head_axis = next((a for a in ("heads", "kv_heads") if a in axes), None)
+        if head_axis is None:
+            continue
+        table, axis = tables[head_axis], axes.index(head_axis)
+        if table.shape[0] == 1 and np.array_equal(table[0], np.arange(value.shape[axis])):
+            continue  # one group, heads in their own order: nothing to cut
+        idx = jnp.asarray(table)[t]
+        cut = jnp.take(value, jnp.maximum(idx, 0), axis=axis)
+        if table.min() < 0:
+            shape = [1] * cut.ndim
+            shape[axis] = -1
+            cut = cut * (idx >= 0).astype(cut.dtype).reshape(shape)
+        out[name] = cut
+    return out
+
+
+def _over_groups(count: int, body, carry):
+    """``body(t, carry)`` for ``t = 0 .. count-1``: a loop, or one direct call for one group."""
+    return body(0, carry) if count == 1 else jax.lax.fori_loop(0, count, body, carry)
 
 
 # ----------------------------------------------------------------------------------------------
 # One chunk: what goes into the exchange, what comes out of it
 
 
-def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, layout: HeadLayout):
-    """``x [b, c, D] -> (q [b, c, sp * hq, H], k, v [b, c, sp * k_loc, H])``: normed, projected, rotated, in the head
-    layout's slots (the operands of the all-to-alls)."""
+def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig):
+    """``x [b, c, D] -> (q [b, c, sp * size, H], k, v [b, c, sp * kv, H])``: normed, projected by a group's weights
+    (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated."""
     from ulysses_jax.model import apply_rope, rms_norm, rope_frequencies  # model imports this module
 
     xn = rms_norm(x_bcD, w["norm"], cfg.rms_eps)
@@ -85,17 +182,16 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, layout: HeadLayou
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
     inv_freq = rope_frequencies(cfg)
-    q, k = apply_rope(q, pos_bc, inv_freq), apply_rope(k, pos_bc, inv_freq)
-    return layout.gather_q(q), layout.gather_kv(k), layout.gather_kv(v)
+    return apply_rope(q, pos_bc, inv_freq), apply_rope(k, pos_bc, inv_freq), v
 
 
-def output_chunk(o_bcXH, w: dict, *, layout: HeadLayout):
+def output_chunk(o_bcXH, wo, *, layout: HeadLayout):
     """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: the output projection."""
-    return jnp.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), w["wo"])
+    return jnp.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), wo)
 
 
 # ----------------------------------------------------------------------------------------------
-# The two tiled exchanges, each with its own backward
+# Loops over a device's chunks (inside shard_map; axis SP)
 
 
 def _row_major(buf):
@@ -104,95 +200,195 @@ def _row_major(buf):
     return with_layout_constraint(buf, Layout(major_to_minor=tuple(range(buf.ndim))))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def exchange_in(project, layout: HeadLayout, n: int, axis_name: str, x, pos, w):
-    """``x [b, s, D]`` (local) -> ``q [b, S, hq, H], k, v [b, S, k_loc, H]``: ``project`` and the sequence -> heads
+def _exchanged(t, i):
+    """Chunk ``i`` of a whole-sequence buffer ``t [b, sp, n, c, heads, H]`` as the all-to-all's ``[b, sp*c, ...]``."""
+    part = jax.lax.dynamic_index_in_dim(t, i, axis=2, keepdims=False)
+    return part.reshape(part.shape[0], -1, *part.shape[3:])
+
+
+def _land(buf, part, i):
+    """``buf [b, sp, n, c, heads, H]`` with the all-to-all's result ``part [b, sp*c, heads, H]`` as chunk ``i``."""
+    b, sp, _, c = buf.shape[:4]
+    return _row_major(jax.lax.dynamic_update_slice_in_dim(buf, part.reshape(b, sp, 1, c, *part.shape[2:]), i, axis=2))
+
+
+def _whole(buf):
+    """``[b, sp, n, c, heads, H] -> [b, S, heads, H]`` (the natural token order)."""
+    return buf.reshape(buf.shape[0], -1, *buf.shape[4:])
+
+
+def _buffer(b, sp, n, c, like, anchor):
+    return _row_major(fresh((b, sp, n, c, like.shape[2] // sp, like.shape[3]), like.dtype, anchor))
+
+
+def fill_in(project, n: int, sp: int, x, pos, w):
+    """``x [b, s, D]`` -> ``q [b, S, size, H], k, v [b, S, kv, H]``: ``project`` and the sequence -> heads
     all-to-alls chunk by chunk, written into whole-sequence buffers."""
     b, s, _ = x.shape
-    c, sp = s // n, layout.sp
+    c = s // n
     shapes = jax.eval_shape(project, chunk(x, 0, c), chunk(pos, 0, c), w)
-    bufs = tuple(_row_major(fresh((b, sp, n, c, t.shape[2] // sp, t.shape[3]), t.dtype, x)) for t in shapes)
+    bufs = tuple(_buffer(b, sp, n, c, t, x) for t in shapes)
 
     def body(i, bufs):
-        parts = (seq_to_heads(t, axis_name) for t in project(chunk(x, i, c), chunk(pos, i, c), w))
-        return tuple(_row_major(jax.lax.dynamic_update_slice_in_dim(buf, p.reshape(b, sp, 1, c, *p.shape[2:]), i,
-                                                                    axis=2))
-                     for buf, p in zip(bufs, parts))
+        parts = project(chunk(x, i, c), chunk(pos, i, c), w)
+        return tuple(_land(buf, seq_to_heads(p, SP), i) for buf, p in zip(bufs, parts))
 
-    bufs = jax.lax.fori_loop(0, n, body, bufs)
-    return tuple(buf.reshape(b, sp * n * c, *buf.shape[4:]) for buf in bufs)
+    return tuple(_whole(buf) for buf in jax.lax.fori_loop(0, n, body, bufs))
 
 
-def _exchange_in_fwd(project, layout, n, axis_name, x, pos, w):
-    return exchange_in(project, layout, n, axis_name, x, pos, w), (x, pos, w)
-
-
-def _exchange_in_bwd(project, layout, n, axis_name, res, cts):
-    x, pos, w = res
+def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
+    """The backward of ``fill_in``: per chunk, the gradients ``cts`` (``[b, S, heads, H]`` each) sent back and
+    through ``project``'s backward; returns ``dx`` plus the input's gradient, and ``w``'s gradient in float32."""
     b, s, _ = x.shape
-    c, sp = s // n, layout.sp
+    c = s // n
     cts = [ct.reshape(b, sp, n, c, *ct.shape[2:]) for ct in cts]
 
     def body(i, carry):
         dx, acc = carry
-        ct = tuple(heads_to_seq(jax.lax.dynamic_index_in_dim(t, i, axis=2, keepdims=False).reshape(b, sp * c,
-                                                                                                   *t.shape[4:]),
-                                axis_name) for t in cts)  # q [b, c, sp*hq, H], k, v [b, c, sp*k_loc, H]
+        ct = tuple(heads_to_seq(_exchanged(t, i), SP) for t in cts)  # [b, c, sp * heads, H] each
         _, vjp = jax.vjp(lambda xc, w: project(xc, chunk(pos, i, c), w), chunk(x, i, c), w)
         dxc, dw = vjp(ct)
-        return put(dx, dxc, i, c), sum_f32(acc, dw)
+        return put(dx, chunk(dx, i, c) + dxc, i, c), sum_f32(acc, dw)
 
-    dx, dw = jax.lax.fori_loop(0, n, body, (fresh(x.shape, x.dtype, cts[0]), zeros_f32(w)))
-    return dx, None, cast_like(dw, w)
-
-
-exchange_in.defvjp(_exchange_in_fwd, _exchange_in_bwd)
+    return jax.lax.fori_loop(0, n, body, (dx, zeros_f32(w)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def exchange_out(out_proj, layout: HeadLayout, n: int, axis_name: str, o, x, w):
+def fill_out(out_proj, n: int, sp: int, o, x, wo):
     """``x + out_proj(heads -> sequence all-to-all of o)``, chunk by chunk: ``o [b, S, hq, H]`` (whole sequence,
     local heads), ``x [b, s, D]`` (local tokens, the residual) -> ``[b, s, D]``."""
     b, s, _ = x.shape
-    c, sp = s // n, layout.sp
+    c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, y):
-        oi = jax.lax.dynamic_index_in_dim(o6, i, axis=2, keepdims=False).reshape(b, sp * c, *o.shape[2:])
-        return put(y, chunk(x, i, c) + out_proj(heads_to_seq(oi, axis_name), w).astype(x.dtype), i, c)
+        return put(y, chunk(x, i, c) + out_proj(heads_to_seq(_exchanged(o6, i), SP), wo).astype(x.dtype), i, c)
 
     return jax.lax.fori_loop(0, n, body, fresh(x.shape, x.dtype, o))
 
 
-def _exchange_out_fwd(out_proj, layout, n, axis_name, o, x, w):
-    return exchange_out(out_proj, layout, n, axis_name, o, x, w), (o, w)
-
-
-def _exchange_out_bwd(out_proj, layout, n, axis_name, res, ct):
-    o, w = res
+def grad_out(n: int, sp: int, o, ct, wo):
+    """The backward of a group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's output),
+    ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order)
+    -> ``(do [b, S, size, H], dwo)``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and ``wo``'s
+    gradient (float32) from the chunk's exchange of ``o``, recomputed."""
     b, s, _ = ct.shape
-    c, sp = s // n, layout.sp
-    tail = o.shape[2:]
-    o6 = o.reshape(b, sp, n, c, *tail)
+    c = s // n
+    o6 = o.reshape(b, sp, n, c, *o.shape[2:])
+    like = jax.ShapeDtypeStruct((b, c, *wo.shape[:2]), wo.dtype)
 
     def body(i, carry):
-        do, acc = carry
-        oi = heads_to_seq(jax.lax.dynamic_index_in_dim(o6, i, axis=2, keepdims=False).reshape(b, sp * c, *tail),
-                          axis_name)  # the forward's exchanged chunk, recomputed
-        _, vjp = jax.vjp(out_proj, oi, w)
-        doi, dw = vjp(chunk(ct, i, c).astype(oi.dtype))
-        doi = seq_to_heads(doi, axis_name).reshape(b, sp, 1, c, *tail)
-        return _row_major(jax.lax.dynamic_update_slice_in_dim(do, doi, i, axis=2)), sum_f32(acc, dw)
+        buf, acc = carry
+        ct_i = chunk(ct, i, c).astype(wo.dtype)
+        do = seq_to_heads(jnp.einsum("bsd,nhd->bsnh", ct_i, wo), SP)
+        dwo = jnp.einsum("bsnh,bsd->nhd", heads_to_seq(_exchanged(o6, i), SP), ct_i, preferred_element_type=_F32)
+        return _land(buf, do, i), acc + dwo
 
-    do, dw = jax.lax.fori_loop(0, n, body, (_row_major(fresh(o6.shape, o.dtype, ct)), zeros_f32(w)))
-    return do.reshape(o.shape), ct, cast_like(dw, w)
-
-
-exchange_out.defvjp(_exchange_out_fwd, _exchange_out_bwd)
+    buf, dwo = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32)))
+    return _whole(buf), dwo
 
 
 # ----------------------------------------------------------------------------------------------
-# The sublayer
+# The sublayer: forward with its residuals, and its backward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything static about one call (hashable: the custom_vjp's nondiff argument)."""
+
+    cfg: ModelConfig
+    groups: HeadGroups
+    n: int  # chunks per device
+    impl: str  # resolved: xla, blockwise, pallas or cudnn
+    platform: str
+    recompute: bool  # keep no output for the backward: each group's kernel forward runs again there
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+    @property
+    def sp(self) -> int:
+        return self.groups.layout.sp
+
+    def project(self, x, pos, w):
+        return project_chunk(x, pos, w, cfg=self.cfg)
+
+    def out_proj(self, o, wo):
+        return output_chunk(o, wo, layout=self.groups.layout)
+
+    def kernel_forward(self, q, k, v, seg):
+        """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
+        if self.impl == "cudnn":
+            return attention(q, k, v, causal=True, scale=self.scale, impl="cudnn", platform=self.platform), None
+        pos = jnp.arange(q.shape[1], dtype=jnp.int32)  # token indices: only the xla kernel reads them
+        o, lse = ring_kernel(self.impl, self.platform, float32=False).forward(
+            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale)
+        return o.astype(q.dtype), lse
+
+    def kernel_backward(self, q, k, v, seg, o, lse, do):
+        if self.impl == "cudnn":  # no log-sum-exp to start from: its forward again
+            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, scale=self.scale, impl="cudnn",
+                                                       platform=self.platform), q, k, v)
+            return vjp(do)
+        pos = jnp.arange(q.shape[1], dtype=jnp.int32)
+        delta = jnp.einsum("bshd,bshd->bhs", o.astype(_F32), do.astype(_F32))
+        grads = ring_kernel(self.impl, self.platform, float32=False).backward(
+            q, k, v, pos, pos, seg, seg, do, lse, delta, causal=True, scale=self.scale)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sublayer(spec: _Spec, x, pos, seg, w):
+    return _sublayer_fwd(spec, x, pos, seg, w)[0]
+
+
+def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
+    groups, sp, n = spec.groups, spec.sp, spec.n
+    b, s, _ = x.shape
+    o = _row_major(fresh((b, sp * s, groups.layout.heads_per_device, spec.cfg.head_dim), w["wo"].dtype, x))
+    keep_lse = spec.impl != "cudnn" and not spec.recompute
+    lse = fresh((groups.count, b, groups.size, sp * s), _F32, x) if keep_lse else None
+
+    def group(t, carry):
+        o, lse = carry
+        q, k, v = fill_in(spec.project, n, sp, x, pos, group_weights(w, groups, t))
+        o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+        o = _row_major(jax.lax.dynamic_update_slice_in_dim(o, o_t.astype(o.dtype), t * groups.size, axis=2))
+        return o, lse if lse is None else jax.lax.dynamic_update_slice_in_dim(lse, lse_t[None], t, axis=0)
+
+    o, lse = _over_groups(groups.count, group, (o, lse))
+    return fill_out(spec.out_proj, n, sp, o, x, w["wo"]), (x, pos, seg, w, None if spec.recompute else o, lse)
+
+
+def _sublayer_bwd(spec: _Spec, res, ct):
+    x, pos, seg, w, o, lse = res
+    groups, sp, n = spec.groups, spec.sp, spec.n
+    w32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _F32), w)
+
+    def group(t, carry):
+        dx, dw = carry
+        wg = group_weights(w, groups, t)
+        q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+        if o is None:  # recompute: this group's output and log-sum-exp again
+            o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+        else:
+            o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
+            lse_t = None if lse is None else lse[t]
+        do, dwo = grad_out(n, sp, o_t, ct, wg["wo"])
+        grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do)
+        dx, dwg = grad_in(spec.project, n, sp, x, pos, {k: v for k, v in wg.items() if k != "wo"}, grads, dx)
+        (dw_t,) = jax.linear_transpose(lambda w: group_weights(w, groups, t), w32)({**dwg, "wo": dwo})
+        return dx, sum_f32(dw, dw_t)
+
+    dx, dw = _over_groups(groups.count, group, (ct, zeros_f32(w)))
+    return dx, None, None, cast_like(dw, w)
+
+
+_sublayer.defvjp(_sublayer_fwd, _sublayer_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sublayer on global arrays
 
 
 def check_tiled_attention(chunk: int, mesh: Mesh, local_seq: int, flag: str = "attn_chunk") -> int:
@@ -204,38 +400,32 @@ def check_tiled_attention(chunk: int, mesh: Mesh, local_seq: int, flag: str = "a
 
 
 def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: ModelConfig, mesh: Mesh,
-                    chunk: int) -> jax.Array:
+                    chunk: int, head_chunk: int = 0, recompute: bool = False) -> jax.Array:
     """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
-    the module doc. ``params``: the layer's attention parameters by the names of ``PARAMS`` (``"norm"`` is the
-    pre-attention RMSNorm's scale; absent optional ones are left out), in the compute dtype (the norm scales in
-    float32) and at-rest layout."""
+    the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
+    device per group (0: one group); ``recompute``: keep no output for the backward (module doc). ``params``: the layer's attention parameters by the names of ``PARAMS``
+    (``"norm"`` is the pre-attention RMSNorm's scale; absent optional ones are left out), in the compute dtype
+    (the norm scales in float32) and at-rest layout."""
     sp = mesh.shape[SP]
-    check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
+    n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
-    dt = cfg.compute_jnp_dtype
-    impl = resolve_impl(cfg.attention_impl, dtype=dt, head_dim=cfg.head_dim,
+    impl = resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim,
                         has_segment_ids=segment_ids_BS is not None, platform=platform)
-    layout = plan_heads(cfg.num_heads, cfg.num_kv_heads, sp)
+    groups = head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), head_chunk)
+    spec = _Spec(cfg, groups, n, impl, platform, recompute)
     over_data = cfg.shard_params_over_data
     names = sorted(params)
     w_specs = [param_spec(PARAMS[k][0], over_data=over_data) for k in names]
     act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
-    project = functools.partial(project_chunk, cfg=cfg, layout=layout)
-    out_proj = functools.partial(output_chunk, layout=layout)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def local(x, pos, seg, *ws):
         w = {}
         for k, v in zip(names, ws):
             axis = PARAMS[k][1]
             w[k] = v if axis is None else jax.lax.all_gather(v, fsdp_axes(over_data), axis=axis, tiled=True)
-        n = x.shape[1] // chunk
-        w_in = {k: v for k, v in w.items() if k != "wo"}
-        q, k, v = exchange_in(project, layout, n, SP, x, pos, w_in)
         if seg is not None:
             seg = jax.lax.all_gather(seg, SP, axis=1, tiled=True)  # [b, S]
-        o = attention(q, k, v, causal=True, segment_ids=seg, scale=scale, impl=impl, platform=platform)
-        return exchange_out(out_proj, layout, n, SP, o, x, {"wo": w["wo"]})
+        return _sublayer(spec, x, pos, seg, w)
 
     has_seg = segment_ids_BS is not None
     args = [x_BSD, positions_BS, *([segment_ids_BS] if has_seg else []), *(params[k] for k in names)]

@@ -61,6 +61,12 @@ class TrainConfig:
     attn_chunk: int | None = None
     """tiled attention sublayer: norm, projections and the all-to-alls per chunk of this many tokens of each device's
     sequence (0: off; None: the preset's); needs --mesh.ring 1"""
+    attn_head_chunk: int | None = None
+    """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
+    K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    attn_recompute: bool = False
+    """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
+    again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
     param_dtype: Literal["float32", "bfloat16"] | None = None
     """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
     is updated with the optimizer state (in host memory with --optim.offload)"""
@@ -119,8 +125,16 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
     the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
     compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                   attn_chunk=cfg.attn_chunk, param_dtype=cfg.param_dtype, remat_every=cfg.remat_every,
+                   attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                   attn_recompute=cfg.attn_recompute or None, param_dtype=cfg.param_dtype,
+                   remat_every=cfg.remat_every,
                    offload_params=cfg.offload_params or None)
+    if cfg.attn_head_chunk and not cfg.attn_chunk:
+        raise ValueError(f"--attn-head-chunk ({cfg.attn_head_chunk}) groups the heads of the tiled attention "
+                         f"sublayer; add --attn-chunk (tokens per chunk of each device's sequence, e.g. 4096)")
+    if cfg.attn_recompute and not cfg.attn_chunk:
+        raise ValueError("--attn-recompute recomputes the output of the tiled attention sublayer; add --attn-chunk "
+                         "(tokens per chunk of each device's sequence, e.g. 4096)")
     if cfg.init_from_hf is None:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
@@ -135,6 +149,8 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
 def model_config_from_run(record: dict, **compute) -> ModelConfig:
     """The run's model, with its compute settings unless ``compute`` (attention_impl, remat, ...) gives others."""
     fields = {**record["model"], **record.get("compute", {}), **{k: v for k, v in compute.items() if v is not None}}
+    if compute.get("attn_chunk") == 0:  # the tiled attention switched off: its head groups and recompute with it
+        fields.update({k: v for k, v in (("attn_head_chunk", 0), ("attn_recompute", False)) if compute.get(k) is None})
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     try:
@@ -286,7 +302,8 @@ def setup_train(cfg: TrainConfig) -> Run:
         # the run's model is its record's (config.json is not read again); a changed folder is refused below
         model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
                                       remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                                      attn_chunk=cfg.attn_chunk)
+                                      attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                                      attn_recompute=cfg.attn_recompute or None)
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
         if summary.vocab_size > model.vocab_size:
             raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "

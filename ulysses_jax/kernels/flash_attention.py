@@ -505,8 +505,9 @@ def _backward_dq(q, k, v, seg, do, lse, delta, cfg: _Config):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, segment_ids: bool) -> _Config:
-    """The kernels' config for a ring pair: equal query and KV lengths, float32 outputs."""
+def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, segment_ids: bool,
+                 float32: bool = True) -> _Config:
+    """The kernels' config for a ring pair: equal query and KV lengths, float32 outputs unless ``float32=False``."""
     b, s, h, d = q.shape
     if k.shape[1] != s:
         raise ValueError(f"a ring pair needs equal query and KV block lengths; got {q.shape=}, {k.shape=}")
@@ -517,7 +518,7 @@ def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, se
     if not interpret:
         _check_shared_memory(blocks, d, q.dtype, segment_ids)
     return _Config(causal=bool(causal), scale=float(scale), seq_len=s, padded_len=pl.cdiv(s, multiple) * multiple,
-                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=True)
+                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=bool(float32))
 
 
 def _pair_pad(cfg: _Config, head_dim: int):
@@ -534,13 +535,15 @@ def _pair_pad(cfg: _Config, head_dim: int):
     return pad, pad_ids
 
 
-def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None):
-    """One ring pair: ``o [b, s, H, D]`` float32, normalised (0 for a row that sees no key), and ``lse [b, H, s]``
-    float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and key positions coincide
-    (``ring.py`` asks for it only then), so the positions themselves are not read."""
+def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None,
+                 float32: bool = True):
+    """One ring pair: ``o [b, s, H, D]`` float32 (``float32=False``: in q's dtype), normalised (0 for a row that sees
+    no key), and ``lse [b, H, s]`` float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and
+    key positions coincide (``ring.py`` asks for it only then), so the positions themselves are not read."""
     del q_pos, k_pos
     b, s, h, d = q.shape
-    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None)
+    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
+                       float32=float32)
     pad, pad_ids = _pair_pad(cfg, d)
     seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
     o, lse2 = _forward(pad(q), pad(k), pad(v), seg, cfg)
@@ -549,12 +552,14 @@ def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: fl
 
 
 def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float,
-                  interpret: bool | None = None):
+                  interpret: bool | None = None, float32: bool = True):
     """Gradients of one ring pair given the *global* ``lse`` (natural log, ``-inf`` for a row that sees no key
-    anywhere) and ``delta = rowsum(dO * O)``, both ``[b, H, s]`` float32: float32 ``dq``, ``dk``, ``dv``."""
+    anywhere) and ``delta = rowsum(dO * O)``, both ``[b, H, s]`` float32: float32 ``dq``, ``dk``, ``dv``
+    (``float32=False``: in the inputs' dtypes)."""
     del q_pos, k_pos
     b, s, h, d = q.shape
-    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None)
+    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
+                       float32=float32)
     pad, pad_ids = _pair_pad(cfg, d)
     seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
     rows = ((0, 0), (0, 0), (0, cfg.padded_len - s))
