@@ -38,12 +38,16 @@ class Row:
     optim_offload: bool = False  # bfloat16 parameters; float32 master weights and AdamW state in pinned host memory
     remat_every: int = 1  # keep the input of every k-th layer only (ModelConfig.remat_every)
     attn_chunk: int = 0  # the tiled attention sublayer (ModelConfig.attn_chunk)
+    attn_head_chunk: int = 0  # its query heads per group on each device (ModelConfig.attn_head_chunk)
+    attn_recompute: bool = False  # no attention output kept for the backward (ModelConfig.attn_recompute)
 
     @property
     def key(self) -> str:
         every = f"/every{self.remat_every}" if self.remat_every > 1 else ""
         return (f"{self.preset}/{self.devices}/{self.remat}{every}" + ("+optim-offload" if self.optim_offload else "")
-                + (f"+attn-chunk{self.attn_chunk}" if self.attn_chunk else ""))
+                + (f"+attn-chunk{self.attn_chunk}" if self.attn_chunk else "")
+                + (f"+heads{self.attn_head_chunk}" if self.attn_head_chunk else "")
+                + ("+recompute" if self.attn_recompute else ""))
 
 
 ROWS = [
@@ -66,6 +70,16 @@ ROWS = [
     Row("llama3.1-8b", 1, "offload", 524_288, optim_offload=True, attn_chunk=4096),
     Row("llama3.1-8b", 8, "offload", 6_291_456, attn_chunk=4096),
     Row("llama3.2-1b", 8, "offload", 16_777_216, optim_offload=True, attn_chunk=4096),
+    # ... in head groups (heads per group on each device; Llama-3.1-8B has 32 on one GPU, 4 on each of 8)
+    Row("llama3.1-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=4),
+    Row("llama3.1-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("llama3.1-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=4,
+        attn_recompute=True),
+    Row("llama3.1-8b", 8, "offload", 8_388_608, optim_offload=True, attn_chunk=4096, attn_head_chunk=1,
+        remat_every=2),  # host < 237 GiB per GPU
+    Row("llama3.1-8b", 8, "offload", 8_388_608, optim_offload=True, attn_chunk=4096, attn_head_chunk=1,
+        remat_every=2, attn_recompute=True),
+    Row("llama3.1-8b", 8, "offload", 9_142_272, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
 ]
 
 
@@ -73,8 +87,8 @@ def config(row: Row, seq_len: int) -> PlanConfig:
     sp = row.sp or min(row.devices, 8)
     return PlanConfig(
         preset=row.preset, seq_len=seq_len, batch_size=1, mesh=MeshConfig(fsdp=-1, sp=sp), attention="pallas",
-        remat=row.remat, loss_chunk=4096, mlp_chunk=4096, attn_chunk=row.attn_chunk, target="h100", devices=row.devices,
-        hosts=row.hosts,
+        remat=row.remat, loss_chunk=4096, mlp_chunk=4096, attn_chunk=row.attn_chunk, attn_head_chunk=row.attn_head_chunk,
+        attn_recompute=row.attn_recompute, target="h100", devices=row.devices, hosts=row.hosts,
         kernels=False, param_dtype="bfloat16" if row.optim_offload else None, remat_every=row.remat_every,
         optim=OptimConfig(master_weights=row.optim_offload, offload=row.optim_offload),
     )
@@ -92,7 +106,9 @@ def max_context(row: Row) -> dict:
     return {
         "model": row.preset, "H100s": row.devices, "mesh": " x ".join(f"{k}={v}" for k, v in p.mesh.items() if v > 1)
         or "1 device", "remat": row.remat + (f", every {row.remat_every}" if row.remat_every > 1 else ""),
-        "attention": f"tiled, {row.attn_chunk}" if row.attn_chunk else "whole",
+        "attention": (f"tiled, {row.attn_chunk}" + (f", {row.attn_head_chunk} heads per group" if row.attn_head_chunk
+                                                    else "") + (", recompute" if row.attn_recompute else "")
+                      if row.attn_chunk else "whole"),
         "optimizer": "host (bf16 params, f32 master)" if row.optim_offload
         else "device (f32 params)", "longest context": f"{p.max_seq_len:,}",
         "total GiB": gib(m["total_bytes"]), "params GiB": gib(b["parameters"]), "optimizer GiB": gib(b["optimizer"]),

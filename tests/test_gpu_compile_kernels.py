@@ -86,11 +86,13 @@ def test_bf16_kernels_compile_without_spills(h100, tmp_path, d, segments, causal
         assert k.warps == fa._launch(blocks, fa.KERNELS.index(kernel), d)[0]
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["diag", "full"])
-def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal):
+@pytest.mark.parametrize("causal,float32", [(True, True), (False, True), (True, False)],
+                         ids=["diag", "full", "diag-bf16-out"])
+def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal, float32):
     """The ring's variant (``pair_forward`` / ``pair_backward``: float32 outputs, separate query and key segment
     ids, the log-sum-exp given): Llama-3.1-8B's per-device ring pair at ring=4 x sp=8 (4 query heads, 1 KV head,
-    head_dim 128, bfloat16), still without spills."""
+    head_dim 128, bfloat16), still without spills; with ``float32=False`` (the tiled attention's head groups) the
+    outputs are bfloat16."""
     from ulysses_jax.targets.kernels import dump_options, kernels
 
     s, h, hkv, d = 8192, 4, 1, 128
@@ -99,9 +101,10 @@ def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal):
 
     def both(q, k, v, seg, lse, delta):
         pos = jnp.arange(s)
-        o, l = fa.pair_forward(q, k, v, pos, pos, seg, seg + 1, causal=causal, scale=0.1, interpret=False)
+        o, l = fa.pair_forward(q, k, v, pos, pos, seg, seg + 1, causal=causal, scale=0.1, interpret=False,
+                               float32=float32)
         grads = fa.pair_backward(q, k, v, pos, pos, seg, seg + 1, o.astype(q.dtype), lse, delta, causal=causal,
-                                 scale=0.1, interpret=False)
+                                 scale=0.1, interpret=False, float32=float32)
         return o, l, grads
 
     with jax.default_device(h100):
@@ -113,8 +116,9 @@ def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal):
     for k in found.values():
         assert k.registers is not None and (k.spill_store_bytes, k.spill_load_bytes) == (0, 0), _report(found)
         assert k.shared_memory_bytes <= SHARED_MEMORY_PER_BLOCK, _report(found)
-    # the outputs are float32 (o, dq, dk, dv): what the ring merges and accumulates
-    assert all(x.dtype == jnp.float32 for x in [lowered.out_info[0], *lowered.out_info[2]])
+    # the outputs are float32 (o, dq, dk, dv): what the ring merges and accumulates; else the inputs' dtype
+    want = jnp.float32 if float32 else jnp.bfloat16
+    assert all(x.dtype == want for x in [lowered.out_info[0], *lowered.out_info[2]])
 
 
 def test_spill_check_sees_spills(h100, tmp_path):

@@ -260,28 +260,35 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
 
     def fake_search(cfg, log=print):  # host memory grows with offload, context with every tool
         searched.append(cfg)
-        n = {("full", None, None): 1, ("full", 2, None): 2, ("offload", None, None): 4, ("offload", 2, None): 3,
-             ("offload", None, 4096): 5}[cfg.remat, cfg.remat_every, cfg.attn_chunk]
+        n = {("full", None, None): 2, ("full", 2, None): 4, ("offload", None, None): 8, ("offload", 2, None): 6,
+             ("offload", None, 4096): 10, ("offload", 2, 4096): 7}[cfg.remat, cfg.remat_every, cfg.attn_chunk]
         host = {"full": 0, None: 100, 2: 50}[cfg.remat if cfg.remat == "full" else cfg.remat_every] * 2**30
         host += 20 * 2**30 * bool(cfg.attn_chunk)
-        return types.SimpleNamespace(max_seq_len=n * 1024, memory={"host_bytes": host}, memory_flags=None)
+        assert cfg.attn_head_chunk == (1 if cfg.attn_chunk else None)
+        return types.SimpleNamespace(max_seq_len=n * 512, memory={"host_bytes": host}, memory_flags=None)
 
     monkeypatch.setattr(plan_module, "find_max_seq_len", fake_search)
     cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False)
     best = plan_module.auto_memory(cfg, log=lambda *_: None)
-    assert len(searched) == 5 and {c.memory for c in searched} == {"manual"}
+    assert len(searched) == 6 and {c.memory for c in searched} == {"manual"}
     assert all(c.optim.offload and c.optim.master_weights and c.param_dtype == "bfloat16"
                for c in searched if c.remat == "offload")
     assert best.max_seq_len == 5120 and best.memory_flags == (
-        "--remat offload --param-dtype bfloat16 --optim.master-weights --optim.offload --attn-chunk 4096")
+        "--remat offload --param-dtype bfloat16 --optim.master-weights --optim.offload --attn-chunk 4096 "
+        "--attn-head-chunk 1")
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=110), log=lambda *_: None
                                    ).memory_flags == ("--remat offload --param-dtype bfloat16 --optim.master-weights "
                                                       "--optim.offload")
+    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=75), log=lambda *_: None
+                                   ).memory_flags == ("--remat offload --remat-every 2 --param-dtype bfloat16 "
+                                                      "--optim.master-weights --optim.offload --attn-chunk 4096 "
+                                                      "--attn-head-chunk 1")
     searched.clear()  # with a ring, no tiled attention
     plan_module.auto_memory(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ring=2)), log=lambda *_: None)
     assert len(searched) == 4 and not any(c.attn_chunk for c in searched)
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=60), log=lambda *_: None
-                                   ).memory_flags.startswith("--remat offload --remat-every 2")
+                                   ).memory_flags == ("--remat offload --remat-every 2 --param-dtype bfloat16 "
+                                                      "--optim.master-weights --optim.offload")
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=0), log=lambda *_: None
                                    ).memory_flags == "--remat full --remat-every 2"
     r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto")
@@ -297,3 +304,57 @@ def test_offload_params_is_refused_by_plan_with_the_reason():
                      optim=OptimConfig(offload=True), kernels=False)
     with pytest.raises(ValueError, match=r"plan cannot compile --offload-params for compile-only GPUs yet"):
         plan(cfg)
+
+
+def _step_memory(cfg: ModelConfig, *, seq: int, optim=None, dump=None):
+    """XLA's memory figures of ``cfg``'s train step (batch 1) on one compile-only H100."""
+    from ulysses_jax.step import BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer
+    from ulysses_jax.step import make_schedule, make_train_step
+
+    optim = optim or OptimConfig()
+    mesh = make_mesh(fsdp=1, devices=target_devices("h100", devices=1))
+    tx = make_optimizer(optim, 10)
+    graphdef, state = abstract_state(cfg, mesh, tx)
+    step = make_train_step(graphdef, tx, make_schedule(optim, 10), mesh, jax.tree.map(lambda x: x.sharding, state))
+    batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+    compiled = step.trace(state, batch).lower().compile(compiler_options=None if dump is None else dump_options(dump))
+    return compiled.memory_analysis(), (graphdef, state, batch)
+
+
+WIDE = dict(name="wide", vocab_size=256, num_layers=4, hidden=1024, num_heads=8, num_kv_heads=2, head_dim=128,
+            mlp_dim=4096, param_dtype="bfloat16", compute_dtype="bfloat16", attention_impl="pallas", loss_chunk=1024,
+            mlp_chunk=1024)
+
+
+def test_streamed_update_writes_the_layers_parameters_in_place():
+    """--optim.offload: the update's new layer parameters go into the donated stacks, not into new zeros buffers (XLA
+    created those with the gradients' before the backward and held them through it: 15 GiB on one H100 for
+    Llama-3.1-8B). The step's temporaries are then those of the gradient alone plus one layer's float32 state in
+    and out (6 x 4 bytes per parameter of a layer: 12/32 of the bf16 stack of 32 layers), not one stack more."""
+    from ulysses_jax.step import OptimConfig, _loss_sums
+
+    cfg = ModelConfig(**{**WIDE, "num_layers": 32, "hidden": 512, "num_heads": 4, "mlp_dim": 2048})
+    mem, (graphdef, state, batch) = _step_memory(cfg, seq=1024, optim=OptimConfig(master_weights=True, offload=True))
+    stacked = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]["blocks"]))
+    grad = jax.jit(jax.grad(lambda p, b: _loss_sums(graphdef, p, b)[0])).trace(state["params"], batch).lower()
+    alone = grad.compile().memory_analysis()
+    assert stacked > 200 * 2**20
+    assert mem.temp_size_in_bytes < alone.temp_size_in_bytes + alone.output_size_in_bytes + 0.6 * stacked, (
+        mem.temp_size_in_bytes, alone.temp_size_in_bytes, alone.output_size_in_bytes, stacked)
+
+
+def test_head_groups_shrink_the_kernels_buffers(tmp_path):
+    """--attn-head-chunk on one H100: the Pallas kernels run on one group's heads ([1, S, h, 128] for h query heads
+    per group; only the output is kept whole, [1, S, 8, 128]), and the device's temporaries shrink as the groups
+    get smaller."""
+    from ulysses_jax.plan import largest_buffers
+
+    seq, temps = 32768, {}
+    for heads in (0, 4, 1):
+        cfg = ModelConfig(**WIDE, remat="full", attn_chunk=4096, attn_head_chunk=heads)
+        dump = tmp_path / str(heads)
+        temps[heads] = _step_memory(cfg, seq=seq, dump=dump)[0].temp_size_in_bytes
+        values = " ".join(shapes for _, shapes in largest_buffers(dump, n=10**6))
+        assert f"bf16[1,{seq},{heads or 8},128]" in values
+    q_bytes = seq * 8 * 128 * 2  # the whole sequence's Q of the device's 8 heads: 64 MiB
+    assert temps[0] > temps[4] > temps[1] and temps[0] - temps[1] > q_bytes, temps

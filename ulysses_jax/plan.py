@@ -58,7 +58,8 @@ class PlanConfig(TrainConfig):
     find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
     memory: Literal["manual", "auto"] = "manual"
     """auto (with --find-max-seq-len): search with each set of memory tools (remat full, every k-th layer, offload
-    with the optimizer in host memory) and keep the longest context whose host memory fits --host-memory-gib"""
+    with the optimizer in host memory, every 2nd layer, the tiled attention in head groups) and keep the longest
+    context whose host memory fits --host-memory-gib"""
     host_memory_gib: float = 237.0  # pinned host memory per GPU that --memory auto may plan for (1.9 TB / 8)
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
@@ -399,8 +400,12 @@ def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
         choices.append((f"--remat offload --remat-every 2 {host_flags}", dict(remat="offload", remat_every=2, **host)))
     if cfg.mesh.ring == 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
         c = cfg.attn_chunk or cfg.mlp_chunk or 4096
-        choices.append((f"--remat offload {host_flags} --attn-chunk {c}",
-                        dict(remat="offload", remat_every=None, attn_chunk=c, **host)))
+        tiled = f"--attn-chunk {c} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
+        choices.append((f"--remat offload {host_flags} {tiled}",
+                        dict(remat="offload", remat_every=None, attn_chunk=c, attn_head_chunk=1, **host)))
+        if num_layers % 2 == 0:
+            choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled}",
+                            dict(remat="offload", remat_every=2, attn_chunk=c, attn_head_chunk=1, **host)))
     return choices
 
 
