@@ -463,6 +463,14 @@ TRAIN_ERRORS = {
                                r"--mesh.ring 2 use --attn-chunk 0"),
     "attn chunk": (["--mesh.sp", "4", "--attn-chunk", "48"],
                    r"--attn-chunk \(48\) must divide the per-device sequence length \(64 = seq / sp\)"),
+    "attn head chunk": (["--mesh.sp", "4", "--attn-chunk", "16", "--attn-head-chunk", "3"],
+                        r"--attn-head-chunk \(3\) must divide the 2 query heads each device computes \(8 heads, 4 KV "
+                        r"heads over sp=4\) and be a multiple or a divisor of the 2 query heads per KV head there; "
+                        r"choose one of 1, 2, or 0 for one group"),
+    "attn head chunk alone": (["--attn-head-chunk", "2"], r"--attn-head-chunk \(2\) groups the heads of the tiled "
+                                                          r"attention sublayer; add --attn-chunk"),
+    "attn recompute alone": (["--attn-recompute"], r"--attn-recompute recomputes the output of the tiled attention "
+                                                   r"sublayer; add --attn-chunk"),
     "ring kernel": (["--mesh.ring", "2", "--mesh.sp", "4", "--attention", "cudnn"],
                     r"--attention cudnn has no ring kernel; with --mesh.ring 2 use --attention xla, blockwise, "
                     r"pallas, auto"),

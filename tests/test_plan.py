@@ -282,7 +282,7 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=75), log=lambda *_: None
                                    ).memory_flags == ("--remat offload --remat-every 2 --param-dtype bfloat16 "
                                                       "--optim.master-weights --optim.offload --attn-chunk 4096 "
-                                                      "--attn-head-chunk 1")
+                                                      "--attn-head-chunk 1 --attn-recompute")
     searched.clear()  # with a ring, no tiled attention
     plan_module.auto_memory(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ring=2)), log=lambda *_: None)
     assert len(searched) == 4 and not any(c.attn_chunk for c in searched)
@@ -291,8 +291,39 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
                                                       "--optim.master-weights --optim.offload")
     assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=0), log=lambda *_: None
                                    ).memory_flags == "--remat full --remat-every 2"
-    r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto")
-    assert r.returncode == 2 and "--memory auto chooses the memory tools" in r.stderr
+
+
+def test_memory_auto_for_a_length_takes_the_cheapest_tools_that_fit(monkeypatch):
+    """--memory auto without --find-max-seq-len: the sets of memory tools in order of cost, the first whose plan fits
+    --seq-len with its host memory within --host-memory-gib; none fitting is one clear error."""
+    import types
+
+    from ulysses_jax import plan as plan_module
+
+    tried = []
+
+    def fake_plan(cfg, detail=True, **_):
+        tried.append(cfg)
+        fits = cfg.remat == "offload" and cfg.remat_every == 2 or bool(cfg.attn_chunk)
+        host = 0 if cfg.remat == "full" else (300 if cfg.remat_every is None else 100) * 2**30
+        return types.SimpleNamespace(fits=fits, memory={"total_bytes": 0, "host_bytes": host}, memory_flags=None)
+
+    monkeypatch.setattr(plan_module, "plan", fake_plan)
+    cfg = PlanConfig(preset="tiny", memory="auto", kernels=False)
+    best = plan_module.auto_fit(cfg, log=lambda *_: None)
+    assert best.memory_flags == "--remat offload --remat-every 2 --param-dtype bfloat16 --optim.master-weights " \
+                                "--optim.offload"
+    assert [c.remat for c in tried] == ["full", "full", "offload", "offload", "offload"]  # the last one planned again
+    assert tried[-1].remat_every == 2 and tried[-1].memory == "manual"
+    with pytest.raises(ValueError, match=r"no set of memory tools fits --seq-len 2048 on these devices within "
+                                         r"--host-memory-gib 50"):
+        plan_module.auto_fit(dataclasses.replace(cfg, host_memory_gib=50), log=lambda *_: None)
+
+
+def test_cli_memory_auto_prints_the_train_flags():
+    r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto", "--seq-len", "8192", "--batch-size", "1")
+    assert r.returncode == 0, r.stderr
+    assert "Memory tools chosen (--memory auto); train with: --remat full --seq-len 8192" in r.stdout
 
 
 def test_offload_params_is_refused_by_plan_with_the_reason():

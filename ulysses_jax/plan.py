@@ -57,9 +57,10 @@ class PlanConfig(TrainConfig):
     budget_fraction: float = 0.9  # share of device memory XLA's buffers may use (the rest: CUDA, NCCL, fragmentation)
     find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
     memory: Literal["manual", "auto"] = "manual"
-    """auto (with --find-max-seq-len): search with each set of memory tools (remat full, every k-th layer, offload
-    with the optimizer in host memory, every 2nd layer, the tiled attention in head groups) and keep the longest
-    context whose host memory fits --host-memory-gib"""
+    """auto: try the sets of memory tools (remat full, every k-th layer, offload with the optimizer in host memory,
+    every 2nd layer, the tiled attention in head groups) in that order of cost and print the train flags: the first
+    that fits --seq-len, or with --find-max-seq-len the one with the longest context; host memory within
+    --host-memory-gib"""
     host_memory_gib: float = 237.0  # pinned host memory per GPU that --memory auto may plan for (1.9 TB / 8)
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
@@ -381,7 +382,8 @@ def format_plan(p: Plan) -> str:
     if p.max_seq_len is not None:
         lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
     if p.memory_flags is not None:
-        lines += [f"Memory tools chosen (--memory auto); train with: {p.memory_flags} --seq-len {p.max_seq_len}"]
+        lines += [f"Memory tools chosen (--memory auto); train with: {p.memory_flags} --seq-len "
+                  f"{p.max_seq_len if p.max_seq_len is not None else p.seq_len}"]
     lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
     return "\n".join(lines)
 
@@ -403,9 +405,10 @@ def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
         tiled = f"--attn-chunk {c} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
         choices.append((f"--remat offload {host_flags} {tiled}",
                         dict(remat="offload", remat_every=None, attn_chunk=c, attn_head_chunk=1, **host)))
-        if num_layers % 2 == 0:
-            choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled}",
-                            dict(remat="offload", remat_every=2, attn_chunk=c, attn_head_chunk=1, **host)))
+        if num_layers % 2 == 0:  # two layers' inputs on the device in a group's backward: no attention output there
+            choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute",
+                            dict(remat="offload", remat_every=2, attn_chunk=c, attn_head_chunk=1, attn_recompute=True,
+                                 **host)))
     return choices
 
 
@@ -431,16 +434,33 @@ def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
     return best
 
 
+def auto_fit(cfg: PlanConfig, *, log=print) -> Plan:
+    """``--memory auto`` without ``--find-max-seq-len``: the first of ``memory_choices`` (cheapest first) that fits
+    ``--seq-len`` with its host memory per GPU within the budget."""
+    if cfg.host_memory_gib < 0:
+        raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
+    for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
+        trial = dataclasses.replace(cfg, memory="manual", **changes)
+        p = plan(trial, detail=False)
+        host_ok = p.memory["host_bytes"] <= cfg.host_memory_gib * GiB
+        log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
+            f"{'fits' if p.fits and host_ok else 'over'}  {flags}")
+        if p.fits and host_ok:
+            best = plan(trial)
+            best.memory_flags = flags
+            return best
+    raise ValueError(f"no set of memory tools fits --seq-len {cfg.seq_len} on these devices within --host-memory-gib "
+                     f"{cfg.host_memory_gib}; plan more devices, or find the longest that fits with --find-max-seq-len")
+
+
 def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
     """What ``ulysses-jax plan`` does: plan (or search), print, and write the JSON if asked."""
     if cfg.json is not None and pathlib.Path(cfg.json).is_dir():
         raise ValueError(f"--json {cfg.json} is a directory; give a file path such as plan.json")
-    if cfg.memory == "auto" and not cfg.find_max_seq_len:
-        raise ValueError("--memory auto chooses the memory tools for the longest context: add --find-max-seq-len")
     if cfg.find_max_seq_len:
         p = auto_memory(cfg, log=log) if cfg.memory == "auto" else find_max_seq_len(cfg, log=log)
     else:
-        p = plan(cfg)
+        p = auto_fit(cfg, log=log) if cfg.memory == "auto" else plan(cfg)
     log(format_plan(p))
     if cfg.json is not None:
         path = pathlib.Path(cfg.json)
