@@ -80,6 +80,14 @@ ROWS = [
     Row("llama3.1-8b", 8, "offload", 8_388_608, optim_offload=True, attn_chunk=4096, attn_head_chunk=1,
         remat_every=2, attn_recompute=True),
     Row("llama3.1-8b", 8, "offload", 9_142_272, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("llama3.1-8b", 1, "offload", 1_286_144, optim_offload=True, attn_chunk=4096, attn_head_chunk=1,
+        attn_recompute=True),
+    Row("llama3.2-1b", 1, "offload", 4_194_304, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("llama3.2-1b", 8, "offload", 25_165_824, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("qwen3-4b", 1, "offload", 1_572_864, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("qwen3-4b", 8, "offload", 12_582_912, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("qwen3-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    Row("qwen3-8b", 8, "offload", 9_437_184, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
 ]
 
 

@@ -71,3 +71,35 @@ def test_gather_roundtrip():
 def test_invalid():
     with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of kv heads \(4\)"):
         plan_heads(6, 4, 2)
+
+
+@pytest.mark.parametrize("h, hkv, p", CASES, ids=[f"H{h}-KV{k}-P{p}" for h, k, p in CASES])
+def test_head_groups_cover_every_slot_as_plain_gqa(h, hkv, p):
+    """Every allowed group size (ModelConfig.attn_head_chunk): the groups' exchange slots are the device's slots,
+    each exactly once, and within a group query slot i reads KV slot i // g, which holds its KV head; any other
+    size is refused naming the allowed ones."""
+    from ulysses_jax.head_layout import head_groups
+
+    lay = plan_heads(h, hkv, p)
+    hq, g = lay.heads_per_device, lay.group
+    allowed = [d for d in range(1, hq + 1) if hq % d == 0 and (d % g == 0 or g % d == 0)]
+    assert 1 in allowed and hq in allowed
+    for size in range(1, hq + 2):
+        if size not in allowed:
+            with pytest.raises(ValueError, match=f"choose one of {', '.join(map(str, allowed))}, or 0 for one group"):
+                head_groups(lay, size)
+            continue
+        groups = head_groups(lay, size)
+        q, kv = groups.q_heads(), groups.kv_heads()
+        assert q.shape == (hq // size, p * size) and kv.shape == (hq // size, p * groups.kv)
+        # device j's part of group t's exchange: slots j*size .. ; together, device j's slots in order
+        per_device = q.reshape(groups.count, p, size).transpose(1, 0, 2).reshape(p, hq)
+        assert per_device.ravel().tolist() == list(lay.q_slots)
+        local_g = min(size, g)  # query heads per KV head inside a group
+        for t in range(groups.count):
+            for j in range(p):
+                for i in range(size):
+                    qh = q[t, j * size + i]
+                    if qh >= 0:
+                        assert kv[t, j * groups.kv + i // local_g] == qh // (h // hkv)
+    assert head_groups(lay, 0).count == 1

@@ -24,6 +24,10 @@ the count does not divide. Every device then computes ``k_loc * g`` query heads 
 
 Dummy heads are zeros and their outputs are dropped, so they change no result and no gradient.
 The gathers below are local copies on the sequence-sharded inputs, before anything is sent.
+
+``HeadGroups`` cuts a device's heads further, into groups that the tiled attention sublayer
+(``tiled_attention.py``, ``ModelConfig.attn_head_chunk``) exchanges and computes one at a time: each group
+keeps the rule's property, plain GQA on the device.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +129,47 @@ def plan_heads(num_heads: int, num_kv_heads: int, sp: int) -> HeadLayout:
     kv_slots += [-1] * pad_slots
     q_slots += [-1] * (pad_slots * g)
     return HeadLayout(h, hkv, p, g, k_loc, tuple(q_slots), tuple(kv_slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGroups:
+    """A device's ``hq`` query heads cut into ``count`` groups of ``size`` for the tiled attention (module doc)."""
+
+    layout: HeadLayout
+    size: int
+
+    @property
+    def count(self) -> int:
+        return self.layout.heads_per_device // self.size
+
+    @property
+    def kv(self) -> int:
+        """KV heads per group on a device."""
+        return max(1, self.size // self.layout.group)
+
+    def q_heads(self) -> np.ndarray:
+        """``[count, sp * size]``: the query head in each slot of a group's exchange (device-major), -1 = dummy."""
+        sp = self.layout.sp
+        slots = np.asarray(self.layout.q_slots).reshape(sp, self.count, self.size)
+        return slots.transpose(1, 0, 2).reshape(self.count, sp * self.size)
+
+    def kv_heads(self) -> np.ndarray:
+        """``[count, sp * kv]``: the KV head in each slot of a group's exchange, -1 = dummy."""
+        sp, k_loc = self.layout.sp, self.layout.kv_per_device
+        slots = np.asarray(self.layout.kv_slots).reshape(sp, k_loc)
+        first = np.arange(self.count) * self.size // self.layout.group  # each group's first local KV head
+        cols = first[:, None] + np.arange(self.kv)[None, :]
+        return slots[:, cols].transpose(1, 0, 2).reshape(self.count, sp * self.kv)
+
+
+def head_groups(layout: HeadLayout, head_chunk: int, flag: str = "attn_head_chunk") -> HeadGroups:
+    """The groups of ``head_chunk`` query heads (0: all of a device's in one); ``ValueError`` naming the choices."""
+    hq, g = layout.heads_per_device, layout.group
+    size = head_chunk or hq
+    if hq % size or (size % g and g % size):
+        valid = [d for d in range(1, hq + 1) if hq % d == 0 and (d % g == 0 or g % d == 0)]
+        raise ValueError(
+            f"{flag} ({head_chunk}) must divide the {hq} query heads each device computes ({layout.num_heads} heads, "
+            f"{layout.num_kv_heads} KV heads over sp={layout.sp}) and be a multiple or a divisor of the {g} query "
+            f"heads per KV head there; choose one of {', '.join(map(str, valid))}, or 0 for one group")
+    return HeadGroups(layout, size)

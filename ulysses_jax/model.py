@@ -34,8 +34,8 @@ layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the
 checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
 ``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's local sequence
 inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
-``attn_chunk`` does the same for the attention sublayer around one whole-sequence kernel call
-(``tiled_attention.py``: the projections and the all-to-alls per chunk).
+``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``:
+the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
 """
 
 from __future__ import annotations

@@ -1,53 +1,44 @@
 """The attention sublayer in sequence tiles around the Ulysses exchange, its heads in groups
-(``ModelConfig.attn_chunk``, ``ModelConfig.attn_head_chunk``).
+(``ModelConfig.attn_chunk``, ``attn_head_chunk``, ``attn_recompute``).
 
 ``x + attention(rms_norm(x))`` for one layer, computed so that no tensor the size of a device's whole
-``[S/sp, heads]`` slice exists twice, and the kernel's whole-sequence operands exist for one group of heads at a
-time. The plain path (``model.Attention`` + ``ulysses_attention``) holds, per device and all at once, the normed
-input, the fused Q/K/V projection before the all-to-all and its head-sliced form after it, and the attention
-output before and after its all-to-all; at the longest contexts those copies are what fills an H100
-(``experiments/results/memory_to_the_limit_h100.md``).
+``[S/sp, heads]`` slice exists twice and the kernel's whole-sequence operands exist for one group of heads at a
+time. The plain path (``model.Attention`` + ``ulysses_attention``) holds at once the normed input, the Q/K/V
+projection before the all-to-all and after it, and the output before and after its all-to-all; at the longest
+contexts those copies are what fills an H100 (``experiments/results/memory_to_the_limit_h100.md``).
 
-Sequence tiles. Each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk`` tokens. Per chunk:
-RMSNorm, the Q/K/V projections (bias, per-head norm, RoPE) and the all-to-alls, whose results go straight into
-their place in whole-sequence buffers ``q [b, S, heads, H]``, ``k, v [b, S, kv, H]``. Q, K and V cross in three
-all-to-alls per chunk (each result lands whole in its buffer; a fused one would be sliced per chunk), and the
-buffers are pinned row-major: left free, XLA gave them the all-to-all's heads-major layout and copied Q, whole,
-into the kernel's layout (seen in the compiled H100 program). Then the kernel runs on them, and per chunk the
-output goes back by its all-to-all, through the output projection, and is added to the residual.
+Sequence tiles. Each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk``. Per chunk: RMSNorm,
+the Q/K/V projections (bias, per-head norm, RoPE) and three all-to-alls, whose results land in whole-sequence
+buffers ``q [b, S, heads, H]``, ``k, v [b, S, kv, H]`` pinned row-major (left free, XLA gave them the all-to-all's
+heads-major layout and copied Q, whole, for the kernel). Chunk ``i`` of every device travels in one all-to-all:
+device ``j``'s part holds global tokens ``j*s + i*c ...``, so viewed as ``[b, sp, n, c, heads, H]`` the buffer takes
+it at index ``i`` of its third axis, and the view is the natural token order (masks and segment ids unchanged).
+After the kernel, per chunk, the output goes back by its all-to-all, through the output projection, onto the
+residual.
 
-Where a chunk lands. Chunk ``i`` of every device travels in the same all-to-all: device ``j``'s part holds the
-global tokens ``j*s + i*c ...``. Viewed as ``[b, sp, n, c, heads, H]``, the buffer takes the all-to-all's
-``[b, sp, c, heads, H]`` at index ``i`` of its third axis, and the view is the natural token order, so the
-kernel sees the sequence as the plain path does (causal masks and segment ids unchanged).
+Head groups. A device computes ``hq`` query heads (``head_layout.py``: real, padded, or sharing a copied KV head).
+``attn_head_chunk = h`` cuts them into ``hq / h`` groups, each projected, exchanged and run through the kernel on its
+own, so Q, K, V, dO, dQ, dK, dV exist for one group: ``hq / h`` times smaller. ``h`` is a multiple or a divisor of
+the query heads per KV head on a device, so that a group is plain GQA (whole KV heads, or a share of one KV head's
+queries: that KV head is then projected and exchanged once per group that reads it: more K/V bytes on the wire,
+the same attention). ``HeadGroups`` cuts the weights to each group's exchange slots, dummy heads zero.
 
-Head groups. A device computes ``hq`` query heads (``head_layout.py``: real, padded or sharing a copied KV head).
-``attn_head_chunk = h`` cuts them into ``hq / h`` groups of ``h`` (0: one group); each group is projected,
-exchanged and run through the kernel on its own, so the whole-sequence Q, K, V, dO, dQ, dK, dV buffers are those
-of one group: ``hq / h`` times smaller. ``h`` must be a multiple or a divisor of the query heads per KV head on a
-device (``g``), so that a group is plain GQA: whole KV heads, or a share of one KV head's queries (that KV head is
-then projected and exchanged once per group that reads it: more K/V bytes on the wire, the same attention).
-The weights are cut per group (``HeadGroups``: the exchange's slot order of ``head_layout.py`` applied to the
-weights' head axes, dummy heads zero), so a group's projection produces exactly its slots.
+Forward: per group, the chunked projection and exchange and the kernel's forward with its log-sum-exp
+(``ring.LocalKernel``), the output written into the device's ``O [b, S, hq, H]``; then the output's chunked exchange
+and projection over all heads, as without groups. Residuals: input, weights, ``O`` and log-sum-exps (with
+``attn_recompute``, neither ``O`` nor those: each group's kernel forward runs again in the backward, one more
+attention forward per layer). Backward, per group: the group's Q/K/V again chunk by chunk; ``dO`` (``ct @ wo^T`` and
+its all-to-all) and the output weights' gradient (from each chunk's exchange of ``O``, recomputed) chunk by chunk;
+the kernel's backward; per chunk its gradients sent back through the projection's backward onto the input's
+gradient, the weights' gradients summed in float32. Plain autodiff of the same loops would keep every chunk's
+projections as residuals, the memory this module exists to avoid. With several groups the input's gradient sums
+one term per group in the compute dtype (as a tensor-parallel all-reduce of activation gradients does); the
+forward sums as without groups.
 
-Forward: per group, the chunked projection and exchange, then the kernel's forward with the log-sum-exp
-(``ring.LocalKernel``); its output goes into the device's whole ``O [b, S, hq, H]``; then the output's chunked
-exchange and projection (one pass over all heads, as without groups). Residuals: the input, the weights, ``O``
-and the log-sum-exps. Backward: the output projection's weight gradient chunk by chunk (each chunk's exchange of
-``O`` recomputed: one extra all-to-all of ``O`` per layer, the price of not keeping the exchanged output); then
-per group: ``dO`` of the group's heads chunk by chunk (``ct @ wo^T`` then the sequence -> heads all-to-all), the
-group's Q/K/V recomputed chunk by chunk, the kernel's backward, and per chunk its gradients sent back and through
-the projection's backward, added into the input's gradient, the weights' gradients summed in float32. Plain
-autodiff of the same loops would keep every chunk's projections as residuals, which is the memory this module
-exists to avoid. With several groups the input's gradient sums one term per group in the compute dtype (as a
-tensor-parallel all-reduce of activation gradients does); the forward is summed as without groups.
-
-Kernels: ``xla``, ``blockwise`` and ``pallas`` through ``ring.ring_kernel`` (forward and backward with the
-log-sum-exp); ``cudnn`` has no log-sum-exp, so its backward re-runs its forward (``jax.vjp``).
-
-Needs a mesh without a ring (``ring = 1``): with a ring, each device's tokens of the exchange are the ring's
-zigzag share, which these buffers do not model. Runs in ``shard_map``; parameters arrive in their at-rest
-(FSDP) layout and are gathered here, their gradients reduce-scattered by the gather's transpose.
+Kernels: ``xla``, ``blockwise``, ``pallas`` through ``ring.ring_kernel`` (with the log-sum-exp); ``cudnn`` has none, so
+its backward re-runs its forward (``jax.vjp``). Needs a mesh without a ring (a ring device's tokens are the ring's
+zigzag share, which these buffers do not model). Runs in ``shard_map``; parameters arrive at rest (FSDP) and are
+gathered here, their gradients reduce-scattered by the gather's transpose.
 """
 
 from __future__ import annotations
@@ -66,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from ulysses_jax.attention import attention, device_platform, resolve_impl
 from ulysses_jax.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.config import ModelConfig, local_chunks
-from ulysses_jax.head_layout import HeadLayout, plan_heads
+from ulysses_jax.head_layout import HeadGroups, HeadLayout, head_groups, plan_heads
 from ulysses_jax.mesh import DATA, FSDP, RING, SEQ, SP
 from ulysses_jax.ring import ring_kernel
 from ulysses_jax.sharding import fsdp_axes, param_spec
@@ -89,51 +80,7 @@ _F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------------------------
-# Head groups: which heads each group's exchange carries, and the weights cut to them
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadGroups:
-    """A device's ``hq`` query heads cut into ``count`` groups of ``size`` (module doc)."""
-
-    layout: HeadLayout
-    size: int
-
-    @property
-    def count(self) -> int:
-        return self.layout.heads_per_device // self.size
-
-    @property
-    def kv(self) -> int:
-        """KV heads per group on a device."""
-        return max(1, self.size // self.layout.group)
-
-    def q_heads(self) -> np.ndarray:
-        """``[count, sp * size]``: the query head in each slot of a group's exchange (device-major), -1 = dummy."""
-        sp = self.layout.sp
-        slots = np.asarray(self.layout.q_slots).reshape(sp, self.count, self.size)
-        return slots.transpose(1, 0, 2).reshape(self.count, sp * self.size)
-
-    def kv_heads(self) -> np.ndarray:
-        """``[count, sp * kv]``: the KV head in each slot of a group's exchange, -1 = dummy."""
-        sp, k_loc = self.layout.sp, self.layout.kv_per_device
-        slots = np.asarray(self.layout.kv_slots).reshape(sp, k_loc)
-        first = np.arange(self.count) * self.size // self.layout.group  # each group's first local KV head
-        cols = first[:, None] + np.arange(self.kv)[None, :]
-        return slots[:, cols].transpose(1, 0, 2).reshape(self.count, sp * self.kv)
-
-
-def head_groups(layout: HeadLayout, head_chunk: int, flag: str = "attn_head_chunk") -> HeadGroups:
-    """The groups of ``head_chunk`` query heads (0: all of a device's in one); ``ValueError`` naming the choices."""
-    hq, g = layout.heads_per_device, layout.group
-    size = head_chunk or hq
-    if hq % size or (size % g and g % size):
-        valid = [d for d in range(1, hq + 1) if hq % d == 0 and (d % g == 0 or g % d == 0)]
-        raise ValueError(
-            f"{flag} ({head_chunk}) must divide the {hq} query heads each device computes ({layout.num_heads} heads, "
-            f"{layout.num_kv_heads} KV heads over sp={layout.sp}) and be a multiple or a divisor of the {g} query "
-            f"heads per KV head there; choose one of {', '.join(map(str, valid))}, or 0 for one group")
-    return HeadGroups(layout, size)
+# Head groups (head_layout.HeadGroups): the weights cut to each group's exchange
 
 
 def group_weights(w: dict, groups: HeadGroups, t) -> dict:
@@ -403,9 +350,9 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
                     chunk: int, head_chunk: int = 0, recompute: bool = False) -> jax.Array:
     """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
     the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
-    device per group (0: one group); ``recompute``: keep no output for the backward (module doc). ``params``: the layer's attention parameters by the names of ``PARAMS``
-    (``"norm"`` is the pre-attention RMSNorm's scale; absent optional ones are left out), in the compute dtype
-    (the norm scales in float32) and at-rest layout."""
+    device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
+    attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale; absent
+    optional ones are left out), in the compute dtype (the norm scales in float32) and at-rest layout."""
     sp = mesh.shape[SP]
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
