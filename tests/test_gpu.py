@@ -96,3 +96,32 @@ def test_offload_params_puts_layers_and_their_gradients_in_host_memory():
     assert streamed.host_argument_size_in_bytes >= plain.host_argument_size_in_bytes + layers
     assert streamed.argument_size_in_bytes <= plain.argument_size_in_bytes - layers
     assert streamed.temp_size_in_bytes <= plain.temp_size_in_bytes - 0.75 * layers
+
+
+def test_tiled_attention_in_head_groups_matches_the_plain_sublayer(seed):
+    """--attn-chunk with --attn-head-chunk 1 and --attn-recompute on a GPU (Pallas compiled through Triton, bf16,
+    layer inputs in pinned host memory): the loss and gradients of the plain attention sublayer, within bf16
+    rounding. The CPU suite checks the same in float32 (tests/test_model.py)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from ulysses_jax import ModelConfig, Transformer, next_token_loss, shift_labels
+
+    mesh = make_mesh(devices=jax.devices()[:1])
+    base = ModelConfig.from_preset("llama3.2-1b", num_layers=2, hidden=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                                   mlp_dim=1024, vocab_size=256, attention_impl="pallas", remat="offload",
+                                   loss_chunk=1024, mlp_chunk=1024)
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 256, (1, 8192), dtype=np.int32))
+    seg = jnp.asarray(np.repeat(np.arange(4), 2048)[None], jnp.int32)
+    batch = dict(tokens=tokens, labels=shift_labels(tokens, seg), segment_ids=seg)
+    results = []
+    for cfg in (base, dataclasses.replace(base, attn_chunk=1024, attn_head_chunk=1, attn_recompute=True)):
+        graphdef, state = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed)))
+        loss = jax.jit(jax.value_and_grad(lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss))
+        results.append(loss(state))
+    (plain_loss, plain_grads), (tiled_loss, tiled_grads) = results
+    assert abs(float(tiled_loss) - float(plain_loss)) <= 1e-2 * abs(float(plain_loss))
+    for g, want in zip(jax.tree.leaves(tiled_grads), jax.tree.leaves(plain_grads)):
+        assert rel_err(np.asarray(g, np.float32), np.asarray(want, np.float32)) < 5e-2
