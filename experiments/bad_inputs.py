@@ -16,11 +16,13 @@ import os
 import pathlib
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
 from results_io import run_header, write_table
 
+STDLIB = sysconfig.get_paths()["stdlib"]  # the built-in corpus: named as $STDLIB in the results
 RUN = ["--preset", "tiny", "--seq-len", "256", "--batch-size", "2", "--mesh.fsdp", "2", "--mesh.sp", "4",
        "--no-progress"]
 
@@ -138,7 +140,7 @@ def main():
                   and snapshot(watched) == before)
             rows.append({"case": what, "exit": p.returncode, "one line": len(errors) == 1,
                          "traceback": "Traceback" in p.stderr, "wrote": new.exists() or snapshot(watched) != before,
-                         "ok": ok, "message": (errors or err or ["(none)"])[-1].replace(str(d), "$TMPDIR")[:200].replace("|", "/"),
+                         "ok": ok, "message": (errors or err or ["(none)"])[-1].replace(str(d), "$TMPDIR").replace(STDLIB, "$STDLIB")[:200].replace("|", "/"),
                          "s": round(secs, 1)})
             print(json.dumps(rows[-1]), flush=True)
     os.environ["JAX_PLATFORMS"] = "cpu"
