@@ -123,5 +123,7 @@ def test_tiled_attention_in_head_groups_matches_the_plain_sublayer(seed):
         results.append(loss(state))
     (plain_loss, plain_grads), (tiled_loss, tiled_grads) = results
     assert abs(float(tiled_loss) - float(plain_loss)) <= 1e-2 * abs(float(plain_loss))
+    # whole-model bf16 gradients, two summation orders (not one attention call: TOL_BF16); the same comparison on CPU
+    # with the blockwise kernel gives 1.3e-2 at most
     for g, want in zip(jax.tree.leaves(tiled_grads), jax.tree.leaves(plain_grads)):
         assert rel_err(np.asarray(g, np.float32), np.asarray(want, np.float32)) < 5e-2

@@ -241,12 +241,13 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     # they were zeros buffers that XLA created with the gradients' before the backward, 15 GiB held through it on
     # one H100 for Llama-3.1-8B.
     in_place = not host_params
+    weights_in_stacks = in_place and not master  # the weights are the parameters being updated: read from the carry
 
     def body(carry, xs):  # one layer of the stacked parameters
         i, stacks = carry
         g, st, w = xs
-        if not master:  # the parameters are the weights: this layer's, from the stacks being updated
-            w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks] if in_place else w
+        if weights_in_stacks:
+            w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks]
         w, st, _ = run(g, st, w, True)
         new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
         if in_place:
@@ -254,7 +255,7 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
             new_p = []
         return (i + 1, stacks), (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
 
-    xs = (pick(g_leaves, flags), pick(s_leaves, is_layer), pick(w_leaves, flags) if master or not in_place else [])
+    xs = (pick(g_leaves, flags), pick(s_leaves, is_layer), [] if weights_in_stacks else pick(w_leaves, flags))
     (_, stacks), (p_layers, m_layers, s_layers) = jax.lax.scan(
         body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
     p_layers = stacks if in_place else p_layers

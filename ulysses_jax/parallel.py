@@ -14,9 +14,9 @@ import jax
 
 from ulysses_jax.attention import device_platform, resolve_impl
 from ulysses_jax.config import ModelConfig, local_chunks
+from ulysses_jax.head_layout import head_groups, plan_heads
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.ring import RING_IMPLS
-from ulysses_jax.head_layout import head_groups, plan_heads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -412,15 +412,21 @@ def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
     return choices
 
 
-def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
-    """``--memory auto``: the longest context over ``memory_choices`` whose host memory per GPU fits the budget."""
+def _host_budget(cfg: PlanConfig) -> float:
+    """``--host-memory-gib`` in bytes, checked."""
     if cfg.host_memory_gib < 0:
         raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
+    return cfg.host_memory_gib * GiB
+
+
+def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
+    """``--memory auto``: the longest context over ``memory_choices`` whose host memory per GPU fits the budget."""
+    budget = _host_budget(cfg)
     best, results = None, []
     for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
         log(f"{flags}:")
         p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log)
-        host_ok = p.memory["host_bytes"] <= cfg.host_memory_gib * GiB
+        host_ok = p.memory["host_bytes"] <= budget
         results.append((flags, p.max_seq_len, p.memory["host_bytes"], host_ok))
         if host_ok and p.max_seq_len and (best is None or p.max_seq_len > best.max_seq_len):
             best, best_flags = p, flags
@@ -437,12 +443,11 @@ def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
 def auto_fit(cfg: PlanConfig, *, log=print) -> Plan:
     """``--memory auto`` without ``--find-max-seq-len``: the first of ``memory_choices`` (cheapest first) that fits
     ``--seq-len`` with its host memory per GPU within the budget."""
-    if cfg.host_memory_gib < 0:
-        raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
+    budget = _host_budget(cfg)
     for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
         trial = dataclasses.replace(cfg, memory="manual", **changes)
         p = plan(trial, detail=False)
-        host_ok = p.memory["host_bytes"] <= cfg.host_memory_gib * GiB
+        host_ok = p.memory["host_bytes"] <= budget
         log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
             f"{'fits' if p.fits and host_ok else 'over'}  {flags}")
         if p.fits and host_ok:

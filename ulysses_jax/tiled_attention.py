@@ -323,7 +323,8 @@ def _sublayer_bwd(spec: _Spec, res, ct):
             lse_t = None if lse is None else lse[t]
         do, dwo = grad_out(n, sp, o_t, ct, wg["wo"])
         grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do)
-        dx, dwg = grad_in(spec.project, n, sp, x, pos, {k: v for k, v in wg.items() if k != "wo"}, grads, dx)
+        w_in = {name: a for name, a in wg.items() if name != "wo"}
+        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads, dx)
         (dw_t,) = jax.linear_transpose(lambda w: group_weights(w, groups, t), w32)({**dwg, "wo": dwo})
         return dx, sum_f32(dw, dw_t)
 
