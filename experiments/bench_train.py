@@ -50,7 +50,7 @@ def parse_args(argv=None):
 def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
     import numpy as np
 
-    from ulysses_jax.data import next_token_labels
+    from ulysses_jax.data.pipeline import next_token_labels
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, vocab, (rows, seq_len), dtype=np.int32)
@@ -63,14 +63,20 @@ def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
 def bench_one(args, seq_len: int) -> dict:
     import jax
 
-    from ulysses_jax import flops
-    from ulysses_jax.config import ModelConfig
-    from ulysses_jax.data import to_global
-    from ulysses_jax.mesh import make_mesh
-    from ulysses_jax.metrics import peak_memory_bytes
-    from ulysses_jax.step import OptimConfig, init_state, make_optimizer, make_schedule, make_train_step
-    from ulysses_jax.step import state_shardings
-    from ulysses_jax.trainer import check_parallel
+    from ulysses_jax.data.pipeline import to_global
+    from ulysses_jax.model import flops
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.parallel.mesh import make_mesh
+    from ulysses_jax.train.devices import check_parallel
+    from ulysses_jax.train.metrics import peak_memory_bytes
+    from ulysses_jax.train.step import (
+        OptimConfig,
+        init_state,
+        make_optimizer,
+        make_schedule,
+        make_train_step,
+        state_shardings,
+    )
 
     n = jax.device_count()
     sp = args.sp or n

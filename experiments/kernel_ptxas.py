@@ -2,7 +2,7 @@
 
 No GPU needed: with the CUDA plugin (the ``aot`` extra) XLA compiles the kernels for a compile-only H100
 ("deviceless" AOT), runs ptxas itself (``-arch=sm_90a --warn-on-spills``, XLA's own command line), and
-``ulysses_jax.targets.kernels`` reads the launches (grid, threads, dynamic shared memory) from XLA's thunk
+``ulysses_jax.plan.kernel_report`` reads the launches (grid, threads, dynamic shared memory) from XLA's thunk
 sequence and registers / spills from ``ptxas -v`` on the dumped PTX. "before" is the kernel file at
 ``--before-rev`` (read with ``git show``), "after" the working tree's. Shapes: B=1, S=4096, 8 heads (MHA),
 causal, forward + backward (``jax.grad`` of a sum). Also records the kernels' pointer-offset width at the
@@ -65,7 +65,7 @@ def compile_kernels(mod, device, *, head_dim, dtype, segments, causal=True, seq_
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from ulysses_jax.targets.kernels import dump_options, kernels
+    from ulysses_jax.plan.kernel_report import dump_options, kernels
 
     sharding = SingleDeviceSharding(device)
     x = jax.ShapeDtypeStruct((1, seq_len, heads, head_dim), dtype, sharding=sharding)
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
 
-    from ulysses_jax.targets import target_devices
+    from ulysses_jax.plan.targets import target_devices
 
     device = target_devices("h100", devices=1)[0]
     versions = {"before": load_kernel_module(args.before_rev), "after": load_kernel_module(None)}

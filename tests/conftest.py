@@ -10,8 +10,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from ulysses_jax.targets import INSTALL_HINT, cuda_plugin_installed  # noqa: E402
-
+from ulysses_jax.plan.targets import INSTALL_HINT, cuda_plugin_installed  # noqa: E402
 
 # Kept out of the default `make test` (run by `make test-slow`) to hold it near 15 minutes on 2 cores: each repeats
 # coverage that a faster variant in the default suite keeps (another mesh, dtype or jit mode of the same check), or

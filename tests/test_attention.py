@@ -8,9 +8,8 @@ import pytest
 from np_reference import TOL, attention_f64, random_inputs, rel_err
 
 from ulysses_jax import attention, make_mesh, ulysses_attention
-from ulysses_jax.attention import resolve_impl
+from ulysses_jax.kernels.attention import resolve_impl
 from ulysses_jax.kernels.blockwise import BlockSizes, blockwise_attention, visited_tiles
-
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 

@@ -304,8 +304,8 @@ def test_help_lists_presets_and_defaults(capsys):
 def test_defaults_fit_8_devices_and_one_node():
     import jax
 
-    from ulysses_jax.config import ModelConfig
-    from ulysses_jax.trainer import MeshConfig, build_mesh, resolve_batch
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.train.devices import MeshConfig, build_mesh, resolve_batch
 
     cfg = parse(["train"])
     tiny = ModelConfig.from_preset(cfg.preset)
@@ -327,7 +327,7 @@ def test_defaults_fit_8_devices_and_one_node():
 def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
     import threading
 
-    from ulysses_jax.trainer import _StopSignals
+    from ulysses_jax.train.trainer import _StopSignals
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers need the main thread")
@@ -346,7 +346,9 @@ def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
 def test_non_finite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     import jax.numpy as jnp
 
-    from ulysses_jax.trainer import MeshConfig, TrainConfig, TrainingDiverged, setup_train, train_run
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
 
     cfg = TrainConfig(preset="tiny", seq_len=256, batch_size=2, steps=5, checkpoint_every=1, progress=False,
                       attention="xla", mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))

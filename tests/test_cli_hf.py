@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from ulysses_jax.cli import main
-from ulysses_jax.parallel import MeshConfig
+from ulysses_jax.train.devices import MeshConfig
 
 try:
     import tokenizers
@@ -113,11 +113,11 @@ def hf_logits(model, tokens):
 
 def our_logits(run_dir, step, tokens):
     """Our float32 logits from the run's checkpoint ``step`` (the model and mesh as eval builds them)."""
-    from ulysses_jax import runconfig
-    from ulysses_jax.checkpoint import Checkpointer
-    from ulysses_jax.parallel import build_mesh
-    from ulysses_jax.step import abstract_state
-    from ulysses_jax.trainer import model_config_from_run
+    from ulysses_jax.train import runconfig
+    from ulysses_jax.train.checkpoint import Checkpointer
+    from ulysses_jax.train.config import model_config_from_run
+    from ulysses_jax.train.devices import build_mesh
+    from ulysses_jax.train.step import abstract_state
 
     record = runconfig.read_record(run_dir)
     cfg = model_config_from_run(record, compute_dtype="float32", attention_impl="xla")
@@ -188,10 +188,11 @@ def test_step_zero_is_the_folders_model_exactly(folder, tmp_path):
     (the state ``setup_train`` builds at step 0: its model config, its mesh, the weights read into place)."""
     from safetensors.numpy import load_file
 
-    from ulysses_jax import hf
-    from ulysses_jax.parallel import build_mesh
-    from ulysses_jax.step import OptimConfig, abstract_state, init_state, make_optimizer
-    from ulysses_jax.trainer import TrainConfig, _hf_weights, model_config
+    from ulysses_jax.interop import hf
+    from ulysses_jax.train.config import TrainConfig, model_config
+    from ulysses_jax.train.devices import build_mesh
+    from ulysses_jax.train.step import OptimConfig, abstract_state, init_state, make_optimizer
+    from ulysses_jax.train.trainer import _hf_weights
 
     cfg = TrainConfig(init_from_hf=str(folder), seq_len=64, attention="xla", mesh=MeshConfig(fsdp=2, sp=4))
     config = model_config(cfg, len(SPECIAL + WORDS))
@@ -243,7 +244,8 @@ def test_preset_and_init_from_hf_exclude_each_other(folder, tmp_path, capsys):
 
 def test_sft_labels_hand_checked(folder, tmp_path):
     """Packed SFT rows: a label counts only where the next token is a completion (or assistant) token."""
-    from ulysses_jax.data import IGNORE, BatchIterator, DataConfig
+    from ulysses_jax.data.documents import IGNORE, DataConfig
+    from ulysses_jax.data.pipeline import BatchIterator
 
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"prompt": "the sky is", "completion": "blue ."}) + "\n"
@@ -303,8 +305,8 @@ def test_plan_reads_the_folders_config_only(tmp_path):
     """``plan --init-from-hf``: a folder holding config.json alone is the model (Llama-3.1-8B's published values)."""
     import dataclasses
 
-    from ulysses_jax.config import PRESETS
-    from ulysses_jax.plan import PlanConfig, _model
+    from ulysses_jax.model.config import PRESETS
+    from ulysses_jax.plan.planner import PlanConfig, _model
 
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps(dict(

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 from ulysses_jax import ModelConfig, RopeScaling, flops_per_device, flops_per_token, mfu, param_count, peak_flops
-from ulysses_jax.config import PRESETS
-from ulysses_jax.flops import matmul_params, training_flops
+from ulysses_jax.model.config import PRESETS
+from ulysses_jax.model.flops import matmul_params, training_flops
 
 # Parameter counts of the published checkpoints (distinct tensors; a tied head counted once).
 PUBLISHED = {

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-
 from np_reference import attention_f64, rel_err
 
-from ulysses_jax.kernels.flash_attention import BlockSizes, flash_attention, kv_block_bound, q_block_range, reference
+from ulysses_jax.kernels.flash_attention import flash_attention, kv_block_bound, q_block_range, reference
+from ulysses_jax.kernels.flash_blocks import BlockSizes
 
 # Tolerances on rel_err = max|x - expected| / max|expected| (outputs and each gradient).
 # float32: interpret mode computes in float32 throughout; measured errors are ~1e-6.

@@ -8,7 +8,7 @@ import pytest
 from np_reference import rel_err
 
 from ulysses_jax import attention, make_mesh, ulysses_attention
-from ulysses_jax.attention import resolve_impl
+from ulysses_jax.kernels.attention import resolve_impl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,7 +59,9 @@ def test_ulysses_on_one_gpu_matches_local(seed):
 
 
 def test_a_few_training_steps(tmp_path):
-    from ulysses_jax.trainer import MeshConfig, TrainConfig, train
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import train
 
     cfg = TrainConfig(preset="tiny", seq_len=8192, batch_size=jax.device_count(), steps=5, checkpoint_every=5,
                       progress=False, mesh=MeshConfig(fsdp=-1, sp=1), run_dir=str(tmp_path / "run"))
@@ -73,9 +75,16 @@ def test_offload_params_puts_layers_and_their_gradients_in_host_memory():
     (one layer's gradient at a time instead of all of them)."""
     import dataclasses
 
-    from ulysses_jax.config import ModelConfig
-    from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer,
-                                  make_schedule, make_train_step)
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.train.step import (
+        BATCH_KEYS,
+        OptimConfig,
+        abstract_state,
+        batch_sharding,
+        make_optimizer,
+        make_schedule,
+        make_train_step,
+    )
 
     mesh = make_mesh(devices=jax.devices()[:1])
     found = {}

@@ -17,7 +17,9 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import ulysses_jax.kernels.flash_attention as fa
-from ulysses_jax.kernels.flash_attention import SHARED_MEMORY_PER_BLOCK, BlockSizes, flash_attention
+from ulysses_jax.kernels import flash_blocks, flash_pair
+from ulysses_jax.kernels.flash_attention import flash_attention
+from ulysses_jax.kernels.flash_blocks import SHARED_MEMORY_PER_BLOCK, BlockSizes
 
 pytestmark = pytest.mark.aot
 
@@ -26,7 +28,7 @@ NAMES = ("flash_attention_fwd", "flash_attention_dkv", "flash_attention_dq")
 
 @pytest.fixture(scope="module")
 def h100():
-    from ulysses_jax.targets import target_devices
+    from ulysses_jax.plan.targets import target_devices
 
     return target_devices("h100", devices=1)[0]
 
@@ -50,7 +52,7 @@ def _grad_fn(*, causal=True, block_sizes=None):
 def _compile(dev, dump_dir, *, d, dtype=jnp.bfloat16, segments=False, causal=True, s=4096, h=8, hkv=8,
              block_sizes=None):
     """Compile forward + backward for ``dev``; the three kernels' figures by name."""
-    from ulysses_jax.targets.kernels import dump_options, kernels
+    from ulysses_jax.plan.kernel_report import dump_options, kernels
 
     args = _structs(dev, s=s, h=h, hkv=hkv, d=d, dtype=dtype, segments=segments)
     with jax.default_device(dev):
@@ -75,7 +77,7 @@ def test_bf16_kernels_compile_without_spills(h100, tmp_path, d, segments, causal
     print(f"\nD={d} bf16 seg={segments} causal={causal}: {_report(found)}")
     assert set(found) == set(NAMES), sorted(found)
     blocks = fa.default_block_sizes(d, jnp.bfloat16)
-    estimate = fa.shared_memory_bytes(blocks, d, jnp.bfloat16, segment_ids=segments)
+    estimate = flash_blocks.shared_memory_bytes(blocks, d, jnp.bfloat16, segment_ids=segments)
     for name, k in found.items():
         kernel = name.removeprefix("flash_attention_")
         assert k.registers is not None and 0 < k.registers <= 255, (name, k.registers)  # ptxas ran and reported
@@ -83,7 +85,7 @@ def test_bf16_kernels_compile_without_spills(h100, tmp_path, d, segments, causal
         assert k.shared_memory_bytes <= SHARED_MEMORY_PER_BLOCK, _report(found)
         # the up-front estimate bounds what Triton allocates, and not loosely
         assert k.shared_memory_bytes <= estimate[kernel] <= 1.7 * k.shared_memory_bytes, (name, estimate)
-        assert k.warps == fa._launch(blocks, fa.KERNELS.index(kernel), d)[0]
+        assert k.warps == flash_blocks.launch(blocks, flash_blocks.KERNELS.index(kernel), d)[0]
 
 
 @pytest.mark.parametrize("causal,float32", [(True, True), (False, True), (True, False)],
@@ -93,7 +95,7 @@ def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal, float3
     ids, the log-sum-exp given): Llama-3.1-8B's per-device ring pair at ring=4 x sp=8 (4 query heads, 1 KV head,
     head_dim 128, bfloat16), still without spills; with ``float32=False`` (the tiled attention's head groups) the
     outputs are bfloat16."""
-    from ulysses_jax.targets.kernels import dump_options, kernels
+    from ulysses_jax.plan.kernel_report import dump_options, kernels
 
     s, h, hkv, d = 8192, 4, 1, 128
     q, k, v, seg = _structs(h100, s=s, h=h, hkv=hkv, d=d, dtype=jnp.bfloat16, segments=True)
@@ -101,9 +103,9 @@ def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal, float3
 
     def both(q, k, v, seg, lse, delta):
         pos = jnp.arange(s)
-        o, l = fa.pair_forward(q, k, v, pos, pos, seg, seg + 1, causal=causal, scale=0.1, interpret=False,
+        o, l = flash_pair.pair_forward(q, k, v, pos, pos, seg, seg + 1, causal=causal, scale=0.1, interpret=False,
                                float32=float32)
-        grads = fa.pair_backward(q, k, v, pos, pos, seg, seg + 1, o.astype(q.dtype), lse, delta, causal=causal,
+        grads = flash_pair.pair_backward(q, k, v, pos, pos, seg, seg + 1, o.astype(q.dtype), lse, delta, causal=causal,
                                  scale=0.1, interpret=False, float32=float32)
         return o, l, grads
 
@@ -158,7 +160,7 @@ def test_tiles_over_the_shared_memory_are_refused_up_front(h100, d, dtype):
 
 def test_refused_tiles_would_not_compile(h100, tmp_path, monkeypatch):
     """Without the check, XLA itself rejects the refused tiles: the refusal is not over-cautious there."""
-    monkeypatch.setattr(fa, "_check_shared_memory", lambda *a, **k: None)
+    monkeypatch.setattr(fa, "check_shared_memory", lambda *a, **k: None)
     with pytest.raises(Exception, match="Shared memory size limit exceeded"):
         _compile(h100, tmp_path, d=256, block_sizes=BlockSizes())
 

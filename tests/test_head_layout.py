@@ -78,7 +78,7 @@ def test_head_groups_cover_every_slot_as_plain_gqa(h, hkv, p):
     """Every allowed group size (ModelConfig.attn_head_chunk): the groups' exchange slots are the device's slots,
     each exactly once, and within a group query slot i reads KV slot i // g, which holds its KV head; any other
     size is refused naming the allowed ones."""
-    from ulysses_jax.head_layout import head_groups
+    from ulysses_jax.parallel.head_layout import head_groups
 
     lay = plan_heads(h, hkv, p)
     hq, g = lay.heads_per_device, lay.group

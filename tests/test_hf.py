@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import ulysses_jax as uj
-from ulysses_jax import hf
+from ulysses_jax.interop import hf
 
 try:
     import torch
@@ -326,7 +326,7 @@ jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processe
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 import ulysses_jax as uj
-from ulysses_jax import hf
+from ulysses_jax.interop import hf
 read = []
 plain_read = hf.SafetensorsFolder.read
 hf.SafetensorsFolder.read = lambda self, name, index: read.append(plain_read(self, name, index).size) or plain_read(

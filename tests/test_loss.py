@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 from test_model import (
     FAST_COMPILE,
+    VARIANTS,
     S,
     V,
-    VARIANTS,
     assert_gathers_only_parameters,
     assert_same,
     build,

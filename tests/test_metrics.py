@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from ulysses_jax import runconfig
-from ulysses_jax.metrics import MetricsLogger, log_eval, tensorboard_command
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.metrics import MetricsLogger, log_eval, tensorboard_command
 
 
 def test_continuing_drops_records_after_the_checkpoint(tmp_path):
@@ -88,7 +88,7 @@ def test_tensorboard_command_says_what_to_install(tmp_path, monkeypatch):
 
 
 def test_config_values_are_checked(tmp_path):
-    from ulysses_jax.trainer import TrainConfig
+    from ulysses_jax.train.config import TrainConfig
 
     base = TrainConfig()
     cfg = runconfig.apply(base, {"seq-len": 512, "data": "a.jsonl", "mesh": {"sp": 4}, "optim": {"lr": 1}}, where="f")

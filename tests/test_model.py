@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from ulysses_jax import ModelConfig, Transformer, make_mesh, next_token_loss, shift_labels
-from ulysses_jax.model import document_positions, remat_policy, rope_frequencies
+from ulysses_jax.model.layers import document_positions, rope_frequencies
+from ulysses_jax.model.transformer import remat_policy
 
 B, S, V = 8, 64, 256
 MESHES = {  # name -> (data, fsdp, sp, ZeRO-3 over data)

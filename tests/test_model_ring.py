@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_model import FAST_COMPILE, S, TOL_GRAD, TOL_LOGITS, TOL_LOSS, VARIANTS, packed_batch, rel_err
+from test_model import FAST_COMPILE, TOL_GRAD, TOL_LOGITS, TOL_LOSS, VARIANTS, S, packed_batch, rel_err
 from test_step import CFG, random_batch
 
 from ulysses_jax import Transformer, make_mesh, next_token_loss
-from ulysses_jax.checkpoint import Checkpointer
-from ulysses_jax.ring import zigzag_order
-from ulysses_jax.step import (
+from ulysses_jax.parallel.ring import zigzag_order
+from ulysses_jax.train.checkpoint import Checkpointer
+from ulysses_jax.train.step import (
     OptimConfig,
     abstract_state,
     init_state,
@@ -127,10 +127,10 @@ def test_hlo_per_layer_ring_permutes_and_all_to_alls():
     the local [K; V] (the KV heads this device holds after the all-to-all) with the bytes of
     ``ring_permute_bytes``, and the two sp all-to-alls with the bytes of ``exchange_bytes``. The segment ids'
     permutes are the same in every layer: XLA hoists them out of the layer loop (once per step)."""
-    from ulysses_jax.head_layout import plan_heads
-    from ulysses_jax.hlo import collectives
-    from ulysses_jax.ring import ring_permute_bytes
-    from ulysses_jax.ulysses import exchange_bytes
+    from ulysses_jax.parallel.exchange import exchange_bytes
+    from ulysses_jax.parallel.head_layout import plan_heads
+    from ulysses_jax.parallel.ring import ring_permute_bytes
+    from ulysses_jax.plan.hlo import collectives
 
     ring, sp = 2, 4
     mesh = make_mesh(fsdp=1, ring=ring, sp=sp)

@@ -1,5 +1,5 @@
 """The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
-H100s (``ulysses_jax.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
+H100s (``ulysses_jax.plan.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
 
 import dataclasses
 import json
@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import pytest
 
 from ulysses_jax import ModelConfig, exchange_bytes, make_mesh, plan_heads, ulysses_attention
-from ulysses_jax import hlo
-from ulysses_jax.attention import device_platform, resolve_impl
-from ulysses_jax.model import remat_policy
-from ulysses_jax.plan import PlanConfig, find_max_seq_len, plan, search_units, seq_len_unit
-from ulysses_jax.targets import TARGETS, target_devices
-from ulysses_jax.targets.kernels import dump_options, kernels
-from ulysses_jax.trainer import MeshConfig
+from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.model.transformer import remat_policy
+from ulysses_jax.plan import hlo
+from ulysses_jax.plan.kernel_report import dump_options, kernels
+from ulysses_jax.plan.planner import PlanConfig, find_max_seq_len, plan, search_units, seq_len_unit
+from ulysses_jax.plan.targets import TARGETS, target_devices
+from ulysses_jax.train.devices import MeshConfig
 
 pytestmark = pytest.mark.aot
 ROOT = pathlib.Path(__file__).parents[1]
@@ -193,7 +193,7 @@ def test_cli_plan_bad_input(args, message):
 
 
 def test_missing_plugin_names_the_extra(monkeypatch):
-    import ulysses_jax.targets as targets
+    import ulysses_jax.plan.targets as targets
 
     monkeypatch.setattr(targets, "cuda_plugin_installed", lambda: False)
     with pytest.raises(ValueError, match=r"pip install 'ulysses-jax\[aot\]'"):
@@ -209,9 +209,17 @@ def test_make_test_gpu_fails_without_a_gpu():
 def test_remat_full_keeps_one_copy_of_the_saved_layer_inputs(tmp_path):
     """remat=full saves each layer's input, stacked [L, B, S/sp, D]; the backward must read that stack as it is,
     not a transposed [D, L, B, S/sp] copy (27 GiB for Llama-3.1-8B at 884K tokens on 8 H100s)."""
-    from ulysses_jax.plan import largest_buffers
-    from ulysses_jax.step import (BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer,
-                                  make_schedule, make_train_step, state_shardings)
+    from ulysses_jax.plan.planner import largest_buffers
+    from ulysses_jax.train.step import (
+        BATCH_KEYS,
+        OptimConfig,
+        abstract_state,
+        batch_sharding,
+        make_optimizer,
+        make_schedule,
+        make_train_step,
+        state_shardings,
+    )
 
     cfg = ModelConfig.from_preset("tiny", remat="full", attention_impl="pallas", loss_chunk=4096, mlp_chunk=4096)
     mesh = h100_mesh(sp=8)
@@ -231,8 +239,8 @@ def test_optimizer_offload_puts_the_state_in_host_memory():
     """--optim.offload --optim.master-weights --param-dtype bfloat16, compiled for 8 H100s: the float32 master
     weights and AdamW moments are host arguments of the step (aliased to its outputs), the device holds the bfloat16
     parameters, and the plan prints the PCIe traffic."""
-    from ulysses_jax.plan import format_plan
-    from ulysses_jax.step import OptimConfig
+    from ulysses_jax.plan.report import format_plan
+    from ulysses_jax.train.step import OptimConfig
 
     base = dict(preset="tiny", seq_len=8192, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), attention="pallas",
                 param_dtype="bfloat16", kernels=False)
@@ -254,7 +262,7 @@ def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatc
     longest context whose host memory per GPU fits --host-memory-gib wins, and the plan names the train flags."""
     import types
 
-    from ulysses_jax import plan as plan_module
+    from ulysses_jax.plan import planner as plan_module
 
     searched = []
 
@@ -298,7 +306,7 @@ def test_memory_auto_for_a_length_takes_the_cheapest_tools_that_fit(monkeypatch)
     --seq-len with its host memory within --host-memory-gib; none fitting is one clear error."""
     import types
 
-    from ulysses_jax import plan as plan_module
+    from ulysses_jax.plan import planner as plan_module
 
     tried = []
 
@@ -329,7 +337,7 @@ def test_cli_memory_auto_prints_the_train_flags():
 def test_offload_params_is_refused_by_plan_with_the_reason():
     """Compile-only GPUs have no memory kinds, so the layers' gradients cannot be typed as host memory there: plan
     says so instead of printing a program that would keep them on the device (tests/test_gpu.py checks a real GPU)."""
-    from ulysses_jax.step import OptimConfig
+    from ulysses_jax.train.step import OptimConfig
 
     cfg = PlanConfig(preset="tiny", seq_len=4096, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), offload_params=True,
                      optim=OptimConfig(offload=True), kernels=False)
@@ -339,8 +347,15 @@ def test_offload_params_is_refused_by_plan_with_the_reason():
 
 def _step_memory(cfg: ModelConfig, *, seq: int, optim=None, dump=None):
     """XLA's memory figures of ``cfg``'s train step (batch 1) on one compile-only H100."""
-    from ulysses_jax.step import BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer
-    from ulysses_jax.step import make_schedule, make_train_step
+    from ulysses_jax.train.step import (
+        BATCH_KEYS,
+        OptimConfig,
+        abstract_state,
+        batch_sharding,
+        make_optimizer,
+        make_schedule,
+        make_train_step,
+    )
 
     optim = optim or OptimConfig()
     mesh = make_mesh(fsdp=1, devices=target_devices("h100", devices=1))
@@ -362,7 +377,7 @@ def test_streamed_update_writes_the_layers_parameters_in_place():
     created those with the gradients' before the backward and held them through it: 15 GiB on one H100 for
     Llama-3.1-8B). The step's temporaries are then those of the gradient alone plus one layer's float32 state in
     and out (6 x 4 bytes per parameter of a layer: 12/32 of the bf16 stack of 32 layers), not one stack more."""
-    from ulysses_jax.step import OptimConfig, _loss_sums
+    from ulysses_jax.train.step import OptimConfig, _loss_sums
 
     cfg = ModelConfig(**{**WIDE, "num_layers": 32, "hidden": 512, "num_heads": 4, "mlp_dim": 2048})
     mem, (graphdef, state, batch) = _step_memory(cfg, seq=1024, optim=OptimConfig(master_weights=True, offload=True))
@@ -378,7 +393,7 @@ def test_head_groups_shrink_the_kernels_buffers(tmp_path):
     """--attn-head-chunk on one H100: the Pallas kernels run on one group's heads ([1, S, h, 128] for h query heads
     per group; only the output is kept whole, [1, S, 8, 128]), and the device's temporaries shrink as the groups
     get smaller."""
-    from ulysses_jax.plan import largest_buffers
+    from ulysses_jax.plan.planner import largest_buffers
 
     seq, temps = 32768, {}
     for heads in (0, 4, 1):

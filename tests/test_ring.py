@@ -1,4 +1,4 @@
-"""Ring attention (``ulysses_jax.ring``) on fake CPU devices against the float64 NumPy reference."""
+"""Ring attention (``ulysses_jax.parallel.ring``) on fake CPU devices against the float64 NumPy reference."""
 
 import collections
 import itertools
@@ -12,14 +12,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from np_reference import TOL, attention_f64, random_inputs, rel_err
 
-from ulysses_jax.head_layout import plan_heads
-from ulysses_jax.hlo import array_bytes, parse
-from ulysses_jax.ring import (
+from ulysses_jax.parallel.head_layout import plan_heads
+from ulysses_jax.parallel.ring import (
+    BLOCKWISE_KERNEL,
     DIAG,
     FULL,
-    SKIP,
-    BLOCKWISE_KERNEL,
     PALLAS_INTERPRET_KERNEL,
+    SKIP,
     XLA_KERNEL,
     LocalKernel,
     ring_attention,
@@ -32,6 +31,7 @@ from ulysses_jax.ring import (
     zigzag_inverse,
     zigzag_order,
 )
+from ulysses_jax.plan.hlo import array_bytes, parse
 
 B, S, D = 2, 64, 16
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -250,8 +250,8 @@ def test_h100_program_permutes_bf16_async_overlapped():
     """The same on 4 compile-only H100s, one per host (the ring crosses the network), bfloat16: the bytes of
     the formula (XLA:GPU may fuse a step's permutes into one tuple: bytes, not op counts, are compared), all
     asynchronous, and every forward permute has the attention of a step scheduled between start and done."""
-    from ulysses_jax.hlo import collectives
-    from ulysses_jax.targets import target_devices
+    from ulysses_jax.plan.hlo import collectives
+    from ulysses_jax.plan.targets import target_devices
 
     ring, b, s, h, hkv, d = 4, 1, 512, 8, 2, 64
     mesh = jax.make_mesh((ring,), ("ring",), axis_types=(AxisType.Auto,), devices=target_devices("h100", devices=ring,

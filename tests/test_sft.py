@@ -13,7 +13,7 @@ from flax import nnx
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 import ulysses_jax as uj
-from ulysses_jax.sft import IGNORE, SFTRenderer, read_jsonl
+from ulysses_jax.data.sft import IGNORE, SFTRenderer, read_jsonl
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
            "<|end_header_id|>", "<|eot_id|>"]

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 from test_model import MESHES, build, mesh_for, shrink
 
 from ulysses_jax import LOGICAL_AXES, Transformer, format_param_table, param_shardings, param_table
-from ulysses_jax.model import sharded_init
-from ulysses_jax.sharding import compute_spec, fsdp_axes, param_spec
+from ulysses_jax.model.layers import sharded_init
+from ulysses_jax.parallel.sharding import compute_spec, fsdp_axes, param_spec
 
 
 def test_table():

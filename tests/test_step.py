@@ -9,10 +9,10 @@ import optax
 import pytest
 
 from ulysses_jax import make_mesh
-from ulysses_jax.checkpoint import Checkpointer
-from ulysses_jax.config import ModelConfig
-from ulysses_jax.loss import shift_labels
-from ulysses_jax.step import (
+from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.model.loss import shift_labels
+from ulysses_jax.train.checkpoint import Checkpointer
+from ulysses_jax.train.step import (
     OptimConfig,
     abstract_state,
     init_state,
@@ -175,7 +175,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
 def test_weight_decay_skips_norms_and_biases():
     from flax import nnx
 
-    from ulysses_jax.step import decay_mask
+    from ulysses_jax.train.step import decay_mask
 
     cfg = dataclasses.replace(ModelConfig.from_preset("qwen2.5-0.5b"), num_layers=2, hidden=64, num_heads=4,
                               num_kv_heads=2, head_dim=16, mlp_dim=128, vocab_size=256)

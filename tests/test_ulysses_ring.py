@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 from np_reference import TOL, attention_f64, random_inputs, rel_err
 
 from ulysses_jax import make_mesh, ulysses_attention
-from ulysses_jax.ring import zigzag_order
-from ulysses_jax.ulysses import ring_token_order
+from ulysses_jax.parallel.ring import zigzag_order
+from ulysses_jax.parallel.ulysses import ring_token_order
 
 B, S, D = 2, 64, 16
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1), "h6": (6, 3)}  # h6: heads not divisible by sp=4

@@ -21,11 +21,11 @@ import sys
 
 import tyro
 
-from ulysses_jax import runconfig
-from ulysses_jax.head_layout import plan_heads
-from ulysses_jax.evaluate import EvalConfig
-from ulysses_jax.export import ExportConfig
-from ulysses_jax.trainer import PRESET_AND_HF, TrainConfig
+from ulysses_jax.parallel.head_layout import plan_heads
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.config import PRESET_AND_HF, TrainConfig
+from ulysses_jax.train.evaluate import EvalConfig
+from ulysses_jax.train.export import ExportConfig
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
@@ -152,7 +152,7 @@ def _base(cls, args: list[str], *, resume: bool):
 def parse(argv: list[str]):
     """``argv`` -> the command's config (``TrainConfig``, ``EvalConfig`` or ``PlanConfig``); ``ValueError`` on bad
     input; ``SystemExit`` for ``--help``."""
-    from ulysses_jax.plan import PlanConfig
+    from ulysses_jax.plan.planner import PlanConfig
 
     commands = {"train": TrainConfig, "eval": EvalConfig, "plan": PlanConfig, "export": ExportConfig}
     if not argv or argv[0] not in commands:
@@ -183,7 +183,7 @@ def _explicit_preset(args: list[str]) -> bool:
 
 
 def _impl_note(m, mesh) -> str:
-    from ulysses_jax.attention import device_platform, resolve_impl
+    from ulysses_jax.kernels.attention import device_platform, resolve_impl
 
     # training rows are packed documents: segment ids are always present
     impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
@@ -202,8 +202,8 @@ def _checked(setup, cfg):
 
 
 def _train(cfg: TrainConfig) -> int:
-    from ulysses_jax.metrics import tensorboard_command
-    from ulysses_jax.trainer import TrainingDiverged, setup_train, train_run
+    from ulysses_jax.train.metrics import tensorboard_command
+    from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
 
     run = _checked(setup_train, cfg)
     if run is None:
@@ -254,7 +254,7 @@ def _train(cfg: TrainConfig) -> int:
 
 
 def _plan(cfg) -> int:
-    from ulysses_jax.plan import run_plan
+    from ulysses_jax.plan.planner import run_plan
 
     try:
         run_plan(cfg)
@@ -264,7 +264,7 @@ def _plan(cfg) -> int:
 
 
 def _eval(cfg: EvalConfig) -> int:
-    from ulysses_jax.evaluate import evaluate
+    from ulysses_jax.train.evaluate import evaluate
 
     result = _checked(evaluate, cfg)
     if result is None:
@@ -278,7 +278,7 @@ def _eval(cfg: EvalConfig) -> int:
 
 
 def _export(cfg: ExportConfig) -> int:
-    from ulysses_jax.export import export_run
+    from ulysses_jax.train.export import export_run
 
     result = _checked(export_run, cfg)
     if result is None:
@@ -292,8 +292,8 @@ def _export(cfg: ExportConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ulysses_jax.plan import PlanConfig
-    from ulysses_jax.targets import no_gpu_here
+    from ulysses_jax.plan.planner import PlanConfig
+    from ulysses_jax.plan.targets import no_gpu_here
 
     if no_gpu_here():
         # the CUDA plugin (gpu/aot extras) fails its start-up check without a GPU and would not register; skipping

@@ -1,5 +1,6 @@
-"""Pallas kernels; they import nothing from the rest of the package.
+"""Kernels layer: local (single-device) attention behind one ``attention(..., impl=)``: the XLA reference, the
+blockwise ``lax`` kernel and the Pallas flash-attention kernels with their block sizes.
 
-Import from the module (``from ulysses_jax.kernels.flash_attention import flash_attention``): re-exporting
-the function here would shadow the submodule of the same name.
+May import: nothing of the package (each kernel file only its own block sizes); jax and numpy only.
+Must not import: anything above it (parallel, model, data, train, interop, plan, cli).
 """

@@ -37,61 +37,21 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ulysses_jax.kernels.flash_blocks import (
+    MIN_BLOCK,
+    BlockSizes,
+    check_shared_memory,
+    default_block_sizes,
+    fit_blocks,
+    launch,
+    next_pow2,
+)
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) underflows to 0, never NaN
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper GPU instruction
-MIN_BLOCK = 16  # Triton's tl.dot needs every dimension >= 16
-SHARED_MEMORY_PER_BLOCK = 232_448  # bytes, the opt-in limit per thread block of H100 and H200 (sm_90)
-
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes (powers of two >= 16) and GPU launch settings. Larger than the sequence? They shrink.
-
-    As in Triton's fused-attention tutorial, the dK/dV kernel keeps a tall KV block and streams thin
-    query blocks, the dQ kernel the reverse. ``num_warps`` / ``num_stages`` apply to the GPU (Triton)
-    lowering only: one value for all three kernels, a tuple ``(forward, dK/dV, dQ)``, or ``None`` for a
-    heuristic. ``flash_attention(block_sizes=None)`` uses :func:`default_block_sizes`, tuned per head_dim
-    and dtype; the class defaults below are the untuned starting point.
-    """
-
-    block_q: int = 128
-    block_k: int = 128
-    block_q_dkv: int = 32
-    block_k_dkv: int = 128
-    block_q_dq: int = 128
-    block_k_dq: int = 32
-    num_warps: int | tuple[int, int, int] | None = None
-    num_stages: int | tuple[int, int, int] | None = None
-
-
-# Tuned on the H100 target (sm_90a, ptxas via XLA's deviceless compile; see experiments/kernel_ptxas.py): per
-# (head_dim rounded up to a power of two, bytes per element) the six block sizes and per-kernel warps and
-# stages (forward, dK/dV, dQ). Chosen as the largest tiles with no register spill at any sequence length,
-# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block.
-_TUNED: dict[tuple[int, int], BlockSizes] = {
-    (64, 2): BlockSizes(128, 128, 32, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
-    (128, 2): BlockSizes(128, 64, 32, 64, 128, 32, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
-    (256, 2): BlockSizes(64, 64, 16, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
-    (64, 4): BlockSizes(64, 32, 32, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
-    (128, 4): BlockSizes(32, 32, 32, 32, 32, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
-    (256, 4): BlockSizes(32, 32, 16, 32, 32, 16, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
-}
-
-
-def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
-    """The tuned :class:`BlockSizes` for ``head_dim`` and ``dtype`` (``flash_attention``'s default).
-
-    Head dims round up to the next tuned size (64, 128, 256); larger ones get the 256 entry, which
-    :func:`flash_attention` then refuses on GPU if its tiles exceed the shared memory per block.
-    """
-    itemsize = 2 if jnp.dtype(dtype).itemsize <= 2 else 4
-    dims = sorted(d for d, i in _TUNED if i == itemsize)
-    d = next((d for d in dims if d >= head_dim), dims[-1])
-    return _TUNED[d, itemsize]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
+class Config:
     """Everything static about one call (hashable: a ``custom_vjp`` nondiff argument)."""
 
     causal: bool
@@ -148,7 +108,7 @@ def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: _Config):
+def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: Config):
     """Boolean ``[Bq, Bk]`` of allowed (query, key) pairs, or None when nothing needs masking."""
     mask = None
 
@@ -173,54 +133,7 @@ def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg):
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
-KERNELS = ("fwd", "dkv", "dq")  # kernel i is named flash_attention_{KERNELS[i]} on the GPU
-
-
-def _tiles(blocks: BlockSizes, kernel: int) -> tuple[int, int]:
-    """(query block, key block) of kernel 0 forward, 1 dK/dV, 2 dQ."""
-    return ((blocks.block_q, blocks.block_k), (blocks.block_q_dkv, blocks.block_k_dkv),
-            (blocks.block_q_dq, blocks.block_k_dq))[kernel]
-
-
-def _launch(blocks: BlockSizes, kernel: int, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) of ``kernel``: the value in ``blocks``, else 8 warps (4 for tiles of
-    32 x 32 or less at head_dim <= 64) and 2 stages."""
-    bq, bk = _tiles(blocks, kernel)
-
-    def pick(value, fallback):
-        value = value[kernel] if isinstance(value, tuple) else value
-        return fallback if value is None else value
-
-    return (pick(blocks.num_warps, 4 if bq * bk <= 32 * 32 and head_dim <= 64 else 8),
-            pick(blocks.num_stages, 2))
-
-
-def shared_memory_bytes(blocks: BlockSizes, head_dim: int, dtype, *, segment_ids: bool = False) -> dict[str, int]:
-    """Estimated dynamic shared memory per block of each GPU kernel, ``{"fwd": bytes, "dkv": ..., "dq": ...}``.
-
-    Triton keeps one buffer per pipeline stage for each tile a loop streams (K and V in the forward and
-    dQ kernels, Q and dO in dK/dV) plus the tiles loaded once. Checked against the compiled H100 kernels
-    (experiments/kernel_ptxas.py): exact for bfloat16 forward and dQ kernels with >= 2 stages and query
-    blocks >= 64, an upper bound otherwise (by at most about 1.7x in the sweeps).
-    """
-    e, d = jnp.dtype(dtype).itemsize, max(MIN_BLOCK, _next_pow2(head_dim))
-    seg = 4 if segment_ids else 0  # int32 ids of the streamed positions
-    out = {}
-    for i, name in enumerate(KERNELS):
-        bq, bk = _tiles(blocks, i)
-        stages = _launch(blocks, i, d)[1]
-        if name == "fwd":  # Q once; K, V per stage (one stage: one K and one V tile); float32 P re-laid out
-            out[name] = (e * d * (bq + 2 * bk * (stages if stages > 1 else 1)) + seg * bk * stages
-                         + (4 * bq * (bk + 4) if e == 4 else 0))
-        elif name == "dkv":  # K, V once; Q, dO, L, delta per stage; P^T and dS^T for the transposed products
-            s = max(stages, 2)
-            out[name] = e * d * (2 * bk + 2 * bq * s) + 2 * e * bq * bk + (8 + seg) * bq * s
-        else:  # Q, dO once; K, V per stage
-            out[name] = e * d * (2 * bq + 2 * bk * stages) + seg * bk * stages
-    return out
-
-
-def _compiler_params(cfg: _Config, kernel: int, head_dim: int):
+def _compiler_params(cfg: Config, kernel: int, head_dim: int):
     """Triton compiler params of ``kernel`` (0 forward, 1 dK/dV, 2 dQ) on GPU, None in interpret mode.
     Always passed on GPU: without them jax >= 0.10 lowers a pallas_call to Mosaic GPU
     (``jax_pallas_use_mosaic_gpu`` defaults to True). The class is
@@ -230,7 +143,7 @@ def _compiler_params(cfg: _Config, kernel: int, head_dim: int):
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    num_warps, num_stages = _launch(cfg.blocks, kernel, head_dim)
+    num_warps, num_stages = launch(cfg.blocks, kernel, head_dim)
     params_cls = getattr(pltriton, "CompilerParams", None) or getattr(pl, "TritonCompilerParams")
     return params_cls(num_warps=num_warps, num_stages=num_stages)
 
@@ -240,7 +153,7 @@ def _compiler_params(cfg: _Config, kernel: int, head_dim: int):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cfg: _Config):
+def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cfg: Config):
     # q_ref [Bq, D] | k_ref, v_ref [S, D] (this head's KV head) | q_seg_ref, k_seg_ref [S] or None
     # o_ref [Bq, D] | lse_ref [Bq]
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
@@ -276,7 +189,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cf
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l))
 
 
-def _forward(q, k, v, seg, cfg: _Config):
+def forward(q, k, v, seg, cfg: Config):
     """q [B, S, H, D], k/v [B, S, Hkv, D], seg (query ids, key ids) [B, S] each | None
     -> (O [B, S, H, D], L [B, H, S] float32)."""
     b, s, h, d = q.shape
@@ -306,33 +219,6 @@ def _segments(seg) -> tuple:
     return (None, None) if seg is None else seg
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _fit_blocks(blocks: BlockSizes, seq_len: int) -> BlockSizes:
-    """Validate block sizes and shrink those larger than the (power-of-two rounded) sequence."""
-    cap = max(MIN_BLOCK, _next_pow2(seq_len))
-    sizes = {}
-    for f in dataclasses.fields(blocks):
-        if f.name.startswith("block_"):
-            size = getattr(blocks, f.name)
-            if size < MIN_BLOCK or size & (size - 1):
-                raise ValueError(f"{f.name}={size} must be a power of two >= {MIN_BLOCK}")
-            sizes[f.name] = min(size, cap)
-    return dataclasses.replace(blocks, **sizes)
-
-
-def _check_shared_memory(blocks: BlockSizes, head_dim: int, dtype, segment_ids: bool) -> None:
-    """Refuse, before anything compiles, tiles whose shared memory exceeds the GPU's limit per block."""
-    for name, need in shared_memory_bytes(blocks, head_dim, dtype, segment_ids=segment_ids).items():
-        if need > SHARED_MEMORY_PER_BLOCK:
-            raise ValueError(
-                f"flash_attention_{name} at head_dim {head_dim} in {jnp.dtype(dtype).name} needs about {need:,} "
-                f"bytes of shared memory per block with {blocks}, over the GPU's {SHARED_MEMORY_PER_BLOCK:,}: "
-                f"pass smaller BlockSizes (block sizes or num_stages), or bfloat16 inputs")
-
-
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """Memory-efficient exact attention.
@@ -359,13 +245,13 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
-    blocks = _fit_blocks(block_sizes or default_block_sizes(d, q.dtype), s)
+    blocks = fit_blocks(block_sizes or default_block_sizes(d, q.dtype), s)
     multiple = max(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("block_"))
     s_pad = pl.cdiv(s, multiple) * multiple
-    d_pad = max(MIN_BLOCK, _next_pow2(d))
+    d_pad = max(MIN_BLOCK, next_pow2(d))
     if not interpret:
-        _check_shared_memory(blocks, d, q.dtype, segment_ids is not None)
-    cfg = _Config(causal=bool(causal), scale=float(1.0 / math.sqrt(d) if scale is None else scale),
+        check_shared_memory(blocks, d, q.dtype, segment_ids is not None)
+    cfg = Config(causal=bool(causal), scale=float(1.0 / math.sqrt(d) if scale is None else scale),
                   seq_len=s, padded_len=s_pad, group=h // k.shape[2], blocks=blocks, interpret=bool(interpret))
 
     def pad(x):  # [B, S, heads, D] -> [B, S_pad, heads, D_pad] with zeros; padded keys are masked by length
@@ -380,21 +266,21 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, cfg: _Config):
-    return _forward(q, k, v, seg, cfg)[0]
+def _flash(q, k, v, seg, cfg: Config):
+    return forward(q, k, v, seg, cfg)[0]
 
 
-def _flash_fwd(q, k, v, seg, cfg: _Config):
-    out, lse = _forward(q, k, v, seg, cfg)
+def _flash_fwd(q, k, v, seg, cfg: Config):
+    out, lse = forward(q, k, v, seg, cfg)
     return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(cfg: _Config, res, do):
+def _flash_bwd(cfg: Config, res, do):
     q, k, v, seg, out, lse = res
     # delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij: [B, S, H] -> [B, H, S], float32
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    dk, dv = _backward_dkv(q, k, v, seg, do, lse, delta, cfg)
-    dq = _backward_dq(q, k, v, seg, do, lse, delta, cfg)
+    dk, dv = backward_dkv(q, k, v, seg, do, lse, delta, cfg)
+    dq = backward_dq(q, k, v, seg, do, lse, delta, cfg)
     return dq, dk, dv, None if seg is None else (None, None)
 
 
@@ -407,7 +293,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                cfg: _Config):
+                cfg: Config):
     # q_ref, do_ref [S, G, D] (the G query heads of this KV head) | k_ref, v_ref [Bk, D]
     # lse_ref, delta_ref [G, S] | q_seg_ref, k_seg_ref [S] or None | dk_ref, dv_ref [Bk, D]
     bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
@@ -439,7 +325,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delt
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward_dkv(q, k, v, seg, do, lse, delta, cfg: _Config):
+def backward_dkv(q, k, v, seg, do, lse, delta, cfg: Config):
     b, s, hkv, d = k.shape
     bk, g = cfg.blocks.block_k_dkv, cfg.group
     q_heads = pl.BlockSpec((None, s, g, d), lambda j, bi, hi: (bi, 0, hi, 0))
@@ -459,7 +345,7 @@ def _backward_dkv(q, k, v, seg, do, lse, delta, cfg: _Config):
     )(q, k, v, *_segments(seg), do, lse, delta)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Config):
+def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: Config):
     # q_ref, do_ref, dq_ref [Bq, D] | k_ref, v_ref [S, D] | lse_ref, delta_ref [Bq] | q_seg_ref, k_seg_ref [S] or None
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     qi = pl.program_id(0)
@@ -481,7 +367,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _backward_dq(q, k, v, seg, do, lse, delta, cfg: _Config):
+def backward_dq(q, k, v, seg, do, lse, delta, cfg: Config):
     b, s, h, d = q.shape
     bq, g = cfg.blocks.block_q_dq, cfg.group
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
@@ -503,73 +389,6 @@ def _backward_dq(q, k, v, seg, do, lse, delta, cfg: _Config):
 # ---------------------------------------------------------------------------------------------------
 # Ring steps: one (query block, KV block) pair, with the log-sum-exp (ring.LocalKernel)
 # ---------------------------------------------------------------------------------------------------
-
-
-def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, segment_ids: bool,
-                 float32: bool = True) -> _Config:
-    """The kernels' config for a ring pair: equal query and KV lengths, float32 outputs unless ``float32=False``."""
-    b, s, h, d = q.shape
-    if k.shape[1] != s:
-        raise ValueError(f"a ring pair needs equal query and KV block lengths; got {q.shape=}, {k.shape=}")
-    if interpret is None:
-        interpret = jax.devices()[0].platform != "gpu"
-    blocks = _fit_blocks(default_block_sizes(d, q.dtype), s)
-    multiple = max(getattr(blocks, f.name) for f in dataclasses.fields(blocks) if f.name.startswith("block_"))
-    if not interpret:
-        _check_shared_memory(blocks, d, q.dtype, segment_ids)
-    return _Config(causal=bool(causal), scale=float(scale), seq_len=s, padded_len=pl.cdiv(s, multiple) * multiple,
-                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=bool(float32))
-
-
-def _pair_pad(cfg: _Config, head_dim: int):
-    """Pads ``[B, S, heads, D]`` to ``[B, S_pad, heads, D_pad]`` and ``[B, S]`` segment ids to ``[B, S_pad]``."""
-    s, s_pad, d_pad = cfg.seq_len, cfg.padded_len, max(MIN_BLOCK, _next_pow2(head_dim))
-
-    def pad(x):
-        return x if (s_pad, d_pad) == (s, head_dim) else jnp.pad(
-            x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - head_dim)))
-
-    def pad_ids(x):  # -1 on padded rows; padded keys are masked by the length anyway
-        return jnp.pad(x.astype(jnp.int32), ((0, 0), (0, s_pad - s)), constant_values=-1)
-
-    return pad, pad_ids
-
-
-def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None,
-                 float32: bool = True):
-    """One ring pair: ``o [b, s, H, D]`` float32 (``float32=False``: in q's dtype), normalised (0 for a row that sees
-    no key), and ``lse [b, H, s]`` float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and
-    key positions coincide (``ring.py`` asks for it only then), so the positions themselves are not read."""
-    del q_pos, k_pos
-    b, s, h, d = q.shape
-    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
-                       float32=float32)
-    pad, pad_ids = _pair_pad(cfg, d)
-    seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
-    o, lse2 = _forward(pad(q), pad(k), pad(v), seg, cfg)
-    lse = jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * math.log(2.0))  # base 2 -> natural; empty rows -> -inf
-    return o[:, :s, :, :d], lse[:, :, :s]
-
-
-def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float,
-                  interpret: bool | None = None, float32: bool = True):
-    """Gradients of one ring pair given the *global* ``lse`` (natural log, ``-inf`` for a row that sees no key
-    anywhere) and ``delta = rowsum(dO * O)``, both ``[b, H, s]`` float32: float32 ``dq``, ``dk``, ``dv``
-    (``float32=False``: in the inputs' dtypes)."""
-    del q_pos, k_pos
-    b, s, h, d = q.shape
-    cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
-                       float32=float32)
-    pad, pad_ids = _pair_pad(cfg, d)
-    seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
-    rows = ((0, 0), (0, 0), (0, cfg.padded_len - s))
-    # the kernels' L is base 2 with +inf for an empty row (exp2(x - inf) = 0); padded rows are empty too
-    lse2 = jnp.pad(jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2_E), rows, constant_values=jnp.inf)
-    delta = jnp.pad(delta.astype(jnp.float32), rows)
-    q, k, v, do = pad(q), pad(k), pad(v), pad(do.astype(q.dtype))
-    dk, dv = _backward_dkv(q, k, v, seg, do, lse2, delta, cfg)
-    dq = _backward_dq(q, k, v, seg, do, lse2, delta, cfg)
-    return dq[:, :s, :, :d], dk[:, :s, :, :d], dv[:, :s, :, :d]
 
 
 # ---------------------------------------------------------------------------------------------------

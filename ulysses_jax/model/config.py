@@ -1,0 +1,240 @@
+"""``ModelConfig``: the frozen description of a Llama / Qwen / Mistral-family transformer, with presets.
+
+Presets carry the shapes of the published checkpoints (Hugging Face ``config.json`` of each model):
+
+| preset       | layers | hidden | heads | kv | head_dim | mlp   | vocab  | theta  | scaling    | tied | extras   |
+|--------------|--------|--------|-------|----|----------|-------|--------|--------|------------|------|----------|
+| llama3.2-1b  | 16     | 2048   | 32    | 8  | 64       | 8192  | 128256 | 500000 | llama3 x32 | yes  |          |
+| llama3.2-3b  | 28     | 3072   | 24    | 8  | 128      | 8192  | 128256 | 500000 | llama3 x32 | yes  |          |
+| llama3.1-8b  | 32     | 4096   | 32    | 8  | 128      | 14336 | 128256 | 500000 | llama3 x8  | no   |          |
+| llama3.1-70b | 80     | 8192   | 64    | 8  | 128      | 28672 | 128256 | 500000 | llama3 x8  | no   |          |
+| qwen2.5-0.5b | 24     | 896    | 14    | 2  | 64       | 4864  | 151936 | 1e6    | -          | yes  | qkv bias |
+| qwen2.5-7b   | 28     | 3584   | 28    | 4  | 128      | 18944 | 152064 | 1e6    | -          | no   | qkv bias |
+| qwen3-0.6b   | 28     | 1024   | 16    | 8  | 128      | 3072  | 151936 | 1e6    | -          | yes  | qk-norm  |
+| qwen3-4b     | 36     | 2560   | 32    | 8  | 128      | 9728  | 151936 | 1e6    | -          | yes  | qk-norm  |
+| qwen3-8b     | 36     | 4096   | 32    | 8  | 128      | 12288 | 151936 | 1e6    | -          | no   | qk-norm  |
+| mistral-7b   | 32     | 4096   | 32    | 8  | 128      | 14336 | 32768  | 1e6    | -          | no   | (v0.3)   |
+
+``mistral-7b`` is v0.3 (no sliding window; v0.1's 4096-token window is not modelled). ``tiny`` is a
+CPU-sized GQA model (5.2M parameters) for smoke runs. Variations: ``dataclasses.replace(cfg, ...)``, which
+re-runs the validation, so an invalid combination raises ``ValueError`` at once.
+
+The long-context memory switches (each tested for equality with the plain path):
+  * ``loss_chunk``: tokens per chunk of each device's sequence for the tiled loss (0 = plain loss).
+  * ``mlp_chunk``: tokens per chunk of each device's sequence for the tiled MLP (0 = plain MLP).
+  * ``attn_chunk``: tokens per chunk of each device's sequence for the tiled attention sublayer: norm,
+    projections and the Ulysses all-to-alls chunk by chunk around one whole-sequence kernel call
+    (``tiled_attention.py``; 0 = plain; needs ``ring = 1``).
+  * ``attn_head_chunk``: with ``attn_chunk``, query heads per group of the tiled attention on each device: the
+    heads are projected, exchanged and run through the kernel one group at a time, so the kernel's
+    whole-sequence operands and gradients exist for one group only (0 = all of a device's heads at once).
+  * ``attn_recompute``: with ``attn_chunk``, the tiled attention keeps no output for its backward, where each
+    group's kernel forward runs again (one more attention forward per layer, one ``[S/sp, D]`` buffer less).
+  * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
+  * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
+    group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
+  * ``offload_params``: the stacked layers' parameters live in pinned host memory; the layer scan moves each
+    layer's to the device when it runs it and sends its gradient back to host memory (``offload.stream_in``), so
+    the device holds one layer of parameters and of gradients at a time. The update must stream too
+    (``OptimConfig.offload``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ulysses_jax.model import hf_config
+
+REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.factor < 1:
+            raise ValueError(f"rope scaling factor ({self.factor}) must be >= 1")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"rope scaling needs 0 < low_freq_factor ({self.low_freq_factor}) "
+                f"< high_freq_factor ({self.high_freq_factor})"
+            )
+        if self.original_max_position < 1:
+            raise ValueError(f"rope scaling original_max_position ({self.original_max_position}) must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer: RMSNorm pre-norm blocks, RoPE, GQA attention, SwiGLU MLP."""
+
+    name: str = "custom"
+    vocab_size: int = 256
+    num_layers: int = 2
+    hidden: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 8
+    mlp_dim: int = 128
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    qkv_bias: bool = False  # Qwen2.5: bias on the q, k, v projections
+    max_seq_len: int = 131_072  # informational: the context length the preset was published with
+    init_std: float = 0.02
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    attention_impl: str = "auto"  # passed through to ulysses_attention(impl=...); auto: blockwise on CPU
+    shard_params_over_data: bool = False  # ZeRO-3 over data x fsdp x sp instead of fsdp x sp
+    loss_chunk: int = 0
+    mlp_chunk: int = 0
+    attn_chunk: int = 0  # tokens per chunk of each device's sequence for the tiled attention sublayer (0: off)
+    attn_head_chunk: int = 0  # with attn_chunk: query heads per device in each group of the kernel (0: all at once)
+    attn_recompute: bool = False  # with attn_chunk: no attention output kept for the backward; recomputed there
+    remat: str = "none"
+    remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
+    offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
+
+    def __post_init__(self):
+        positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                    "max_seq_len")
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} ({value!r}) must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) "
+                f"for MHA/GQA/MQA"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.rope_theta <= 1:
+            raise ValueError(f"rope_theta ({self.rope_theta}) must be > 1")
+        if self.rms_eps <= 0 or self.init_std <= 0:
+            raise ValueError(f"rms_eps ({self.rms_eps}) and init_std ({self.init_std}) must be positive")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        for field in ("param_dtype", "compute_dtype"):
+            if getattr(self, field) not in DTYPES:
+                raise ValueError(f"{field} {getattr(self, field)!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(self.attention_impl, str) or not self.attention_impl:
+            raise ValueError(f"attention_impl ({self.attention_impl!r}) must be a non-empty string such as 'xla'")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
+            raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
+                             f"({self.num_layers})")
+        for field in ("loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                what = "query heads" if field == "attn_head_chunk" else "tokens"
+                raise ValueError(f"{field} ({value!r}) must be 0 (off) or a positive number of {what} per chunk")
+        if self.attn_head_chunk and not self.attn_chunk:
+            raise ValueError(f"attn_head_chunk ({self.attn_head_chunk}) groups the heads of the tiled attention "
+                             f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
+        if not isinstance(self.attn_recompute, bool):
+            raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
+        if self.attn_recompute and not self.attn_chunk:
+            raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
+                             "too (tokens per chunk, e.g. 4096)")
+
+    @property
+    def param_jnp_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def compute_jnp_dtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> ModelConfig:
+        """The published shapes of ``name`` (see ``PRESETS``), with ``overrides`` replaced."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    @classmethod
+    def from_hf(cls, path, **overrides) -> ModelConfig:
+        """The shapes of a Hugging Face model folder's ``config.json`` (Llama 3.x, Qwen2, Qwen3, Mistral; see
+        ``model/hf_config.py``), with ``overrides`` replaced. Unsupported settings raise ``ValueError`` naming the
+        field."""
+        fields = hf_config.config_fields(path)
+        if fields["rope_scaling"] is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ValueError(f"{key!r} is not a ModelConfig field; choose from {', '.join(sorted(known))}")
+        return cls(**{**fields, **overrides})
+
+
+def local_chunks(chunk: int, local_seq: int, what: str) -> int:
+    """Number of chunks of ``chunk`` tokens in a device's ``local_seq`` tokens; raise if it does not divide."""
+    if local_seq % chunk:
+        raise ValueError(
+            f"{what} ({chunk}) must divide the per-device sequence length ({local_seq} = seq / sp); "
+            f"choose a divisor of {local_seq}"
+        )
+    return local_seq // chunk
+
+
+_LLAMA3 = dict(rope_theta=500_000.0, rms_eps=1e-5, vocab_size=128_256, max_seq_len=131_072)
+_QWEN = dict(rope_theta=1_000_000.0, rms_eps=1e-6)
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32,
+        mlp_dim=768, rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32",
+    ),
+    "llama3.2-1b": ModelConfig(
+        name="llama3.2-1b", num_layers=16, hidden=2048, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
+        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True, **_LLAMA3,
+    ),
+    "llama3.2-3b": ModelConfig(
+        name="llama3.2-3b", num_layers=28, hidden=3072, num_heads=24, num_kv_heads=8, head_dim=128, mlp_dim=8192,
+        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True, **_LLAMA3,
+    ),
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
+        rope_scaling=RopeScaling(factor=8.0), **_LLAMA3,
+    ),
+    "llama3.1-70b": ModelConfig(
+        name="llama3.1-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
+        rope_scaling=RopeScaling(factor=8.0), **_LLAMA3,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", vocab_size=151_936, num_layers=24, hidden=896, num_heads=14, num_kv_heads=2,
+        head_dim=64, mlp_dim=4864, tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, **_QWEN,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", vocab_size=152_064, num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4,
+        head_dim=128, mlp_dim=18944, qkv_bias=True, max_seq_len=131_072, **_QWEN,
+    ),
+    "qwen3-0.6b": ModelConfig(
+        name="qwen3-0.6b", vocab_size=151_936, num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8,
+        head_dim=128, mlp_dim=3072, tie_embeddings=True, qk_norm=True, max_seq_len=40_960, **_QWEN,
+    ),
+    "qwen3-4b": ModelConfig(
+        name="qwen3-4b", vocab_size=151_936, num_layers=36, hidden=2560, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=9728, tie_embeddings=True, qk_norm=True, max_seq_len=40_960, **_QWEN,
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151_936, num_layers=36, hidden=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=12288, qk_norm=True, max_seq_len=40_960, **_QWEN,
+    ),
+    "mistral-7b": ModelConfig(
+        name="mistral-7b", vocab_size=32_768, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768,
+    ),
+}

@@ -1,0 +1,86 @@
+"""Parameter and FLOP counts of a ``ModelConfig``, and the model-FLOP utilisation (MFU) they give.
+
+Model FLOPs of one training step (forward + backward; rematerialisation is *not* counted, as is usual
+for MFU):
+
+  * matmuls: ``6 * P_mm * tokens``, where ``P_mm`` counts the weights that enter a matmul: q, k, v, o
+    projections and the three MLP matrices of every layer, plus the ``V x D`` unembedding (its matmul runs
+    whether or not it is tied to the embedding). The embedding lookup (a gather), norms, biases, RoPE and
+    the softmax are left out: they are elementwise, well under 1% at these sizes.
+  * attention scores: per layer, ``Q K^T`` and ``P V`` each cost ``2 * B * S^2 * N * H`` forward, so
+    ``12 * L * B * S^2 * N * H`` forward + backward, halved when causal (only the unmasked half counts,
+    as in FlashAttention's accounting). Packed documents are counted as one causal sequence of length S.
+
+``flops_per_device`` divides by the number of devices: the work is split evenly across data, fsdp and sp.
+"""
+
+from __future__ import annotations
+
+from ulysses_jax.model.config import ModelConfig
+
+# Dense bf16 peak FLOP/s (no sparsity), from the vendors' datasheets.
+PEAK_FLOPS: dict[str, float] = {
+    "H100 SXM": 989e12,
+    "H100 PCIe": 756e12,
+    "H200": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+}
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    d, n, k, h, f = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    return d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """``P_mm``: weights that enter a matmul, the unembedding included (module doc)."""
+    return cfg.num_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Distinct parameters (a tied unembedding counted once): what the published model cards report."""
+    d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = layer_matmul_params(cfg) + 2 * d
+    per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
+    per_layer += 2 * h if cfg.qk_norm else 0
+    embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.num_layers * per_layer + embeddings + d
+
+
+def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = True) -> float:
+    """Model FLOPs of one forward + backward over ``batch`` rows of ``seq_len`` tokens (all devices)."""
+    dense = 6 * matmul_params(cfg) * batch * seq_len
+    attention = 12 * cfg.num_layers * batch * seq_len**2 * cfg.num_heads * cfg.head_dim
+    return float(dense + (attention / 2 if causal else attention))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Training FLOPs per token at context ``seq_len``: ``6 * P_mm + 12 * L * N * H * S (/ 2 if causal)``."""
+    return training_flops(cfg, batch=1, seq_len=seq_len, causal=causal) / seq_len
+
+
+def flops_per_device(cfg: ModelConfig, *, batch: int, seq_len: int, n_devices: int, causal: bool = True) -> float:
+    """``training_flops / n_devices`` for a global batch of ``batch`` rows."""
+    return training_flops(cfg, batch=batch, seq_len=seq_len, causal=causal) / n_devices
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Dense bf16 peak of a ``jax.Device.device_kind`` such as ``"NVIDIA H100 80GB HBM3"`` (None if unknown)."""
+    kind = device_kind.upper()
+    if "GH200" in kind:
+        return PEAK_FLOPS["GH200"]
+    if "H200" in kind:
+        return PEAK_FLOPS["H200"]
+    if "H100" in kind:
+        return PEAK_FLOPS["H100 PCIe" if "PCIE" in kind else "H100 SXM"]
+    if "A100" in kind:
+        return PEAK_FLOPS["A100"]
+    return None
+
+
+def mfu(flops_per_device_per_step: float, step_seconds: float, peak: float) -> float:
+    """Model-FLOP utilisation: achieved FLOP/s per device over the device's peak."""
+    if step_seconds <= 0 or peak <= 0:
+        raise ValueError(f"step_seconds ({step_seconds}) and peak ({peak}) must be positive")
+    return flops_per_device_per_step / step_seconds / peak

@@ -1,0 +1,161 @@
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` fields: the families read (Llama 3.x, Qwen2, Qwen3, Mistral), the
+settings refused with the field that asks for them, and the ``config.json`` written on export.
+
+This module imports nothing of the package: ``config_fields(path)`` returns plain field values (RoPE scaling as a
+dict) that ``ModelConfig.from_hf`` turns into a config, and the writer reads a config's attributes. The weights,
+which need the model, are ``interop/hf.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+ARCHITECTURES = {  # config.json "architectures" -> "model_type"
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+# ModelConfig fields that config.json decides (the others, e.g. compute_dtype or remat, are training choices).
+HF_CONFIG_FIELDS = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                    "rope_theta", "rope_scaling", "rms_eps", "tie_embeddings", "qk_norm", "qkv_bias")
+
+
+def read_json(path: pathlib.Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; pass a Hugging Face model folder (with config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read as JSON ({e}); restore the file from the model's source") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _architecture(raw: dict, where: pathlib.Path) -> str:
+    archs = raw.get("architectures")
+    if not archs:
+        archs = [a for a, t in ARCHITECTURES.items() if t == raw.get("model_type")]
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(
+            f"{where}: architectures {archs!r} (model_type {raw.get('model_type')!r}) is not supported; "
+            f"use a model of {', '.join(ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def _refuse(where, field, value, why):
+    raise ValueError(f"{where}: {field} = {value!r} is not supported ({why}); only models without it can be imported")
+
+
+def _rope(raw: dict, where) -> tuple[float, dict | None]:
+    """``(rope_theta, scaling)`` (scaling: ``RopeScaling``'s fields) from transformers 5's ``rope_parameters`` or
+    4's ``rope_theta`` + ``rope_scaling``."""
+    if raw.get("rope_parameters") is not None:
+        field, params = "rope_parameters", raw["rope_parameters"]
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            _refuse(where, field, params, "expected one {rope_theta, rope_type, ...} for every layer")
+        theta = params["rope_theta"]
+    else:
+        field, params = "rope_scaling", raw.get("rope_scaling") or {}
+        theta = raw.get("rope_theta", 10_000.0)
+        if not isinstance(params, dict):
+            _refuse(where, field, params, "expected an object or null")
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _refuse(where, "partial_rotary_factor", partial, "RoPE on part of the head dimension")
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        _refuse(where, f"{field}.rope_type", kind, "only 'default' and 'llama3' RoPE are modelled")
+    try:
+        scaling = dict(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position=int(params["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise ValueError(f"{where}: {field} of rope_type 'llama3' has no {e.args[0]!r}; add it") from None
+    return float(theta), scaling
+
+
+def config_fields(path) -> dict:
+    """The ``ModelConfig`` fields of a Hugging Face folder's ``config.json`` (``ModelConfig.from_hf`` builds it)."""
+    folder = pathlib.Path(path).expanduser()
+    where = folder / "config.json"
+    raw = read_json(where)
+    arch = _architecture(raw, where)
+
+    def need(key):
+        if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
+            raise ValueError(f"{where}: {key} = {raw.get(key)!r} must be a positive integer; fix config.json")
+        return raw[key]
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    if raw.get("hidden_act", "silu") != "silu":
+        _refuse(where, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU with silu")
+    if raw.get("mlp_bias"):
+        _refuse(where, "mlp_bias", raw["mlp_bias"], "the MLP has no biases")
+    if arch != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+        _refuse(where, "attention_bias", raw["attention_bias"], "attention biases, o_proj's among them")
+    if raw.get("use_sliding_window"):
+        _refuse(where, "use_sliding_window", raw["use_sliding_window"], "sliding-window attention")
+    if arch == "MistralForCausalLM" and raw.get("sliding_window", 4096) is not None:  # transformers' default: 4096
+        _refuse(where, "sliding_window", raw.get("sliding_window", 4096), "sliding-window attention; v0.3 has null")
+    if any(t != "full_attention" for t in raw.get("layer_types") or ()):
+        _refuse(where, "layer_types", sorted(set(raw["layer_types"])), "every layer must be full_attention")
+    theta, scaling = _rope(raw, where)
+    fields = dict(
+        name=folder.resolve().name or ARCHITECTURES[arch],
+        vocab_size=need("vocab_size"), num_layers=need("num_hidden_layers"), hidden=hidden, num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=raw.get("head_dim") or hidden // heads,
+        mlp_dim=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=arch == "Qwen3ForCausalLM", qkv_bias=arch == "Qwen2ForCausalLM",
+    )
+    if isinstance(raw.get("max_position_embeddings"), int):
+        fields["max_seq_len"] = raw["max_position_embeddings"]
+    return fields
+
+
+
+def export_architecture(cfg, hint=None) -> str:
+    """The HF class that holds ``cfg``: Qwen3 (q/k norm), Qwen2 (q/k/v bias), Mistral (``hint`` or name), Llama."""
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise ValueError("a model with both qk_norm and qkv_bias has no Hugging Face architecture here; drop one")
+    if cfg.qk_norm:
+        return "Qwen3ForCausalLM"
+    if cfg.qkv_bias:
+        return "Qwen2ForCausalLM"
+    if hint == ["MistralForCausalLM"] or cfg.name.lower().startswith("mistral"):
+        return "MistralForCausalLM"
+    return "LlamaForCausalLM"
+
+
+def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
+    """The ``config.json`` of ``cfg`` as ``arch``; token ids are taken from ``source`` (the original config.json)."""
+    sc = cfg.rope_scaling
+    out = {
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if sc is None else {
+            "rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_position},
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
+    }
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        out["attention_bias"] = False
+    if arch == "LlamaForCausalLM":
+        out["mlp_bias"] = False
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        out["use_sliding_window"] = False
+    if arch != "LlamaForCausalLM":
+        out["sliding_window"] = None
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if (source or {}).get(key) is not None:
+            out[key] = source[key]
+    return out

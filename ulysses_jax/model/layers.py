@@ -1,0 +1,134 @@
+"""Layer primitives shared by the transformer and its tiled sublayers: parameters born sharded, positions, RoPE and
+RMSNorm.
+
+Parameters are created already split at rest (``parallel/sharding.py``): a jitted initializer per parameter writes each
+device's shard directly, so no device ever holds a whole copy, and the random values do not depend on the mesh (JAX's
+partitionable threefry). ``use`` gathers a parameter into its compute layout where it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.parallel.sharding import check_param_shape, compute_spec, param_spec
+
+# ----------------------------------------------------------------------------------------------
+# Parameters: born sharded
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_init(kind: str, std: float, shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    """A jitted initializer whose output is laid out as ``sharding`` (each device computes its shard)."""
+
+    def init(key):
+        if kind == "normal":
+            return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+    return jax.jit(init, out_shardings=sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMaker:
+    """Creates the parameters of one module: already sharded, and stacked ``[L, ...]`` when ``stack`` is set
+    (the layers of the scanned block carry a leading ``"layers"`` axis, whole on every device)."""
+
+    cfg: ModelConfig
+    mesh: Mesh
+    rngs: nnx.Rngs
+    stack: int | None = None
+
+    def __call__(self, name: str, shape, names, init: str = "normal") -> nnx.Param:
+        shape, names = tuple(shape), tuple(names)
+        if self.stack is not None:
+            shape, names = (self.stack, *shape), ("layers", *names)
+        spec = param_spec(names, over_data=self.cfg.shard_params_over_data)
+        check_param_shape(name, shape, spec, self.mesh)
+        key = self.rngs.params()  # drawn for every parameter, so the stream does not depend on the init kind
+        sharding = NamedSharding(self.mesh, spec)
+        value = sharded_init(init, self.cfg.init_std, shape, self.cfg.param_jnp_dtype, sharding)(key)
+        return nnx.Param(value, out_sharding=tuple(spec), logical_axes=names)
+
+
+def use(param: nnx.Param, mesh: Mesh, dtype) -> jax.Array:
+    """A parameter in its compute layout (whole: the FSDP all-gather), cast to ``dtype`` before the gather.
+
+    Inside the layer scan a stacked parameter arrives as one layer's slice: its ``"layers"`` name is dropped.
+    """
+    value, names = param.get_value(), param.get_metadata()["logical_axes"]
+    if len(names) == value.ndim + 1 and names[0] == "layers":
+        names = names[1:]
+    return jax.lax.with_sharding_constraint(value.astype(dtype), NamedSharding(mesh, compute_spec(names)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions and RoPE
+
+
+def document_positions(segment_ids_BS: jax.Array) -> jax.Array:
+    """Position of each token within its document: restarts at 0 wherever the segment id changes."""
+    s = segment_ids_BS.shape[1]
+    idx_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids_BS.shape)
+    start_BS = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BS[:, :1], bool), segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1
+    )
+    return idx_BS - jax.lax.cummax(jnp.where(start_BS, idx_BS, 0), axis=1)
+
+
+def default_positions(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None) -> jax.Array:
+    """0, 1, ... along each row, restarting at each document of ``segment_ids`` when given (natural order)."""
+    if segment_ids_BS is None:
+        return jnp.broadcast_to(jnp.arange(tokens_BS.shape[1], dtype=jnp.int32), tokens_BS.shape)
+    return document_positions(segment_ids_BS)
+
+
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies ``[H/2]`` (float64), with Llama-3 scaling when ``cfg.rope_scaling`` is set."""
+    h = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h)
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = sc.original_max_position / sc.low_freq_factor
+    high_freq_wavelen = sc.original_max_position / sc.high_freq_factor
+    smooth = (sc.original_max_position / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / sc.factor, inv_freq)  # long wavelengths: slowed
+    medium = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+    return np.where(medium, (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate halves ``(x1, x2)`` of the head dim by ``position * inv_freq`` (computed in float32)."""
+    angle_BSh = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+    sin, cos = jnp.sin(angle_BSh)[:, :, None], jnp.cos(angle_BSh)[:, :, None]
+    x1, x2 = jnp.split(x_BSNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, make: ParamMaker, dim: int, names: tuple[str, ...]):
+        self.cfg, self.mesh = make.cfg, make.mesh
+        self.scale = make("norm.scale", (dim,), names, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, use(self.scale, self.mesh, jnp.float32), self.cfg.rms_eps)

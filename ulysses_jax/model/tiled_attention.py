@@ -1,0 +1,386 @@
+"""The attention sublayer in sequence tiles around the Ulysses exchange, its heads in groups
+(``ModelConfig.attn_chunk``, ``attn_head_chunk``, ``attn_recompute``).
+
+``x + attention(rms_norm(x))`` for one layer, computed so that no tensor the size of a device's whole
+``[S/sp, heads]`` slice exists twice and the kernel's whole-sequence operands exist for one group of heads at a
+time. The plain path (``model.Attention`` + ``ulysses_attention``) holds at once the normed input, the Q/K/V
+projection before the all-to-all and after it, and the output before and after its all-to-all; at the longest
+contexts those copies are what fills an H100 (``experiments/results/memory_to_the_limit_h100.md``).
+
+Sequence tiles. Each device cuts its ``s = S/sp`` tokens into ``n`` chunks of ``c = attn_chunk``. Per chunk: RMSNorm,
+the Q/K/V projections (bias, per-head norm, RoPE) and three all-to-alls, whose results land in whole-sequence
+buffers ``q [b, S, heads, H]``, ``k, v [b, S, kv, H]`` pinned row-major (left free, XLA gave them the all-to-all's
+heads-major layout and copied Q, whole, for the kernel). Chunk ``i`` of every device travels in one all-to-all:
+device ``j``'s part holds global tokens ``j*s + i*c ...``, so viewed as ``[b, sp, n, c, heads, H]`` the buffer takes
+it at index ``i`` of its third axis, and the view is the natural token order (masks and segment ids unchanged).
+After the kernel, per chunk, the output goes back by its all-to-all, through the output projection, onto the
+residual.
+
+Head groups. A device computes ``hq`` query heads (``head_layout.py``: real, padded, or sharing a copied KV head).
+``attn_head_chunk = h`` cuts them into ``hq / h`` groups, each projected, exchanged and run through the kernel on its
+own, so Q, K, V, dO, dQ, dK, dV exist for one group: ``hq / h`` times smaller. ``h`` is a multiple or a divisor of
+the query heads per KV head on a device, so that a group is plain GQA (whole KV heads, or a share of one KV head's
+queries: that KV head is then projected and exchanged once per group that reads it: more K/V bytes on the wire,
+the same attention). ``HeadGroups`` cuts the weights to each group's exchange slots, dummy heads zero.
+
+Forward: per group, the chunked projection and exchange and the kernel's forward with its log-sum-exp
+(``ring.LocalKernel``), the output written into the device's ``O [b, S, hq, H]``; then the output's chunked exchange
+and projection over all heads, as without groups. Residuals: input, weights, ``O`` and log-sum-exps (with
+``attn_recompute``, neither ``O`` nor those: each group's kernel forward runs again in the backward, one more
+attention forward per layer). Backward, per group: the group's Q/K/V again chunk by chunk; ``dO`` (``ct @ wo^T`` and
+its all-to-all) and the output weights' gradient (from each chunk's exchange of ``O``, recomputed) chunk by chunk;
+the kernel's backward; per chunk its gradients sent back through the projection's backward onto the input's
+gradient, the weights' gradients summed in float32. Plain autodiff of the same loops would keep every chunk's
+projections as residuals, the memory this module exists to avoid. With several groups the input's gradient sums
+one term per group in the compute dtype (as a tensor-parallel all-reduce of activation gradients does); the
+forward sums as without groups.
+
+Kernels: ``xla``, ``blockwise``, ``pallas`` through ``ring.ring_kernel`` (with the log-sum-exp); ``cudnn`` has none, so
+its backward re-runs its forward (``jax.vjp``). Needs a mesh without a ring (a ring device's tokens are the ring's
+zigzag share, which these buffers do not model). Runs in ``shard_map``; parameters arrive at rest (FSDP) and are
+gathered here, their gradients reduce-scattered by the gather's transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.layout import Layout, with_layout_constraint
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.kernels.attention import attention, device_platform, resolve_impl
+from ulysses_jax.model.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
+from ulysses_jax.model.config import ModelConfig, local_chunks
+from ulysses_jax.model.layers import apply_rope, rms_norm, rope_frequencies
+from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
+from ulysses_jax.parallel.head_layout import HeadGroups, HeadLayout, head_groups, plan_heads
+from ulysses_jax.parallel.mesh import DATA, FSDP, RING, SEQ, SP
+from ulysses_jax.parallel.ring import ring_kernel
+from ulysses_jax.parallel.sharding import fsdp_axes, param_spec
+
+# The attention parameters of one layer, by name: (logical axes, the axis to gather for FSDP or None).
+PARAMS = {
+    "norm": (("embed",), 0),
+    "wq": (("embed", "heads", "head_dim"), 0),
+    "wk": (("embed", "kv_heads", "head_dim"), 0),
+    "wv": (("embed", "kv_heads", "head_dim"), 0),
+    "wo": (("heads", "head_dim", "embed"), 2),
+    "bq": (("heads", "head_dim"), None),
+    "bk": (("kv_heads", "head_dim"), None),
+    "bv": (("kv_heads", "head_dim"), None),
+    "q_norm": (("head_dim",), None),
+    "k_norm": (("head_dim",), None),
+}
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Head groups (head_layout.HeadGroups): the weights cut to each group's exchange
+
+
+def group_weights(w: dict, groups: HeadGroups, t) -> dict:
+    """The weights of group ``t`` (traced or int): each head axis (``PARAMS``'s ``heads`` / ``kv_heads``) in the
+    group's exchange slot order, dummy heads zero; other entries unchanged. Linear in ``w``."""
+    tables = {"heads": groups.q_heads(), "kv_heads": groups.kv_heads()}
+    out = dict(w)
+    for name, value in w.items():
+        axes = PARAMS[name][0]
+        head_axis = next((a for a in ("heads", "kv_heads") if a in axes), None)
+        if head_axis is None:
+            continue
+        table, axis = tables[head_axis], axes.index(head_axis)
+        if table.shape[0] == 1 and np.array_equal(table[0], np.arange(value.shape[axis])):
+            continue  # one group, heads in their own order: nothing to cut
+        idx = jnp.asarray(table)[t]
+        cut = jnp.take(value, jnp.maximum(idx, 0), axis=axis)
+        if table.min() < 0:
+            shape = [1] * cut.ndim
+            shape[axis] = -1
+            cut = cut * (idx >= 0).astype(cut.dtype).reshape(shape)
+        out[name] = cut
+    return out
+
+
+def _over_groups(count: int, body, carry):
+    """``body(t, carry)`` for ``t = 0 .. count-1``: a loop, or one direct call for one group."""
+    return body(0, carry) if count == 1 else jax.lax.fori_loop(0, count, body, carry)
+
+
+# ----------------------------------------------------------------------------------------------
+# One chunk: what goes into the exchange, what comes out of it
+
+
+def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig):
+    """``x [b, c, D] -> (q [b, c, sp * size, H], k, v [b, c, sp * kv, H])``: normed, projected by a group's weights
+    (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated."""
+    xn = rms_norm(x_bcD, w["norm"], cfg.rms_eps)
+    q = jnp.einsum("bsd,dnh->bsnh", xn, w["wq"])
+    k = jnp.einsum("bsd,dkh->bskh", xn, w["wk"])
+    v = jnp.einsum("bsd,dkh->bskh", xn, w["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+    inv_freq = rope_frequencies(cfg)
+    return apply_rope(q, pos_bc, inv_freq), apply_rope(k, pos_bc, inv_freq), v
+
+
+def output_chunk(o_bcXH, wo, *, layout: HeadLayout):
+    """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: the output projection."""
+    return jnp.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), wo)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loops over a device's chunks (inside shard_map; axis SP)
+
+
+def _row_major(buf):
+    """``buf`` pinned row-major. A whole-sequence buffer filled from all-to-all results would otherwise take their
+    layout (split dimension major: heads-major) and be transposed, whole, before the kernel, which reads row-major."""
+    return with_layout_constraint(buf, Layout(major_to_minor=tuple(range(buf.ndim))))
+
+
+def _exchanged(t, i):
+    """Chunk ``i`` of a whole-sequence buffer ``t [b, sp, n, c, heads, H]`` as the all-to-all's ``[b, sp*c, ...]``."""
+    part = jax.lax.dynamic_index_in_dim(t, i, axis=2, keepdims=False)
+    return part.reshape(part.shape[0], -1, *part.shape[3:])
+
+
+def _land(buf, part, i):
+    """``buf [b, sp, n, c, heads, H]`` with the all-to-all's result ``part [b, sp*c, heads, H]`` as chunk ``i``."""
+    b, sp, _, c = buf.shape[:4]
+    return _row_major(jax.lax.dynamic_update_slice_in_dim(buf, part.reshape(b, sp, 1, c, *part.shape[2:]), i, axis=2))
+
+
+def _whole(buf):
+    """``[b, sp, n, c, heads, H] -> [b, S, heads, H]`` (the natural token order)."""
+    return buf.reshape(buf.shape[0], -1, *buf.shape[4:])
+
+
+def _buffer(b, sp, n, c, like, anchor):
+    return _row_major(fresh((b, sp, n, c, like.shape[2] // sp, like.shape[3]), like.dtype, anchor))
+
+
+def fill_in(project, n: int, sp: int, x, pos, w):
+    """``x [b, s, D]`` -> ``q [b, S, size, H], k, v [b, S, kv, H]``: ``project`` and the sequence -> heads
+    all-to-alls chunk by chunk, written into whole-sequence buffers."""
+    b, s, _ = x.shape
+    c = s // n
+    shapes = jax.eval_shape(project, chunk(x, 0, c), chunk(pos, 0, c), w)
+    bufs = tuple(_buffer(b, sp, n, c, t, x) for t in shapes)
+
+    def body(i, bufs):
+        parts = project(chunk(x, i, c), chunk(pos, i, c), w)
+        return tuple(_land(buf, seq_to_heads(p, SP), i) for buf, p in zip(bufs, parts))
+
+    return tuple(_whole(buf) for buf in jax.lax.fori_loop(0, n, body, bufs))
+
+
+def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
+    """The backward of ``fill_in``: per chunk, the gradients ``cts`` (``[b, S, heads, H]`` each) sent back and
+    through ``project``'s backward; returns ``dx`` plus the input's gradient, and ``w``'s gradient in float32."""
+    b, s, _ = x.shape
+    c = s // n
+    cts = [ct.reshape(b, sp, n, c, *ct.shape[2:]) for ct in cts]
+
+    def body(i, carry):
+        dx, acc = carry
+        ct = tuple(heads_to_seq(_exchanged(t, i), SP) for t in cts)  # [b, c, sp * heads, H] each
+        _, vjp = jax.vjp(lambda xc, w: project(xc, chunk(pos, i, c), w), chunk(x, i, c), w)
+        dxc, dw = vjp(ct)
+        return put(dx, chunk(dx, i, c) + dxc, i, c), sum_f32(acc, dw)
+
+    return jax.lax.fori_loop(0, n, body, (dx, zeros_f32(w)))
+
+
+def fill_out(out_proj, n: int, sp: int, o, x, wo):
+    """``x + out_proj(heads -> sequence all-to-all of o)``, chunk by chunk: ``o [b, S, hq, H]`` (whole sequence,
+    local heads), ``x [b, s, D]`` (local tokens, the residual) -> ``[b, s, D]``."""
+    b, s, _ = x.shape
+    c = s // n
+    o6 = o.reshape(b, sp, n, c, *o.shape[2:])
+
+    def body(i, y):
+        return put(y, chunk(x, i, c) + out_proj(heads_to_seq(_exchanged(o6, i), SP), wo).astype(x.dtype), i, c)
+
+    return jax.lax.fori_loop(0, n, body, fresh(x.shape, x.dtype, o))
+
+
+def grad_out(n: int, sp: int, o, ct, wo):
+    """The backward of a group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's output),
+    ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order)
+    -> ``(do [b, S, size, H], dwo)``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and ``wo``'s
+    gradient (float32) from the chunk's exchange of ``o``, recomputed."""
+    b, s, _ = ct.shape
+    c = s // n
+    o6 = o.reshape(b, sp, n, c, *o.shape[2:])
+    like = jax.ShapeDtypeStruct((b, c, *wo.shape[:2]), wo.dtype)
+
+    def body(i, carry):
+        buf, acc = carry
+        ct_i = chunk(ct, i, c).astype(wo.dtype)
+        do = seq_to_heads(jnp.einsum("bsd,nhd->bsnh", ct_i, wo), SP)
+        dwo = jnp.einsum("bsnh,bsd->nhd", heads_to_seq(_exchanged(o6, i), SP), ct_i, preferred_element_type=_F32)
+        return _land(buf, do, i), acc + dwo
+
+    buf, dwo = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32)))
+    return _whole(buf), dwo
+
+
+# ----------------------------------------------------------------------------------------------
+# The sublayer: forward with its residuals, and its backward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Everything static about one call (hashable: the custom_vjp's nondiff argument)."""
+
+    cfg: ModelConfig
+    groups: HeadGroups
+    n: int  # chunks per device
+    impl: str  # resolved: xla, blockwise, pallas or cudnn
+    platform: str
+    recompute: bool  # keep no output for the backward: each group's kernel forward runs again there
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.cfg.head_dim)
+
+    @property
+    def sp(self) -> int:
+        return self.groups.layout.sp
+
+    def project(self, x, pos, w):
+        return project_chunk(x, pos, w, cfg=self.cfg)
+
+    def out_proj(self, o, wo):
+        return output_chunk(o, wo, layout=self.groups.layout)
+
+    def kernel_forward(self, q, k, v, seg):
+        """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
+        if self.impl == "cudnn":
+            return attention(q, k, v, causal=True, scale=self.scale, impl="cudnn", platform=self.platform), None
+        pos = jnp.arange(q.shape[1], dtype=jnp.int32)  # token indices: only the xla kernel reads them
+        o, lse = ring_kernel(self.impl, self.platform, float32=False).forward(
+            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale)
+        return o.astype(q.dtype), lse
+
+    def kernel_backward(self, q, k, v, seg, o, lse, do):
+        if self.impl == "cudnn":  # no log-sum-exp to start from: its forward again
+            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, scale=self.scale, impl="cudnn",
+                                                       platform=self.platform), q, k, v)
+            return vjp(do)
+        pos = jnp.arange(q.shape[1], dtype=jnp.int32)
+        delta = jnp.einsum("bshd,bshd->bhs", o.astype(_F32), do.astype(_F32))
+        grads = ring_kernel(self.impl, self.platform, float32=False).backward(
+            q, k, v, pos, pos, seg, seg, do, lse, delta, causal=True, scale=self.scale)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sublayer(spec: _Spec, x, pos, seg, w):
+    return _sublayer_fwd(spec, x, pos, seg, w)[0]
+
+
+def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
+    groups, sp, n = spec.groups, spec.sp, spec.n
+    b, s, _ = x.shape
+    o = _row_major(fresh((b, sp * s, groups.layout.heads_per_device, spec.cfg.head_dim), w["wo"].dtype, x))
+    keep_lse = spec.impl != "cudnn" and not spec.recompute
+    lse = fresh((groups.count, b, groups.size, sp * s), _F32, x) if keep_lse else None
+
+    def group(t, carry):
+        o, lse = carry
+        q, k, v = fill_in(spec.project, n, sp, x, pos, group_weights(w, groups, t))
+        o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+        o = _row_major(jax.lax.dynamic_update_slice_in_dim(o, o_t.astype(o.dtype), t * groups.size, axis=2))
+        return o, lse if lse is None else jax.lax.dynamic_update_slice_in_dim(lse, lse_t[None], t, axis=0)
+
+    o, lse = _over_groups(groups.count, group, (o, lse))
+    return fill_out(spec.out_proj, n, sp, o, x, w["wo"]), (x, pos, seg, w, None if spec.recompute else o, lse)
+
+
+def _sublayer_bwd(spec: _Spec, res, ct):
+    x, pos, seg, w, o, lse = res
+    groups, sp, n = spec.groups, spec.sp, spec.n
+    w32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _F32), w)
+
+    def group(t, carry):
+        dx, dw = carry
+        wg = group_weights(w, groups, t)
+        q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+        if o is None:  # recompute: this group's output and log-sum-exp again
+            o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+        else:
+            o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
+            lse_t = None if lse is None else lse[t]
+        do, dwo = grad_out(n, sp, o_t, ct, wg["wo"])
+        grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do)
+        w_in = {name: a for name, a in wg.items() if name != "wo"}
+        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads, dx)
+        (dw_t,) = jax.linear_transpose(lambda w: group_weights(w, groups, t), w32)({**dwg, "wo": dwo})
+        return dx, sum_f32(dw, dw_t)
+
+    dx, dw = _over_groups(groups.count, group, (ct, zeros_f32(w)))
+    return dx, None, None, cast_like(dw, w)
+
+
+_sublayer.defvjp(_sublayer_fwd, _sublayer_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sublayer on global arrays
+
+
+def check_tiled_attention(chunk: int, mesh: Mesh, local_seq: int, flag: str = "attn_chunk") -> int:
+    """The number of chunks; raises ``ValueError`` for a mesh with a ring or a chunk that does not divide."""
+    if mesh.shape[RING] > 1:
+        raise ValueError(f"{flag} ({chunk}) tiles the Ulysses exchange of a mesh without a ring, but this mesh has "
+                         f"ring = {mesh.shape[RING]}; set {flag} to 0 with a ring")
+    return local_chunks(chunk, local_seq, flag)
+
+
+def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: ModelConfig, mesh: Mesh,
+                    chunk: int, head_chunk: int = 0, recompute: bool = False) -> jax.Array:
+    """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
+    the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
+    device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
+    attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale; absent
+    optional ones are left out), in the compute dtype (the norm scales in float32) and at-rest layout."""
+    sp = mesh.shape[SP]
+    n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
+    platform = device_platform(mesh)
+    impl = resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim,
+                        has_segment_ids=segment_ids_BS is not None, platform=platform)
+    groups = head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), head_chunk)
+    spec = _Spec(cfg, groups, n, impl, platform, recompute)
+    over_data = cfg.shard_params_over_data
+    names = sorted(params)
+    w_specs = [param_spec(PARAMS[k][0], over_data=over_data) for k in names]
+    act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
+
+    def local(x, pos, seg, *ws):
+        w = {}
+        for k, v in zip(names, ws):
+            axis = PARAMS[k][1]
+            w[k] = v if axis is None else jax.lax.all_gather(v, fsdp_axes(over_data), axis=axis, tiled=True)
+        if seg is not None:
+            seg = jax.lax.all_gather(seg, SP, axis=1, tiled=True)  # [b, S]
+        return _sublayer(spec, x, pos, seg, w)
+
+    has_seg = segment_ids_BS is not None
+    args = [x_BSD, positions_BS, *([segment_ids_BS] if has_seg else []), *(params[k] for k in names)]
+    specs = [act, tok, *([tok] if has_seg else []), *w_specs]
+
+    def body(x, pos, *rest):
+        return local(x, pos, rest[0], *rest[1:]) if has_seg else local(x, pos, None, *rest)
+
+    # the custom rules and the kernels carry no varying-manual-axes types
+    fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=act, check_vma=False)
+    return fn(*args)

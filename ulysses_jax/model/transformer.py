@@ -1,0 +1,360 @@
+"""The transformer users train: Flax NNX, parameters FSDP-sharded at rest, attention through Ulysses.
+
+Shape names. A shaped tensor carries its dimensions as a suffix of single letters (nanodo style):
+``B`` batch, ``S`` sequence, ``D`` model width (``hidden``), ``N`` query heads, ``K`` KV heads, ``H`` head
+dim, ``F`` MLP width, ``V`` vocabulary; e.g. ``x_BSD``, ``q_BSNH``, ``w_DF``. Shapes are global; under
+sharding each device holds ``[B / (data*fsdp), S / sp, ...]`` of an activation.
+
+Architecture (Llama 3 / Qwen 2.5 / Qwen 3 / Mistral): token embedding, ``num_layers`` pre-norm blocks
+``x + attn(norm(x))``, ``x + mlp(norm(x))`` with RMSNorm, RoPE (optionally Llama-3 scaled; half-split
+rotation as in the Hugging Face checkpoints), GQA attention with optional q/k/v bias (Qwen 2.5) and
+optional per-head RMSNorm of q and k before RoPE (Qwen 3), SwiGLU MLP, final RMSNorm, and an unembedding
+that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases.
+
+Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer
+per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
+random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
+(constrained to their compute layout) where they are used; activations are constrained to batch over
+``("data", "fsdp")`` and sequence over ``("ring", "sp")``.
+
+Ulysses x ring (a mesh with ``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model
+computes in the ring's token order (zigzag, for causal load balance): tokens, positions and segment ids are
+permuted once at the input, positions first derived in the natural order; attention masks use the true
+positions, and every other layer works per token, so nothing else changes. ``hidden_states`` / ``__call__``
+return the natural order (one gather at the end); the loss (``loss.next_token_loss``) permutes the labels
+instead and keeps the ring order throughout (``ring_order``).
+
+Layers: one ``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and
+the forward is a ``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one
+layer's gathered weights and full-size gradients at a time (an unrolled loop lets it gather every
+layer's weights up front and combine every gradient reduction at the end).
+
+Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each
+layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs); ``remat_every=k``
+checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
+``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's local sequence
+inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
+``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``:
+the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.model import host_offload
+from ulysses_jax.model.chunked import chunk_map
+from ulysses_jax.model.config import ModelConfig, local_chunks
+from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, default_positions, rms_norm, rope_frequencies, use
+from ulysses_jax.model.tiled_attention import tiled_attention
+from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
+from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain, fsdp_axes, gather_param
+from ulysses_jax.parallel.ulysses import ring_token_order, ulysses_attention
+
+RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
+GROUP_INPUT = "group_input"  # with remat_every > 1: each group's input, what the policy keeps instead
+
+
+class Attention(nnx.Module):
+    def __init__(self, make: ParamMaker):
+        cfg = self.cfg = make.cfg
+        self.mesh = make.mesh
+        d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq_DNH = make("attn.wq", (d, n, h), ("embed", "heads", "head_dim"))
+        self.wk_DKH = make("attn.wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wv_DKH = make("attn.wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
+        self.wo_NHD = make("attn.wo", (n, h, d), ("heads", "head_dim", "embed"))
+        if cfg.qkv_bias:
+            self.bq_NH = make("attn.bq", (n, h), ("heads", "head_dim"), init="zeros")
+            self.bk_KH = make("attn.bk", (k, h), ("kv_heads", "head_dim"), init="zeros")
+            self.bv_KH = make("attn.bv", (k, h), ("kv_heads", "head_dim"), init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(make, h, ("head_dim",))
+            self.k_norm = RMSNorm(make, h, ("head_dim",))
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt))
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt))
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt))
+        if cfg.qkv_bias:
+            q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
+            k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
+            v_BSKH = v_BSKH + use(self.bv_KH, mesh, dt)
+        if cfg.qk_norm:
+            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        inv_freq = rope_frequencies(cfg)
+        q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq), mesh, ("batch", "seq", "heads", "head_dim"))
+        k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq), mesh, ("batch", "seq", "kv_heads", "head_dim"))
+        v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
+        o_BSNH = ulysses_attention(
+            q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
+            impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
+        )
+        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
+        return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
+
+
+def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
+    h_BSF = jax.nn.silu(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
+    return h_BSF @ w_down_FD
+
+
+def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
+                 norm: tuple[jax.Array, float] | None = None):
+    """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
+
+    Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
+    chunking moves nothing between devices. Weights arrive in their at-rest layout and are all-gathered
+    here (the FSDP gather; its transpose is the reduce-scatter of the gradient). Only one chunk's
+    ``[b, chunk, F]`` intermediates exist at a time, forward and backward (``chunked.chunk_map``: each chunk
+    recomputed in the backward).
+
+    ``norm=(scale, eps)``: the whole sublayer ``x + swiglu(rms_norm(x))`` per chunk (``scale`` at rest), so that
+    neither the normed input nor its gradient exists for the whole local sequence.
+    """
+    wa = fsdp_axes(over_data)
+    act = P((DATA, FSDP), SEQ, None)
+
+    def local(x_bsD, wg, wu, wd, *scale):
+        wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
+        wd = gather_param(wd, 1, over_data=over_data)
+        n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
+        if scale:
+            g = gather_param(scale[0], 0, over_data=over_data)
+            return chunk_map(lambda xc, ws: xc + swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3]), n, x_bsD,
+                             (wg, wu, wd, g))
+        return chunk_map(lambda xc, ws: swiglu(xc, *ws), n, x_bsD, (wg, wu, wd))
+
+    specs = (act, P(wa, None), P(wa, None), P(None, wa), *([P(wa)] if norm else []))
+    # chunk_map's backward carries no varying-manual-axes types
+    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
+    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *([norm[0]] if norm else []))
+
+
+class MLP(nnx.Module):
+    def __init__(self, make: ParamMaker):
+        self.cfg, self.mesh = make.cfg, make.mesh
+        d, f = self.cfg.hidden, self.cfg.mlp_dim
+        self.w_gate_DF = make("mlp.w_gate", (d, f), ("embed", "mlp"))
+        self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
+        self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
+
+    def residual_tiled(self, x_BSD, norm: RMSNorm):
+        """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``)."""
+        cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
+        ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
+        return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
+                            over_data=cfg.shard_params_over_data,
+                            norm=(norm.scale.get_value().astype(jnp.float32), cfg.rms_eps))
+
+    def __call__(self, x_BSD):
+        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        if cfg.mlp_chunk:
+            ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
+            return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
+                                over_data=cfg.shard_params_over_data)
+        ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
+        return constrain(swiglu(x_BSD, *ws), mesh, ("batch", "seq", "embed"))
+
+
+def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
+    """``x_BSD`` unchanged, pinned to the row-major layout on each device.
+
+    Applied to each layer's input under remat: the layer's backward reads its saved input transposed
+    (``[D, S]``, for the weight gradients), and left free XLA gives the whole stack of saved inputs that layout,
+    a second ``[L, S/sp, D]`` copy made between the forward and backward loops. Pinned, each layer's backward
+    transposes its own slice. Inside ``shard_map``: the constraint is per device and keeps the sharding.
+    """
+    spec = compute_spec(("batch", "seq", "embed"))
+    fix = jax.shard_map(lambda x: with_layout_constraint(x, Layout(major_to_minor=(0, 1, 2))), mesh=mesh,
+                        in_specs=spec, out_specs=spec)
+    return fix(x_BSD)
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer; built with ``ParamMaker(stack=L)`` it holds all ``L`` layers stacked."""
+
+    def __init__(self, make: ParamMaker):
+        self.mesh = make.mesh
+        self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+        self.attn = Attention(make)
+        self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+        self.mlp = MLP(make)
+
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+        x_BSD = checkpoint_name(x_BSD, RESIDUAL)
+        if self.attn.cfg.attn_chunk:
+            h_BSD = tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(),
+                                    cfg=self.attn.cfg, mesh=self.mesh, chunk=self.attn.cfg.attn_chunk,
+                                    head_chunk=self.attn.cfg.attn_head_chunk,
+                                    recompute=self.attn.cfg.attn_recompute)
+        else:
+            h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+        h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
+        if self.mlp.cfg.mlp_chunk:  # the norm and the residual inside the chunks too
+            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm), self.mesh, ("batch", "seq", "embed"))
+        return constrain(h_BSD + self.mlp(self.mlp_norm(h_BSD)), self.mesh, ("batch", "seq", "embed"))
+
+    def attention_params(self) -> dict:
+        """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
+        (norm scales in float32)."""
+        a, dt = self.attn, self.attn.cfg.compute_jnp_dtype
+        found = {"norm": self.attn_norm.scale, "wq": a.wq_DNH, "wk": a.wk_DKH, "wv": a.wv_DKH, "wo": a.wo_NHD}
+        if a.cfg.qkv_bias:
+            found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
+        if a.cfg.qk_norm:
+            found.update(q_norm=a.q_norm.scale, k_norm=a.k_norm.scale)
+        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") else dt) for k, p in found.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Remat policies
+
+
+def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL):
+    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs)."""
+    if name == "full":
+        return None
+    if name == "save_matmuls":  # keep projection / MLP matmul outputs, recompute attention and elementwise
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        # GPUs have pinned host memory; compile-only GPU devices (``ulysses_jax.plan.targets``) list no memories at
+        # all, yet XLA compiles the offload for them, so the check asks the target's platform first.
+        kinds = {m.kind for d in mesh.devices.flat for m in d.addressable_memories()}
+        if mesh.devices.flat[0].platform != "gpu" and "pinned_host" not in kinds:
+            raise ValueError(
+                f"remat='offload' needs the 'pinned_host' memory kind, but the {mesh.devices.flat[0].platform} "
+                f"devices of this mesh offer only {sorted(kinds)}; use remat='full' on this backend"
+            )
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
+            offload_src="device", offload_dst="pinned_host",
+        )
+    raise ValueError(f"no checkpoint policy for remat={name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nnx.Module):
+    """``Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))``; ``model(tokens)`` -> float32 logits ``[B, S, V]``.
+
+    ``hidden_states`` returns the final-normed hidden states ``[B, S, D]`` (what the tiled loss consumes);
+    ``logits`` maps them through the unembedding.
+    """
+
+    def __init__(self, config: ModelConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+        if tuple(mesh.axis_names) != MESH_AXES:
+            raise ValueError(f"the mesh must have axes {MESH_AXES} (use make_mesh), got {mesh.axis_names}")
+        self.config, self.mesh = config, mesh
+        cfg = config
+        make = ParamMaker(cfg, mesh, rngs)
+        with nnx.use_eager_sharding(False):  # values are already laid out by ParamMaker
+            self.embed_VD = make("embed", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))
+            self.blocks = Block(dataclasses.replace(make, stack=cfg.num_layers))
+            self.final_norm = RMSNorm(make, cfg.hidden, ("embed",))
+            if not cfg.tie_embeddings:
+                self.lm_head_VD = make("lm_head", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))
+
+    @property
+    def unembedding(self) -> nnx.Param:
+        """The ``[V, D]`` output projection: the embedding table when tied."""
+        return self.embed_VD if self.config.tie_embeddings else self.lm_head_VD
+
+    def ring_permutation(self, seq_len: int) -> np.ndarray | None:
+        """The token order the model computes in (``x[:, perm]``): ``None`` (natural) without a ring."""
+        return ring_token_order(seq_len, self.mesh.shape[RING])
+
+    def ring_order(self, batch: dict) -> dict | None:
+        """``batch`` (``[B, S]`` arrays in the natural order: ``tokens``, and any of ``labels``, ``segment_ids``,
+        ``positions``) permuted into the ring's token order, ``positions`` filled in first; ``None`` without a ring.
+        Labels must be shifted already (``labels[t]`` is the token after ``tokens[t]``)."""
+        perm = self.ring_permutation(batch["tokens"].shape[1])
+        if perm is None:
+            return None
+        batch = dict(batch)
+        if batch.get("positions") is None:
+            batch["positions"] = default_positions(batch["tokens"], batch.get("segment_ids"))
+        return {k: x if x is None else x[:, perm] for k, x in batch.items()}
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None, *, permuted: bool = False) -> jax.Array:
+        """Final-normed hidden states ``[B, S, D]`` of int ``tokens [B, S]``; ``positions`` default to 0, 1, ...
+        restarting at each document of ``segment_ids`` (packed rows; equal ids attend to each other).
+
+        ``permuted=True`` (meaningful with a ring): the inputs are already in the ring's token order
+        (``ring_order``; give ``positions``) and the output stays in it."""
+        cfg, mesh = self.config, self.mesh
+        tokens_BS, positions_BS, segment_ids_BS = tokens, positions, segment_ids
+        if tokens_BS.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, seq], got {tuple(tokens_BS.shape)}")
+        check_batch(tokens_BS.shape[0], mesh)
+        check_seq(tokens_BS.shape[1], mesh)
+        for name, arr in (("positions", positions_BS), ("segment_ids", segment_ids_BS)):
+            if arr is not None and tuple(arr.shape) != tuple(tokens_BS.shape):
+                raise ValueError(f"{name} shape {tuple(arr.shape)} must equal the tokens' {tuple(tokens_BS.shape)}")
+        perm = self.ring_permutation(tokens_BS.shape[1])
+        if perm is not None and permuted and positions_BS is None:
+            raise ValueError("with permuted=True give the positions (permuted like the tokens: Transformer.ring_order)")
+        if perm is not None and not permuted:  # into the ring's order here, back at the end
+            ordered = self.ring_order(dict(tokens=tokens_BS, positions=positions_BS, segment_ids=segment_ids_BS))
+            tokens_BS, positions_BS, segment_ids_BS = ordered["tokens"], ordered["positions"], ordered["segment_ids"]
+        tokens_BS = constrain(tokens_BS, mesh, ("batch", "seq"))
+        if segment_ids_BS is not None:
+            segment_ids_BS = constrain(segment_ids_BS, mesh, ("batch", "seq"))
+        if positions_BS is None:
+            positions_BS = default_positions(tokens_BS, segment_ids_BS)
+        positions_BS = constrain(positions_BS, mesh, ("batch", "seq"))
+        x_BSD = jnp.take(use(self.embed_VD, mesh, cfg.compute_jnp_dtype), tokens_BS, axis=0)
+        x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
+            if cfg.remat != "none":
+                x_BSD = row_major(x_BSD, mesh)
+            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
+                layer_state = host_offload.stream_in(layer_state)
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS)
+
+        every = cfg.remat_every if cfg.remat != "none" else 1
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat, mesh) if every == 1 else None,
+                                   prevent_cse=False)
+
+        def layers(x_BSD, st):  # the layers of ``st``, stacked on its leading axis, one after the other
+            return jax.lax.scan(lambda x, s: (layer(x, s, positions_BS, segment_ids_BS), None), x_BSD, st)[0]
+
+        if every > 1:
+            # groups of ``every`` layers: the policy keeps (or offloads) each group's input only; a group's
+            # backward re-runs its layers' forward, holding their inputs on the device for that group alone
+            group = jax.checkpoint(lambda x, st: layers(checkpoint_name(x, GROUP_INPUT), st),
+                                   policy=remat_policy(cfg.remat, mesh, GROUP_INPUT), prevent_cse=False)
+            grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // every, every, *a.shape[1:]), stacked)
+            x_BSD = jax.lax.scan(lambda x, st: (group(x, st), None), x_BSD, grouped)[0]
+        else:
+            x_BSD = layers(x_BSD, stacked)
+        h_BSD = self.final_norm(x_BSD)
+        if perm is not None and not permuted:
+            h_BSD = constrain(h_BSD[:, np.argsort(perm)], mesh, ("batch", "seq", "embed"))
+        return h_BSD
+
+    def logits(self, h_BSD: jax.Array) -> jax.Array:
+        w_VD = use(self.unembedding, self.mesh, self.config.compute_jnp_dtype)
+        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, w_VD, preferred_element_type=jnp.float32)
+        return constrain(logits_BSV, self.mesh, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """float32 logits ``[B, S, V]``: ``model(tokens, positions=None, segment_ids=None)`` (see ``hidden_states``)."""
+        return self.logits(self.hidden_states(tokens, positions, segment_ids))

@@ -1,0 +1,425 @@
+"""Ring attention over one mesh axis: exact, causal load balanced (zigzag), with a ring backward.
+
+Called inside ``shard_map`` on local blocks. The sequence is split over the ``ring`` axis: device ``r`` of
+``R`` holds ``s = S / R`` tokens of Q, K and V (after the Ulysses all-to-all, when combined with ``sp``:
+:func:`ulysses_ring_local`). Each device keeps its queries; the KV block travels: ``R`` steps, and between
+steps one ``ppermute`` passes ``[K; V]`` (stacked: **one** collective-permute per step, only the KV heads
+the device holds, so GQA makes it cheap) and the segment ids (a second, small int32 permute) to the next
+rank. At step ``t`` device ``r`` holds the KV block of rank ``(r - t) mod R``. Partial outputs merge by
+log-sum-exp in float32. Per device, forward: ``R - 1`` permutes of ``2·b·s·Hkv·D·itemsize`` bytes (plus
+``R - 1`` of ``4·b·s`` with segment ids). The block for step ``t + 1`` is sent while step ``t`` computes,
+and an optimisation barrier makes that send wait for step ``t - 1``: one block in flight at a time,
+hidden behind a step (without it XLA:GPU issues every permute at once, holding all ``R`` blocks, with
+only the last one overlapped; ``tests/test_ring.py`` reads the overlap from the compiled H100 program).
+
+Token order (the caller's job, once, at the input). The local blocks are cut from the global sequence
+after a permutation ``order`` of its tokens: ``"contiguous"`` (identity; the last rank does ``R`` times the
+causal work of the first) or ``"zigzag"`` (:func:`zigzag_order`: ``2R`` chunks, rank ``r`` holds chunks
+``r`` and ``2R-1-r``, so every rank does the same work, :func:`ring_work`). Permute tokens, positions (RoPE),
+segment ids and labels (shift them *before* permuting) with the same ``zigzag_order(S, R)`` and split the
+permuted sequence contiguously over the ring (ring-major over ``("ring", "sp")`` when combined); apply
+:func:`zigzag_inverse` to outputs if they leave the model in sequence order. A token-sum loss is unchanged.
+The masks use each token's global position (its index in the *unpermuted* sequence), derived from
+``order`` and the rank, so causality is exact in any order; segment ids are compared as they are.
+
+Per step the KV block is cut into the same ``n`` chunks as the queries (``n = 2`` for causal zigzag, one
+per contiguous run, else 1) and each (query chunk, KV chunk) pair is classified from position ranges
+(:func:`block_kind`): ``SKIP`` (entirely in the causal future: no compute), ``FULL`` (entirely in the
+past: no causal mask) or ``DIAG`` (the causal mask by positions). Positions depend only on the order and
+the rank, so the whole schedule is a static table (:func:`ring_schedule`); per pair the program holds
+only the kinds that occur on some rank and a ``lax.switch`` on the rank picks one (none when all ranks
+agree). Equal-size aligned chunks make every ``DIAG`` pair one whose query and key positions coincide.
+Under zigzag a rank computes ``2R + 1`` chunk pairs of ``(S/2R)^2`` whatever its rank: 3 on its own
+block (two ``DIAG``, one ``FULL``), 2 ``FULL`` on every other.
+
+Backward (``custom_vjp``): residuals are the local q, k, v, segment ids, output and lse, nothing per
+step. It runs the ring again, the other way round (blocks go to ``r - 1``: its rotations differ from the
+forward's, so XLA cannot merge the two and keep all ``R`` KV blocks alive between the passes, which it
+does on CPU even through an optimisation barrier), recomputing each pair's probabilities from the saved
+global lse. dQ accumulates locally; dK/dV (float32) travel with their KV block and after ``R`` hops
+arrive home: ``R - 1`` permutes of ``[K; V]``, ``R`` of ``[dK; dV]`` (``2·b·s·Hkv·D·4`` bytes each),
+``R - 1`` of segment ids. Each step's contribution goes into a fresh buffer added to the arriving one, so
+the dK/dV transfer can overlap the step too. Byte formulas: :func:`ring_permute_bytes`.
+
+Swapping the local kernel. Everything local is a :class:`LocalKernel`: ``forward(q, k, v, q_pos, k_pos,
+q_seg, k_seg, *, causal, scale) -> (o, lse)`` (``o`` float32 ``[b, sq, h, d]`` normalised, ``lse`` float32
+``[b, h, sq]`` natural log, ``-inf`` for a row that sees no key) and ``backward(..., do, lse, delta, *,
+causal, scale) -> (dq, dk, dv)`` in float32 given the *global* lse and ``delta = rowsum(dO * O)``.
+``causal=True`` is only asked for ``DIAG`` pairs, whose query and key positions coincide, so a kernel
+with the usual aligned causal flag serves. Three kernels (:func:`ring_kernel` picks by ``impl`` and platform):
+``XLA_KERNEL``, the plain ``jnp`` one below; ``BLOCKWISE_KERNEL`` (``kernels/blockwise.py``, tiles in lax loops);
+``PALLAS_KERNEL``, our FlashAttention kernels (``kernels/flash_attention.py``: ``pair_forward`` /
+``pair_backward``, the same Triton kernels with float32 outputs, separate query and key segment ids and the
+log-sum-exp converted from base 2), in Pallas interpret mode off GPUs (``PALLAS_INTERPRET_KERNEL``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ulysses_jax.kernels import blockwise, flash_pair
+from ulysses_jax.kernels.attention import check_qkv
+from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
+from ulysses_jax.parallel.head_layout import HeadLayout
+
+ORDERS = ("zigzag", "contiguous")
+SKIP, FULL, DIAG = 0, 1, 2  # what a (query chunk, KV chunk) pair needs: nothing, no causal mask, the mask
+_HIGHEST = lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+# ---------------------------------------------------------------------------------------------------
+# Token order and the per-step schedule
+# ---------------------------------------------------------------------------------------------------
+
+
+def zigzag_order(seq_len: int, ring: int) -> np.ndarray:
+    """The permutation ``perm`` (``x_permuted = x[:, perm]``) after which rank ``r`` of a contiguous split
+    holds chunks ``r`` and ``2R - 1 - r`` of ``2R`` equal chunks: equal causal work on every rank."""
+    if seq_len % (2 * ring):
+        raise ValueError(f"sequence length ({seq_len}) must be divisible by 2 * ring ({2 * ring}) for the zigzag order")
+    chunks = np.arange(seq_len).reshape(2 * ring, seq_len // (2 * ring))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+
+
+def zigzag_inverse(seq_len: int, ring: int) -> np.ndarray:
+    """The inverse permutation: ``x = x_permuted[:, zigzag_inverse(S, R)]``."""
+    return np.argsort(zigzag_order(seq_len, ring))
+
+
+def sequence_order(order: str, seq_len: int, ring: int) -> np.ndarray:
+    """Global position of each token of the permuted sequence: ``arange`` or :func:`zigzag_order`."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {', '.join(map(repr, ORDERS))}")
+    if seq_len % ring:
+        raise ValueError(f"sequence length ({seq_len}) must be divisible by ring ({ring})")
+    return zigzag_order(seq_len, ring) if order == "zigzag" else np.arange(seq_len)
+
+
+def block_kind(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool) -> int:
+    """``SKIP`` / ``FULL`` / ``DIAG`` for a (query chunk, KV chunk) pair from their global positions."""
+    if not causal:
+        return FULL
+    if k_pos.min() > q_pos.max():
+        return SKIP  # every key in every query's future
+    return FULL if k_pos.max() <= q_pos.min() else DIAG
+
+
+@functools.lru_cache(maxsize=64)
+def ring_schedule(order: str, seq_len: int, ring: int, causal: bool) -> np.ndarray:
+    """``kinds[r, src, i, j]``: what query chunk ``i`` of rank ``r`` x KV chunk ``j`` of rank ``src`` needs.
+
+    Static (positions depend only on the order and the rank), so :func:`ring_attention` compiles per pair
+    only the kinds that occur on some rank and picks among them by rank at run time.
+    """
+    n = 2 if order == "zigzag" and causal else 1  # without a causal mask the order does not matter
+    pos = sequence_order(order, seq_len, ring).reshape(ring, n, -1)
+    kinds = np.array([[[[block_kind(pos[r, i], pos[src, j], causal) for j in range(n)] for i in range(n)]
+                       for src in range(ring)] for r in range(ring)], dtype=np.int32)
+    kinds.setflags(write=False)  # cached: shared by every caller
+    return kinds
+
+
+def ring_work(seq_len: int, ring: int, *, order: str, causal: bool = True) -> np.ndarray:
+    """Per rank, the (query, key) token pairs the kernel computes over all steps (masked entries of ``DIAG``
+    pairs included), from the schedule :func:`ring_attention` runs."""
+    kinds = ring_schedule(order, seq_len, ring, causal)
+    chunk = seq_len // ring // kinds.shape[-1]
+    return (kinds != SKIP).sum(axis=(1, 2, 3)) * chunk * chunk
+
+
+def ring_permute_bytes(*, batch: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int, ring: int,
+                       segment_ids: bool) -> dict[str, tuple[int, int]]:
+    """Per device ``{what: (count, bytes of each collective-permute)}`` of one forward and one backward
+    (``batch``, ``tokens`` and ``kv_heads`` local: ``tokens = S / R``)."""
+    kv = 2 * batch * tokens * kv_heads * head_dim
+    out = {"forward_kv": (ring - 1, kv * itemsize), "backward_kv": (ring - 1, kv * itemsize),
+           "backward_dkv": (ring, kv * 4)}
+    if segment_ids:
+        ids = (ring - 1, 4 * batch * tokens)
+        out |= {"forward_segment_ids": ids, "backward_segment_ids": ids}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The local kernel: one (query block, KV block) pair, with the log-sum-exp
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalKernel:
+    """Attention on one (query block, KV block) pair; the contract is in the module doc."""
+
+    forward: Callable
+    backward: Callable
+
+
+def _mask(q_pos, k_pos, q_seg, k_seg, causal: bool):
+    """Boolean mask broadcasting to ``[b, Hkv, G, sq, sk]``, or ``None`` for no mask."""
+    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None] if causal else None
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale):
+    """``q [b, sq, H, D]``, ``k [b, sk, Hkv, D]`` -> masked float32 logits ``[b, Hkv, G, sq, sk]`` and q grouped."""
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    q_bqkgd = q.reshape(b, sq, hkv, h // hkv, d).astype(_F32)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k.astype(_F32), precision=_HIGHEST) * scale
+    mask = _mask(q_pos, k_pos, q_seg, k_seg, causal)
+    return (s if mask is None else jnp.where(mask, s, -jnp.inf)), q_bqkgd
+
+
+def xla_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float):
+    """-> ``o [b, sq, H, D]`` float32 (0 for rows that see no key), ``lse [b, H, sq]`` float32 (-inf there)."""
+    b, sq, h, d = q.shape
+    s, _ = _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p / jnp.where(den > 0, den, 1.0), v.astype(_F32), precision=_HIGHEST)
+    lse = jnp.where(den > 0, m + jnp.log(den), -jnp.inf)  # [b, Hkv, G, sq, 1]
+    return o.reshape(b, sq, h, d), lse.reshape(b, h, sq)
+
+
+def xla_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float):
+    """Gradients of one pair given the global ``lse`` and ``delta [b, H, sq]``: float32 dq, dk, dv."""
+    b, sq, h, d = q.shape
+    hkv = k.shape[2]
+    s, q_bqkgd = _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale)
+    lse = lse.reshape(b, hkv, h // hkv, sq, 1)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0))  # masked entries: exp(-inf) = 0
+    do_bqkgd = do.reshape(b, sq, hkv, h // hkv, d).astype(_F32)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_bqkgd, v.astype(_F32), precision=_HIGHEST)
+    ds = p * (dp - delta.reshape(b, hkv, h // hkv, sq, 1))
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(_F32), precision=_HIGHEST) * scale
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_bqkgd, precision=_HIGHEST) * scale
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do_bqkgd, precision=_HIGHEST)
+    return dq.reshape(b, sq, h, d), dk, dv
+
+
+XLA_KERNEL = LocalKernel(xla_forward, xla_backward)
+# tile by tile in lax loops: memory linear in the block length (kernels/blockwise.py)
+BLOCKWISE_KERNEL = LocalKernel(blockwise.pair_forward, blockwise.pair_backward)
+# our FlashAttention kernels (kernels/flash_attention.py): Triton on GPUs, Pallas interpret mode elsewhere
+PALLAS_KERNEL = LocalKernel(functools.partial(flash_pair.pair_forward, interpret=False),
+                            functools.partial(flash_pair.pair_backward, interpret=False))
+PALLAS_INTERPRET_KERNEL = LocalKernel(functools.partial(flash_pair.pair_forward, interpret=True),
+                                      functools.partial(flash_pair.pair_backward, interpret=True))
+RING_IMPLS = ("xla", "blockwise", "pallas", "auto")
+
+
+def ring_kernel(impl: str, platform: str = "gpu", *, float32: bool = True) -> LocalKernel:
+    """The local kernel of each ring step for an attention ``impl`` on ``platform`` (the mesh's devices').
+
+    ``"auto"``: ``"pallas"`` on GPUs, as without a ring; ``"blockwise"`` elsewhere (faster than interpret mode).
+    ``float32=False``: the Pallas kernels write ``o``, ``dq``, ``dk``, ``dv`` in the inputs' dtype instead (for a
+    caller that keeps them whole, ``model/tiled_attention.py``); the others compute and return float32 either way."""
+    if impl not in RING_IMPLS:
+        raise ValueError(f"attention impl={impl!r} has no ring kernel; with a ring use one of "
+                         f"{', '.join(map(repr, RING_IMPLS))}")
+    if impl == "auto":
+        impl = "pallas" if platform == "gpu" else "blockwise"
+    if impl == "pallas":
+        if not float32:
+            interpret = platform != "gpu"
+            return LocalKernel(functools.partial(flash_pair.pair_forward, interpret=interpret, float32=False),
+                               functools.partial(flash_pair.pair_backward, interpret=interpret, float32=False))
+        return PALLAS_KERNEL if platform == "gpu" else PALLAS_INTERPRET_KERNEL
+    return XLA_KERNEL if impl == "xla" else BLOCKWISE_KERNEL
+
+# ---------------------------------------------------------------------------------------------------
+# The ring: forward steps, custom_vjp, backward steps
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call (hashable: the custom_vjp's nondiff argument)."""
+
+    axis_name: str
+    ring: int
+    order: str
+    causal: bool
+    scale: float
+    kernel: LocalKernel
+
+    def positions(self, tokens: int, rank) -> jax.Array:
+        """Global positions ``[tokens]`` of the local tokens of ``rank`` (traced): runs of consecutive positions
+        from a small ``[R, runs]`` table of starts, never an ``[S]`` constant in the program."""
+        runs = 2 if self.order == "zigzag" else 1
+        starts = sequence_order(self.order, tokens * self.ring, self.ring).reshape(self.ring, runs, -1)[:, :, 0]
+        offsets = jnp.arange(tokens // runs, dtype=jnp.int32)
+        return (jnp.asarray(starts, jnp.int32)[rank][:, None] + offsets).reshape(tokens)
+
+    def rotate(self, x, direction: int):
+        """Send to rank ``r + direction`` on the ring, receive from ``r - direction``."""
+        return lax.ppermute(x, self.axis_name, [(i, (i + direction) % self.ring) for i in range(self.ring)])
+
+    def step_kinds(self, kinds: np.ndarray, t: int, direction: int) -> np.ndarray:
+        """``[R, n, n]``: each rank's pair kinds at step ``t``, when blocks travel ``direction``: it holds
+        the block of rank ``r - t * direction``."""
+        ranks = np.arange(self.ring)
+        return kinds[ranks, (ranks - t * direction) % self.ring]
+
+
+def _split(x, n: int, axis: int):
+    return [None] * n if x is None else jnp.split(x, n, axis=axis)
+
+
+def _merge(o, lse, o_b, lse_b):
+    """Combine two normalised partial outputs by their log-sum-exps (float32; -inf for nothing seen)."""
+    new = jnp.logaddexp(lse, lse_b)
+    ref = jnp.where(jnp.isfinite(new), new, 0.0)
+    w, w_b = (jnp.swapaxes(jnp.exp(x - ref), 1, 2)[..., None] for x in (lse, lse_b))  # [b, sq, H, 1]
+    return o * w + o_b * w_b, new
+
+
+def _dispatch(kinds: np.ndarray, rank, run: Callable, carry):
+    """``run(causal, carry) -> carry`` for this rank's kind of a pair (``kinds``: per rank); ``SKIP`` returns
+    ``carry``. A kind shared by every rank is called directly; otherwise one ``lax.switch`` on the rank."""
+    branches = {SKIP: lambda c: c, FULL: functools.partial(run, False), DIAG: functools.partial(run, True)}
+    present = sorted(set(kinds.tolist()))
+    if len(present) == 1:
+        return branches[present[0]](carry)
+    index = jnp.asarray([present.index(k) for k in kinds.tolist()], jnp.int32)[rank]
+    return lax.switch(index, [branches[k] for k in present], carry)
+
+
+def _ring_forward(q, k, v, seg, cfg: _Config):
+    tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
+    q_pos, kinds = cfg.positions(tokens, rank), ring_schedule(cfg.order, tokens * cfg.ring, cfg.ring, cfg.causal)
+    n = kinds.shape[-1]  # chunks per block
+    qs, q_poss, q_segs = _split(q, n, 1), _split(q_pos, n, 0), _split(seg, n, 1)
+    acc = [(jnp.zeros_like(c, _F32), jnp.full_like(jnp.swapaxes(c[..., 0], 1, 2), -jnp.inf, _F32)) for c in qs]
+    kv, kv_seg = jnp.stack([k, v]), seg  # [2, b, s, Hkv, D]: K and V cross in one permute
+    for t in range(cfg.ring):
+        if t < cfg.ring - 1:  # next step's block is in flight while this one is computed
+            kv_next, seg_next = cfg.rotate(kv, 1), None if seg is None else cfg.rotate(kv_seg, 1)
+        ks, vs = _split(kv[0], n, 1), _split(kv[1], n, 1)
+        k_poss, k_segs = _split(cfg.positions(tokens, (rank - t) % cfg.ring), n, 0), _split(kv_seg, n, 1)
+        step_kinds = cfg.step_kinds(kinds, t, 1)
+        for i in range(n):
+            for j in range(n):
+                def run(causal, carry, i=i, j=j):
+                    o_b, lse_b = cfg.kernel.forward(qs[i], ks[j], vs[j], q_poss[i], k_poss[j], q_segs[i], k_segs[j],
+                                                    causal=causal, scale=cfg.scale)
+                    return _merge(*carry, o_b, lse_b)
+
+                acc[i] = _dispatch(step_kinds[:, i, j], rank, run, acc[i])
+        if t < cfg.ring - 1:  # the next send waits for this step's compute: one block in flight at a time
+            acc, kv, kv_seg = lax.optimization_barrier((acc, kv_next, seg_next))
+    out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
+    return out, jnp.concatenate([lse for _, lse in acc], axis=2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, seg, cfg: _Config):
+    return _ring_forward(q, k, v, seg, cfg)[0]
+
+
+def _ring_fwd(q, k, v, seg, cfg: _Config):
+    out, lse = _ring_forward(q, k, v, seg, cfg)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _ring_bwd(cfg: _Config, res, do):
+    q, k, v, seg, out, lse = res
+    tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
+    q_pos, kinds = cfg.positions(tokens, rank), ring_schedule(cfg.order, tokens * cfg.ring, cfg.ring, cfg.causal)
+    n = kinds.shape[-1]  # chunks per block
+    delta = jnp.einsum("bshd,bshd->bhs", do.astype(_F32), out.astype(_F32), precision=_HIGHEST)
+    qs, q_poss, q_segs, dos = _split(q, n, 1), _split(q_pos, n, 0), _split(seg, n, 1), _split(do, n, 1)
+    lses, deltas = _split(lse, n, 2), _split(delta, n, 2)
+    dqs = [jnp.zeros_like(c, _F32) for c in qs]
+    kv, kv_seg, dkv = jnp.stack([k, v]), seg, None
+    for t in range(cfg.ring):
+        if t < cfg.ring - 1:
+            kv_next, seg_next = cfg.rotate(kv, -1), None if seg is None else cfg.rotate(kv_seg, -1)
+        ks, vs = _split(kv[0], n, 1), _split(kv[1], n, 1)
+        k_poss, k_segs = _split(cfg.positions(tokens, (rank + t) % cfg.ring), n, 0), _split(kv_seg, n, 1)
+        step_kinds = cfg.step_kinds(kinds, t, -1)
+        dks, dvs = [jnp.zeros_like(c, _F32) for c in ks], [jnp.zeros_like(c, _F32) for c in vs]
+        for i in range(n):
+            for j in range(n):
+                def run(causal, carry, i=i, j=j):
+                    g = cfg.kernel.backward(qs[i], ks[j], vs[j], q_poss[i], k_poss[j], q_segs[i], k_segs[j], dos[i],
+                                            lses[i], deltas[i], causal=causal, scale=cfg.scale)
+                    return tuple(a + b for a, b in zip(carry, g))
+
+                dqs[i], dks[j], dvs[j] = _dispatch(step_kinds[:, i, j], rank, run, (dqs[i], dks[j], dvs[j]))
+        step = jnp.stack([jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)])
+        # this block's gradient so far arrives from the next rank while this step computed its share
+        dkv = step if dkv is None else cfg.rotate(dkv, -1) + step
+        if t < cfg.ring - 1:
+            dqs, dkv, kv, kv_seg = lax.optimization_barrier((dqs, dkv, kv_next, seg_next))
+    if cfg.ring > 1:
+        dkv = cfg.rotate(dkv, -1)  # the last holder is the owner's successor: one more hop home
+    dq = jnp.concatenate(dqs, axis=1).astype(q.dtype)
+    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=None, scale: float | None = None,
+                   order: str = "zigzag", kernel: LocalKernel = XLA_KERNEL) -> jax.Array:
+    """Exact attention over the sequence split on ``axis_name``; call inside ``shard_map``.
+
+    Local blocks: ``q [b, s, H, D]``, ``k, v [b, s, Hkv, D]``, ``segment_ids [b, s]`` integers or ``None``,
+    where ``s = S / R`` are this rank's tokens of the global sequence permuted by ``sequence_order(order,
+    S, R)`` (``zigzag_order`` for ``"zigzag"``) and split contiguously over the axis. Returns the local
+    output ``[b, s, H, D]`` in the input dtype, in the same permuted order. Differentiable (ring backward).
+    """
+    check_qkv(q, k, v, segment_ids)
+    ring = lax.axis_size(axis_name)
+    s = q.shape[1]
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose one of {', '.join(map(repr, ORDERS))}")
+    if order == "zigzag" and s % 2:
+        raise ValueError(f"local sequence length ({s}) must be even for the zigzag order "
+                         f"(the sequence divisible by 2 * {axis_name} = {2 * ring})")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _ring(q, k, v, segment_ids, _Config(axis_name, ring, order, causal, scale, kernel))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ulysses x ring (2-D sequence parallelism)
+# ---------------------------------------------------------------------------------------------------
+
+
+def ulysses_ring_local(q, k, v, segment_ids=None, *, sp_axis: str, ring_axis: str, layout: HeadLayout,
+                       causal: bool = True, scale: float | None = None, order: str = "zigzag",
+                       kernel: LocalKernel = XLA_KERNEL) -> jax.Array:
+    """Ulysses inside an ``sp`` group, ring attention across ``ring``: the body of a ``shard_map`` over both.
+
+    Local ``q [b, S/(R·P), H, D]``, ``k, v [b, S/(R·P), Hkv, D]``, ``segment_ids [b, S/(R·P)]``: the global
+    sequence permuted by ``sequence_order(order, S, R)`` and split over ``(ring_axis, sp_axis)`` jointly,
+    ring-major (``P(batch, (ring_axis, sp_axis))``). ``layout = plan_heads(H, Hkv, P)``. The first all-to-all
+    gives ``[b, S/R, hq, D]`` queries and ``[b, S/R, k_loc, D]`` KV heads (segment ids all-gathered over
+    ``sp``), the ring runs on those, the second all-to-all returns ``[b, S/(R·P), H, D]``.
+    """
+    sp, d = layout.sp, q.shape[-1]
+    hq, kl = layout.heads_per_device, layout.kv_per_device
+    bl, sl = q.shape[:2]
+    parts = [layout.gather_q(q).reshape(bl, sl, sp, hq, d), layout.gather_kv(k).reshape(bl, sl, sp, kl, d),
+             layout.gather_kv(v).reshape(bl, sl, sp, kl, d)]
+    qkv = jnp.concatenate(parts, axis=3).reshape(bl, sl, sp * (hq + 2 * kl), d)
+    ql, kl_, vl = jnp.split(seq_to_heads(qkv, sp_axis), [hq, hq + kl], axis=2)  # [b, S/R, hq + 2·k_loc, D]
+    if segment_ids is not None:
+        segment_ids = lax.all_gather(segment_ids, sp_axis, axis=1, tiled=True)  # [b, S/R]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    o = ring_attention(ql, kl_, vl, axis_name=ring_axis, causal=causal, segment_ids=segment_ids, scale=scale,
+                       order=order, kernel=kernel)
+    return layout.ungather_out(heads_to_seq(o, sp_axis))

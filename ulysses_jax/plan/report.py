@@ -1,0 +1,78 @@
+"""The text a plan prints: memory per device and host, the largest buffers, collectives, kernels and the step's
+floors.
+"""
+
+from __future__ import annotations
+
+GiB = 2**30
+
+
+
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
+def format_plan(p) -> str:
+    """A ``planner.Plan`` as the lines ``ulysses-jax plan`` prints."""
+    m, b = p.memory, p.breakdown
+    mesh = " x ".join(f"{k}={v}" for k, v in p.mesh.items())
+    lines = [
+        f"Plan: {p.model}, {p.batch_size} x {p.seq_len:,} tokens per step, on {p.num_devices} x {p.target.device_kind}"
+        f" ({p.hosts} host{'s' if p.hosts > 1 else ''}), mesh {mesh}",
+        "",
+        "Memory per device (GiB; XLA's buffers, from the compiled GPU program)",
+        f"  parameters            {gib(b['parameters']):>9}   (state shard)",
+        f"  optimizer state       {gib(b['optimizer']):>9}   "
+        f"({'state shard, in pinned host memory: not in the total' if p.optimizer_on_host else 'state shard'})",
+        f"  gradients             {gib(b['gradients']):>9}   (estimate: one parameter shard, inside temp)",
+        f"  activations and temps {gib(b['activations']):>9}   (temp - gradients)",
+        f"  batch                 {gib(b['batch']):>9}",
+        f"  argument / output / temp / alias: {gib(m['argument_bytes'])} / {gib(m['output_bytes'])} / "
+        f"{gib(m['temp_bytes'])} / {gib(m['alias_bytes'])}",
+        f"  total                 {gib(m['total_bytes']):>9}   = argument + output + temp - alias",
+        f"  budget                {gib(m['budget_bytes']):>9}   = {m['budget_bytes'] / m['device_bytes']:.0%} of "
+        f"{gib(m['device_bytes'])} (margin for CUDA context, NCCL, fragmentation)",
+        f"  host (pinned) memory  {gib(m['host_bytes']):>9}   (per GPU)",
+        f"  verdict: {'FITS' if p.fits else 'OVER'}",
+        "",
+        "Collectives per step (per device; the layer loop counted once per layer)",
+    ]
+    for kind, c in sorted(p.collectives.items()):
+        lines.append(
+            f"  {kind:<20} {c.count:>6} ops {gib(c.bytes):>9} GiB  (NVLink {gib(c.intra_host_bytes)}, "
+            f"network {gib(c.inter_host_bytes)}; async {c.async_pairs}, overlapping compute {c.overlapped})"
+        )
+    lines += [
+        "",
+        f"Model FLOPs per step: {p.flops_per_step:.3e} ({p.flops_per_device:.3e} per device)",
+        f"  compute floor {seconds(p.compute_floor_s)} per step at {p.target.peak_flops / 1e12:.0f} TFLOP/s dense bf16 "
+        f"(a bound, not a measurement)",
+        f"  collective floor {seconds(p.comm_floor_s)} if nothing overlapped (NVLink "
+        f"{p.target.nvlink_bytes_per_s / 1e9:.0f} GB/s, network {p.target.network_bytes_per_s / 1e9:.0f} GB/s per GPU)",
+        f"  host link floor {seconds(p.host_link_floor_s)}: {gib(m.get('host_transfer_bytes', 0))} GiB over PCIe per "
+        f"step per GPU if nothing overlapped ({p.target.host_link_bytes_per_s / 1e9:.0f} GB/s; optimizer offload, "
+        f"remat offload)",
+    ]
+    if p.kernels:
+        lines += ["", "Pallas kernels (ptxas -v, sm_90a)"]
+        for k in p.kernels:
+            lines.append(
+                f"  {k.name:<22} grid {k.grid} {k.warps} warps, shared memory {k.shared_memory_bytes:,} B, "
+                f"registers {k.registers}, spills {k.spill_store_bytes} B stored / {k.spill_load_bytes} B loaded"
+            )
+    if p.buffers:
+        lines += ["", "Largest device buffers (GiB; XLA's memory-usage report: what fills the device)"]
+        lines += [f"  {gib(n):>8}  {shapes[:110]}" for n, shapes in p.buffers[:8]]
+    if p.max_seq_len is not None:
+        lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
+    if p.memory_flags is not None:
+        lines += [f"Memory tools chosen (--memory auto); train with: {p.memory_flags} --seq-len "
+                  f"{p.max_seq_len if p.max_seq_len is not None else p.seq_len}"]
+    lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""``TrainConfig``: what ``ulysses-jax train`` takes (the CLI flags are generated from it), and the model and data
+settings it resolves to.
+
+``model_config`` gives the model a ``TrainConfig`` trains (its preset or ``--init-from-hf``'s config.json, with the
+memory tools of the flags), ``model_config_from_run`` the model a run recorded, ``data_config`` its data settings.
+The job that runs a ``TrainConfig`` is ``trainer.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Annotated, Literal
+
+import tyro
+
+from ulysses_jax.data.documents import DataConfig, DataFormat
+from ulysses_jax.model.config import PRESETS, ModelConfig, RopeScaling
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
+from ulysses_jax.train.step import OptimConfig
+
+COMPUTE_ONLY = runconfig.COMPUTE_ONLY
+Paths = Annotated[tuple[str, ...], tyro.conf.arg(metavar="PATH [PATH ...]")]
+Impl = Literal["auto", "xla", "blockwise", "pallas", "cudnn"]
+Remat = Literal["none", "full", "save_matmuls", "offload"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Train a model (defaults: the tiny preset on the built-in corpus for 24 steps, Ulysses over the devices)."""
+
+    preset: Annotated[str | None, tyro.conf.arg(metavar="NAME", help=f"model preset: {', '.join(PRESETS)} (not with "
+                                                 f"--init-from-hf)")] = "tiny"
+    init_from_hf: str | None = None  # a Hugging Face model folder: start from its config.json, weights and tokenizer
+    steps: int = 24  # total optimizer steps (a resumed run continues up to this count)
+    seq_len: int = 2048  # tokens per row (the context length)
+    batch_size: int | None = None  # rows per global batch; None: 2, or one per data x fsdp device if more
+    grad_accum: int = 1  # micro-batches per step (normalised by tokens, not by micro-batches)
+    mesh: MeshConfig = MeshConfig()
+    attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
+    remat: Remat | None = None  # rematerialisation per layer; None: the preset's
+    remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
+    loss_chunk: int | None = None  # tiled loss chunk in tokens (0: off; None: the preset's)
+    mlp_chunk: int | None = None  # tiled MLP chunk in tokens (0: off; None: the preset's)
+    attn_chunk: int | None = None
+    """tiled attention sublayer: norm, projections and the all-to-alls per chunk of this many tokens of each device's
+    sequence (0: off; None: the preset's); needs --mesh.ring 1"""
+    attn_head_chunk: int | None = None
+    """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
+    K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    attn_recompute: bool = False
+    """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
+    again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
+    is updated with the optimizer state (in host memory with --optim.offload)"""
+    offload_params: bool = False
+    """the stacked layers' parameters and gradients in pinned host memory, one layer on the device at a time (needs
+    --optim.offload)"""
+    optim: OptimConfig = OptimConfig()
+    data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
+    data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
+    data_format: DataFormat = "text"
+    """text: loss on every token; sft: .jsonl {"prompt", "completion"} or {"messages"} records rendered with
+    the tokenizer and chat template of the --init-from-hf (or --tokenizer) folder, loss on the answers only"""
+    eval_data: Paths = ()  # a validation source; none: the documents held out of --data by --eval-fraction
+    eval_fraction: float = 0.02  # share of --data documents held out for evaluation (chosen by a hash of the text)
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
+    eval_every: int = 0  # evaluate every N steps (and at the last step), logged with the training metrics; 0: off
+    eval_batches: int = 16  # batches per evaluation during training
+    run_dir: str | None = None  # checkpoints, metrics, run.json; None: a new runs/<preset>-<date>-<time>
+    config: str | None = None  # a YAML or TOML file of these settings (flags override it)
+    resume: bool = False  # continue the run in --run-dir from its latest checkpoint, with its recorded settings
+    resume_from: int | None = None  # continue from this checkpoint step (later checkpoints are set aside)
+    checkpoint_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM/SIGINT)
+    keep_checkpoints: int = 3  # checkpoints kept (the oldest are deleted)
+    seed: int = 0  # parameter init and data order
+    wandb_project: str | None = None  # also log to this Weights & Biases project (needs `pip install wandb`)
+    profile_steps: str | None = None  # "A:B": write a jax.profiler trace of steps A..B-1 to run_dir/profile
+    peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs' bf16 dense peak
+    progress: bool = True  # show a progress bar
+    cpu_devices: int = 8  # fake CPU devices when there is no accelerator
+    distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
+    coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
+    num_processes: int | None = None  # ... with the number of processes
+    process_id: int | None = None  # ... and this process's index
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+def _model_config(preset: str, vocab_size: int, **overrides) -> ModelConfig:
+    cfg = ModelConfig.from_preset(preset, **{k: v for k, v in overrides.items() if v is not None})
+    if vocab_size > cfg.vocab_size:
+        if preset != "tiny":
+            raise ValueError(
+                f"the tokenizer has {vocab_size} tokens but --preset {preset} has a vocabulary of "
+                f"{cfg.vocab_size}; pass that model's own tokenizer with --tokenizer"
+            )
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    return cfg
+
+
+PRESET_AND_HF = ("--preset and --init-from-hf exclude each other (the model is the folder's config.json); drop "
+                 "--preset")
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
+    the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
+    compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+                   attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                   attn_recompute=cfg.attn_recompute or None, param_dtype=cfg.param_dtype,
+                   remat_every=cfg.remat_every,
+                   offload_params=cfg.offload_params or None)
+    if cfg.attn_head_chunk and not cfg.attn_chunk:
+        raise ValueError(f"--attn-head-chunk ({cfg.attn_head_chunk}) groups the heads of the tiled attention "
+                         f"sublayer; add --attn-chunk (tokens per chunk of each device's sequence, e.g. 4096)")
+    if cfg.attn_recompute and not cfg.attn_chunk:
+        raise ValueError("--attn-recompute recomputes the output of the tiled attention sublayer; add --attn-chunk "
+                         "(tokens per chunk of each device's sequence, e.g. 4096)")
+    if cfg.init_from_hf is None:
+        return _model_config(cfg.preset or "tiny", vocab_size, **compute)
+    if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
+        raise ValueError(PRESET_AND_HF)
+    model = ModelConfig.from_hf(cfg.init_from_hf, **{k: v for k, v in compute.items() if v is not None})
+    if vocab_size > model.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens but --init-from-hf {cfg.init_from_hf} has a "
+                         f"vocabulary of {model.vocab_size}; use the folder's own tokenizer (leave out --tokenizer)")
+    return model
+
+
+def model_config_from_run(record: dict, **compute) -> ModelConfig:
+    """The run's model, with its compute settings unless ``compute`` (attention_impl, remat, ...) gives others."""
+    fields = {**record["model"], **record.get("compute", {}), **{k: v for k, v in compute.items() if v is not None}}
+    if compute.get("attn_chunk") == 0:  # the tiled attention switched off: its head groups and recompute with it
+        fields.update({k: v for k, v in (("attn_head_chunk", 0), ("attn_recompute", False)) if compute.get(k) is None})
+    if fields.get("rope_scaling"):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    try:
+        return ModelConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"run.json's model is not one this version of ulysses-jax knows ({e}); use the version that "
+                         f"wrote the run") from None
+
+
+def data_config(cfg: TrainConfig) -> DataConfig:
+    return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
+                      eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data), format=cfg.data_format,
+                      frame=cfg.init_from_hf is not None)
+
+
+def default_run_dir(preset: str) -> str:
+    return f"runs/{preset}-{time.strftime('%Y%m%d-%H%M%S')}"

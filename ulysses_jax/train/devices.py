@@ -1,0 +1,135 @@
+"""The devices a job runs on: the ``--mesh.*`` flags resolved (``sp`` automatic by default), the default batch, and
+every divisibility the training step needs, checked before anything is computed with the flags' own names.
+
+Shared by ``train``, ``eval`` and ``plan`` (which resolves the same flags over compile-only GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+
+from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.model.config import ModelConfig, local_chunks
+from ulysses_jax.parallel.head_layout import head_groups, plan_heads
+from ulysses_jax.parallel.mesh import make_mesh
+from ulysses_jax.parallel.ring import RING_IMPLS
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1  # replicas
+    fsdp: int = -1  # batch and parameter sharding; -1: the devices left after data, ring and sp
+    ring: int = 1
+    """ring attention across hosts (Ulysses x ring): the sequence is split over ring x sp and K/V blocks travel
+    around the ring; 1: plain Ulysses. Use it when the sequence no longer fits one host's sp group"""
+    sp: int = 0
+    """Ulysses sequence parallelism (innermost: devices of one host); 0: auto, the most devices of one host that
+    divide the query heads and --seq-len (all 8 on one 8-GPU node or 8 fake CPU devices); with --mesh.fsdp given, the
+    devices left"""
+
+
+def build_mesh(m: MeshConfig, model: ModelConfig, seq_len: int, devices=None) -> jax.sharding.Mesh:
+    """The mesh of the ``--mesh.*`` flags over ``devices`` (default: all), ``sp=0`` resolved (see ``MeshConfig``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    per_host = n // len({d.process_index for d in devices})
+    for name, v, ok, what in (
+        ("data", m.data, m.data >= 1, "a positive number"),
+        ("fsdp", m.fsdp, m.fsdp >= 1 or m.fsdp == -1, "a positive number or -1 (the devices left)"),
+        ("ring", m.ring, m.ring >= 1, "a positive number"),
+        ("sp", m.sp, m.sp >= 0, "a positive number or 0 (auto)"),
+    ):
+        if not ok:
+            raise ValueError(f"--mesh.{name} ({v}) must be {what} of devices")
+    data, fsdp, ring, sp = m.data, m.fsdp, m.ring, m.sp
+    ring_flag = f" x --mesh.ring {ring}" if ring > 1 else ""
+    if sp == 0 and fsdp != -1:
+        sp = n // (data * fsdp * ring) if n % (data * fsdp * ring) == 0 else 0
+        if sp == 0:
+            raise ValueError(f"--mesh.data {data} x --mesh.fsdp {fsdp}{ring_flag} = {data * fsdp * ring} does not "
+                             f"divide the {n} devices; choose sizes whose product divides {n}")
+    elif sp == 0:
+        seq_ring = seq_len // ring if seq_len % ring == 0 else 0
+        fits = [d for d in range(per_host, 0, -1) if per_host % d == 0 and d <= model.num_heads and seq_ring % d == 0
+                and n % (data * ring * d) == 0]
+        sp = fits[0] if fits else 1
+    if fsdp == -1:
+        if n % (data * ring * sp):
+            raise ValueError(f"--mesh.data {data}{ring_flag} x --mesh.sp {sp} = {data * ring * sp} does not divide "
+                             f"the {n} devices; choose sizes whose product divides {n}")
+        fsdp = n // (data * ring * sp)
+    if data * fsdp * ring * sp != n:
+        raise ValueError(f"--mesh.data {data} x --mesh.fsdp {fsdp}{ring_flag} x --mesh.sp {sp} = "
+                         f"{data * fsdp * ring * sp} but there are {n} devices; make the product {n} (or let "
+                         f"--mesh.fsdp -1 take the devices left)")
+    return make_mesh(data=data, fsdp=fsdp, ring=ring, sp=sp, devices=devices)
+
+
+def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:
+    """``--batch-size``, or by default 2 rows, or one per data x fsdp device (times ``--grad-accum``) if more."""
+    if batch_size is not None:
+        return batch_size
+    rows = mesh.shape["data"] * mesh.shape["fsdp"] * grad_accum
+    return rows * -(-2 // rows)
+
+
+def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, grad_accum: int = 1) -> None:
+    data, fsdp, ring, sp = (mesh.shape[a] for a in ("data", "fsdp", "ring", "sp"))
+    if ring == 1 and (seq_len < 1 or seq_len % sp):
+        raise ValueError(f"--seq-len ({seq_len}) must be a positive multiple of --mesh.sp ({sp})")
+    unit = math.lcm(ring * sp, 2 * ring)
+    if ring > 1 and (seq_len < 1 or seq_len % unit):
+        raise ValueError(f"--seq-len ({seq_len}) must be a positive multiple of --mesh.ring x --mesh.sp "
+                         f"({ring} x {sp}) and of 2 x --mesh.ring ({2 * ring}, the zigzag order): a multiple of {unit}")
+    if sp > cfg.num_heads:
+        raise ValueError(
+            f"--mesh.sp ({sp}) exceeds the model's query heads ({cfg.num_heads}): Ulysses splits heads over sp; "
+            f"use --mesh.sp <= {cfg.num_heads}"
+        )
+    rows = data * fsdp
+    if grad_accum < 1:
+        raise ValueError(f"--grad-accum ({grad_accum}) must be at least 1")
+    if batch_size < 1 or batch_size % grad_accum or (batch_size // grad_accum) % rows:
+        raise ValueError(
+            f"--batch-size ({batch_size}) must be a multiple of --grad-accum ({grad_accum}) x --mesh.data x "
+            f"--mesh.fsdp ({data} x {fsdp}) = {grad_accum * rows}"
+        )
+    hosts = len({d.process_index for d in mesh.devices.flat})  # the mesh's, so a planned topology counts too
+    per_host = mesh.devices.size // hosts
+    row_hosts = max(1, ring * sp // per_host)  # hosts that share one row's sequence (a ring across hosts)
+    if batch_size % (hosts // row_hosts or 1):
+        raise ValueError(f"--batch-size ({batch_size}) must be divisible by the {hosts // row_hosts} processes (hosts) "
+                         f"that hold separate rows")
+    if ring > 1 and cfg.attention_impl not in RING_IMPLS:
+        raise ValueError(f"--attention {cfg.attention_impl} has no ring kernel; with --mesh.ring {ring} use "
+                         f"--attention {', '.join(RING_IMPLS)}")
+    if hosts > 1 and per_host % sp and sp % per_host:
+        raise ValueError(
+            f"--mesh.sp ({sp}) must divide the {per_host} devices of each host, so that an sp group stays within "
+            f"one host (or be a multiple of them: whole hosts, the all-to-alls over the network); use --mesh.sp <= "
+            f"{per_host}, and --mesh.ring to span hosts"
+        )
+    for flag, chunk in (("--loss-chunk", cfg.loss_chunk), ("--mlp-chunk", cfg.mlp_chunk),
+                        ("--attn-chunk", cfg.attn_chunk)):
+        if chunk:
+            local_chunks(chunk, seq_len // (ring * sp), flag)
+    if cfg.attn_chunk and ring > 1:
+        raise ValueError(f"--attn-chunk ({cfg.attn_chunk}) tiles the Ulysses exchange of a mesh without a ring; with "
+                         f"--mesh.ring {ring} use --attn-chunk 0")
+    if cfg.attn_head_chunk:
+        head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), cfg.attn_head_chunk, flag="--attn-head-chunk")
+    # training rows are packed documents, so segment ids are always present
+    if ring > 1:
+        return  # the ring's kernels serve any platform, dtype and head_dim
+    try:
+        resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True,
+                     platform=device_platform(mesh))
+    except ValueError as e:
+        why = str(e).replace(f"impl={cfg.attention_impl!r} ", "")
+        why = re.sub(r"impl='(\w+)'( or '(\w+)')?", r"--attention \1\2", why)
+        why = re.sub(r"'(\w+)'", r"\1", why)
+        raise ValueError(f"--attention {cfg.attention_impl}: {why}") from None

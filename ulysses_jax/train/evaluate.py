@@ -1,0 +1,106 @@
+"""``ulysses-jax eval``: loss and perplexity of a run's checkpoint, everything read from the run's record.
+
+The documents are the run's eval split (its ``--eval-data``, or the documents its ``--eval-fraction`` held out) unless
+``--eval-data`` names others. Other data (or the run's data changed on disk) and another tokenizer are refused: their
+"held-out" documents may have been trained on. The mesh, batch and memory tools may differ from the run's, so a
+checkpoint trained on many devices is evaluated on few. It reads only, except for its result: one line in
+``eval.jsonl`` and ``eval/`` scalars in TensorBoard, written into a run that has checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+
+from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
+from ulysses_jax.data.tokenizers import describe_tokenizer
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.checkpoint import Checkpointer
+from ulysses_jax.train.config import Impl, Paths, Remat, model_config_from_run
+from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch
+from ulysses_jax.train.metrics import log_eval
+from ulysses_jax.train.step import abstract_state, make_eval_step, state_shardings
+from ulysses_jax.train.trainer import evaluate_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """Loss and perplexity of a run's checkpoint on its held-out documents (or --eval-data); reads the run's record."""
+
+    run_dir: str  # the run to evaluate
+    step: int | None = None  # the checkpoint to evaluate; None: the latest
+    mesh: MeshConfig = MeshConfig()
+    batch_size: int | None = None  # rows per batch; None: the run's, if the mesh divides it
+    max_batches: int = 16  # batches to read (0: all)
+    attention: Impl = "auto"  # attention kernel
+    remat: Remat | None = None  # memory tools, to fit on another mesh; None: the run's
+    loss_chunk: int | None = None  # tiled loss chunk in tokens; None: the run's
+    mlp_chunk: int | None = None  # tiled MLP chunk in tokens; None: the run's
+    attn_chunk: int | None = None  # tiled attention chunk in tokens; None: the run's
+    attn_head_chunk: int | None = None  # query heads per device per group of the tiled attention; None: the run's
+    eval_data: Paths = ()  # evaluate on these documents instead of the run's eval split
+    data: Paths = ()  # where the run's --data is now, if it moved (checked against the run's fingerprints)
+    tokenizer: str | None = None  # where the run's --tokenizer is now, if it moved (checked likewise)
+    cpu_devices: int = 8  # fake CPU devices when there is no accelerator
+    distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
+    coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
+    num_processes: int | None = None  # ... with the number of processes
+    process_id: int | None = None  # ... and this process's index
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """Loss and perplexity of a checkpoint of the run on its eval split (or ``--eval-data``); reads the run's record,
+    refuses other data or another tokenizer, writes only ``eval.jsonl`` and TensorBoard events into the run."""
+    run_dir = pathlib.Path(cfg.run_dir)
+    record = runconfig.read_record(run_dir)
+    where = runconfig.inspect(run_dir)
+    step = where.pick_step(cfg.step, none=f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir "
+                                          f"of a run")
+    rc = record["config"]
+    tokenizer = describe_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else rc.get("tokenizer"))
+    why = runconfig.tokenizer_difference(record.get("tokenizer"), tokenizer)
+    if why:
+        raise ValueError(f"{why}; evaluate with the run's own tokenizer (leave out --tokenizer)")
+    # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
+    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None)
+    if cfg.eval_data:
+        data_cfg = DataConfig(paths=tuple(cfg.eval_data), eval_paths=tuple(cfg.eval_data), eval_fraction=0.0,
+                              tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"), **documents)
+        validate_sources(data_cfg, need_eval=True)
+        what = f"--eval-data {' '.join(cfg.eval_data)}"
+    else:
+        data_cfg = DataConfig(paths=tuple(cfg.data or rc.get("data", ())), tokenizer=tokenizer["path"],
+                              text_field=rc.get("data_field", "text"), eval_fraction=rc.get("eval_fraction", 0.02),
+                              eval_paths=tuple(rc.get("eval_data", ())), **documents)
+        validate_sources(data_cfg, need_eval=True)
+        why = sources_differ(record.get("data", []), describe_sources(data_cfg))
+        if why:
+            raise ValueError(f"{why}: its held-out documents may have been trained on; evaluate the run's own data "
+                             f"(--data where it is now, if it moved) or other documents with --eval-data")
+        what = "the run's --eval-data" if rc.get("eval_data") else "the run's held-out documents"
+    model = model_config_from_run(record, attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk,
+                                  mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk,
+                                  attn_head_chunk=cfg.attn_head_chunk)
+    seq_len = record["seq_len"]
+    mesh = build_mesh(cfg.mesh, model, seq_len)
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_size = cfg.batch_size or (record.get("batch_size") if record.get("batch_size", 1) % rows == 0 else None)
+    batch_size = resolve_batch(batch_size, mesh)
+    check_parallel(model, mesh, seq_len=seq_len, batch_size=batch_size)
+    if cfg.max_batches < 0 or (cfg.max_batches == 0 and jax.process_count() > 1):
+        raise ValueError(f"--max-batches ({cfg.max_batches}) must be positive (0: all, on one process only)")
+    checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
+    try:
+        graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
+        state, _ = checkpointer.restore(step, target, params_only=True)
+    finally:
+        checkpointer.close()
+    eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"]))
+    result = evaluate_loss(eval_step, state["params"], data_cfg, mesh, seq_len=seq_len, batch_size=batch_size,
+                           max_batches=cfg.max_batches or None)
+    result = {"step": step, **result, "seq_len": seq_len, "batch_size": batch_size, "data": what,
+              "mesh": dict(mesh.shape), "time": runconfig.now()}
+    result["written_to"] = str(log_eval(run_dir, result))
+    return result

@@ -1,0 +1,86 @@
+"""``ulysses-jax export``: a run's checkpoint as a Hugging Face folder that transformers loads.
+
+Everything comes from the run's record: the model (``run.json``'s ``model``), the checkpoint (the latest, or
+``--step``), the tokenizer files (copied from the run's ``--init-from-hf`` folder, or from the folder of its
+``--tokenizer``; a run on UTF-8 bytes has none). The parameters are restored onto a mesh of the local devices (8 fake
+CPU devices without an accelerator, as ``train``) and written by ``hf.to_hf``: ``config.json`` (Llama, Qwen2, Qwen3
+or Mistral, whichever holds the model) and ``generation_config.json``, safetensors shards of at most 5 GB with their
+index, gathered one tensor at a time. Nothing is written until every check has passed: a non-empty ``--out``, a run
+without checkpoints, a missing step, a model with no Hugging Face architecture, a tokenizer changed since the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+from typing import Literal
+
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.devices import MeshConfig, build_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    """Write a run's checkpoint as a Hugging Face model folder (config.json, safetensors, tokenizer files)."""
+
+    run_dir: str  # the run to export
+    out: str  # the folder to write: new or empty
+    step: int | None = None  # the checkpoint to export; None: the latest
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # the tensors' dtype in the files; None: the run's
+    cpu_devices: int = 8  # fake CPU devices when there is no accelerator
+    distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
+    coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
+    num_processes: int | None = None  # ... with the number of processes
+    process_id: int | None = None  # ... and this process's index
+
+
+def _tokenizer_source(record: dict) -> tuple[pathlib.Path | None, pathlib.Path | None]:
+    """``(folder whose tokenizer files and generation_config.json go along, the run's tokenizer.json)``."""
+    from ulysses_jax.data.tokenizers import describe_tokenizer
+
+    tok = record.get("tokenizer") or {}
+    if not tok.get("path"):
+        return None, None  # UTF-8 bytes: no tokenizer files
+    path = pathlib.Path(tok["path"])
+    if not path.is_file():
+        raise ValueError(f"the run's tokenizer {path} is gone; put it back to export its files with the model")
+    if describe_tokenizer(str(path)).get("fingerprint") != tok.get("fingerprint"):
+        raise ValueError(f"the run's tokenizer {path} has changed since the run; restore the file it was trained with")
+    return path.parent, path
+
+
+def export_run(cfg: ExportConfig) -> dict:
+    """Write ``cfg.run_dir``'s checkpoint into ``cfg.out`` (module doc); ``ValueError`` before writing on bad input."""
+    from flax import nnx
+
+    from ulysses_jax.interop import hf
+    from ulysses_jax.train.checkpoint import Checkpointer
+    from ulysses_jax.train.config import model_config_from_run
+    from ulysses_jax.train.step import abstract_state
+
+    run_dir = pathlib.Path(cfg.run_dir)
+    out = pathlib.Path(cfg.out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {cfg.out} is not an empty folder; export into a new or empty folder (nothing was "
+                         f"written)")
+    record = runconfig.read_record(run_dir)
+    where = runconfig.inspect(run_dir)
+    step = where.pick_step(cfg.step, none=f"--run-dir {cfg.run_dir} has no checkpoint in {where.checkpoints}; train "
+                                          f"it first")
+    model_cfg = model_config_from_run(record)
+    folder, tokenizer = _tokenizer_source(record)
+    source_config = hf.read_json(folder / "config.json") if folder and (folder / "config.json").is_file() else {}
+    arch = hf.export_architecture(model_cfg, source_config.get("architectures"))  # refuses what HF cannot hold
+    mesh = build_mesh(MeshConfig(), model_cfg, record["seq_len"])
+    checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
+    try:
+        graphdef, target = abstract_state(model_cfg, mesh)  # parameters only: the optimizer state is not read
+        state, _ = checkpointer.restore(step, target, params_only=True)
+    finally:
+        checkpointer.close()
+    hf.to_hf(nnx.merge(graphdef, state["params"]), out, tokenizer_from=folder, dtype=cfg.dtype)
+    if tokenizer is not None and tokenizer.name != "tokenizer.json" and (out / "config.json").is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")  # a tokenizer file of another name goes in as HF names it
+    return {"step": step, "out": str(out), "architecture": arch, "files": sorted(p.name for p in out.iterdir()),
+            "tokenizer_from": str(folder) if folder else None}

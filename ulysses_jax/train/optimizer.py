@@ -1,0 +1,250 @@
+"""Optimizer memory: float32 master weights, and the optimizer state in pinned host memory streamed by layer.
+
+Two choices, each an ``OptimConfig`` flag (``step.py``):
+
+  * ``master_weights``: the optimizer keeps a float32 copy of the parameters (``MasterState``) and updates it;
+    the parameters the model computes with are that copy rounded to their own dtype. With bfloat16
+    parameters the device holds 2 bytes per parameter for the model and the update is still float32's.
+  * ``offload``: the optimizer state (AdamW's moments, and the master weights) lives in pinned host memory.
+    The update streams it through the device: a ``scan`` over the stacked layers moves one layer's
+    moments and master weights to the device, updates them there, and moves them back, so the device holds
+    one layer of optimizer state at a time (the other parameters, embeddings and final norm, one array
+    at a time). Gradients are clipped first, over the whole model, on the device.
+
+Both give the update of the plain on-device optimizer: the same optax transforms run on slices, and every
+one of them is elementwise but the global-norm clip, which runs once on all gradients.
+
+The moves between device and pinned host memory are ``model/host_offload.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+
+from ulysses_jax.model.host_offload import HOST, STACKED, to_device, to_host
+
+
+class MasterState(NamedTuple):
+    master: Any  # float32 copy of the parameters
+    inner: Any  # the wrapped optimizer's state (of the float32 weights)
+
+
+def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` run on a float32 copy of the parameters held in its state (``MasterState``).
+
+    ``update`` returns the updates of the float32 weights; the train step sets the parameters to the new master
+    weights rounded to the parameters' dtype (``apply``), never adds the updates to low-precision parameters.
+    """
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        return MasterState(master, tx.init(master))
+
+    def update(grads, state, params=None):
+        del params
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner = tx.update(grads, state.inner, state.master)
+        return updates, MasterState(optax.apply_updates(state.master, updates), inner)
+
+    return optax.GradientTransformation(init, update)
+
+
+class Optimizer(NamedTuple):
+    """An optax ``GradientTransformation`` (``init``, ``update``) that also names its parts, for the streamed update."""
+
+    init: Any
+    update: Any
+    clip_norm: float  # global-norm clipping (optax.clip_by_global_norm) before adamw; 0: none
+    adamw: optax.GradientTransformation
+    offload: bool  # state in pinned host memory, updated by ``streamed_update``
+    on_device: optax.GradientTransformation  # the same transformation, as a plain optax one
+
+    @classmethod
+    def of(cls, clip_norm: float, adamw, *, master_weights: bool = False, offload: bool = False) -> Optimizer:
+        tx = optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm else adamw
+        if master_weights:
+            tx = with_master_weights(tx)
+        return cls(tx.init, tx.update, clip_norm, adamw, offload, tx)
+
+
+def apply(tx: optax.GradientTransformation, grads, opt_state, params):
+    """One on-device optimizer update: ``(new params, new optimizer state)``."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    if isinstance(opt_state, MasterState):
+        return jax.tree.map(lambda m, p: m.astype(p.dtype), opt_state.master, params), opt_state
+    return optax.apply_updates(params, updates), opt_state
+
+
+def stacked_flags(params):
+    """True for each parameter stacked over the layers (under ``blocks``), False for the others."""
+
+    def stacked(path, _):
+        return any(isinstance(k, jax.tree_util.DictKey) and k.key == STACKED for k in path)
+
+    return jax.tree_util.tree_map_with_path(stacked, params)
+
+
+def _kinds(adamw, adam_state, flags) -> list[str]:
+    """Per leaf of ``adam_state``: ``"stacked"``, ``"whole"`` (a parameter-shaped leaf) or ``"scalar"``."""
+    kinds = optax.tree_map_params(adamw, lambda _, f: "stacked" if f else "whole", adam_state, flags,
+                                  transform_non_params=lambda _: "scalar")
+    return jax.tree.leaves(kinds)
+
+
+def _fill(values, like, mask):
+    """``like``'s positions: the next of ``values`` where ``mask``, else an empty array of ``like``'s dtype (the
+    optax transforms run on every leaf; an empty one costs nothing and keeps the tree and its names whole)."""
+    it = iter(values)
+    return [next(it) if m else jnp.zeros((0,), x.dtype) for x, m in zip(like, mask)]
+
+
+def _sum_of_squares(stacked, prep):
+    """float32 sum of squares of the stacked arrays' slices, each ``prep``-ed, one layer at a time (a ``scan``)."""
+
+    def body(total, xs):
+        return total + sum(jnp.sum(jnp.square(prep(x).astype(jnp.float32))) for x in xs), None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), stacked)[0]
+
+
+def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host_params: bool = False):
+    """``tx``'s update (global-norm clipping, AdamW, with master weights or not) with the optimizer state in host
+    memory: ``(new params, new optimizer state, gradient norm)``.
+
+    Layer by layer for the stacked parameters (a ``scan``: one layer's state on the device at a time), then the
+    other parameters one array at a time. ``grads`` are divided by ``denom`` (the token count; ``None``: already
+    done) as each part reaches the device, and stay in their dtype until a layer's update casts them.
+    ``host_params`` (``ModelConfig.offload_params``): the stacked parameters and their gradients are in host memory;
+    the gradients stream in for the norm and again for the update, the new parameters go back out layer by layer.
+    """
+    adamw, clip_norm = tx.adamw, tx.clip_norm
+    master = isinstance(opt_state, MasterState)
+    chain_state = opt_state.inner if master else opt_state
+    clip_state, adam_state = chain_state if clip_norm else (None, chain_state)
+    weights = opt_state.master if master else params
+
+    def prep(g):  # on the device, divided by the token count, in its own dtype
+        g = to_device(g) if host_params else g
+        return g if denom is None else (g / denom).astype(g.dtype)
+
+    def seen(g):  # a gradient in the dtype the optimizer works in: float32 for the master weights
+        return g.astype(jnp.float32) if master else g
+
+    p_leaves, p_def = jax.tree.flatten(params)
+    flags = jax.tree.leaves(stacked_flags(params))
+    if host_params:  # the stacked gradients stream through the device for the norm: float32 sums of squares
+        g_all = jax.tree.leaves(grads)
+        squares = _sum_of_squares([g for g, f in zip(g_all, flags) if f], prep)
+        squares += sum(jnp.sum(jnp.square(prep(g).astype(jnp.float32))) for g, f in zip(g_all, flags) if not f)
+        grad_norm = seen_norm = jnp.sqrt(squares)
+    else:
+        grads = jax.tree.map(prep, grads)
+        prep = lambda g: g  # noqa: E731  (done)
+        grad_norm = optax.tree.norm(grads)
+        seen_norm = optax.tree.norm(jax.tree.map(seen, grads)) if clip_norm else None
+    if clip_norm:  # optax.clip_by_global_norm: its norm over the whole model once, its scaling per part
+        trigger = jnp.squeeze(seen_norm < clip_norm)
+
+        def clipped(g):
+            g = seen(prep(g))
+            return jax.lax.select(trigger, g, (g / seen_norm.astype(g.dtype)) * clip_norm)
+    else:
+        def clipped(g):
+            return seen(prep(g))
+    g_leaves, w_leaves = jax.tree.leaves(grads), jax.tree.leaves(weights)
+    s_leaves, s_def = jax.tree.flatten(adam_state)
+    g_seen = [jax.ShapeDtypeStruct((), jnp.float32 if master else x.dtype) for x in g_leaves]  # dtypes only
+    kinds = _kinds(adamw, adam_state, stacked_flags(params))
+
+    def run(g, st, w, stacked: bool):
+        """adamw on one part: the given leaves (lists over that part) moved in, updated, the state moved out."""
+        p_mask = [f == stacked for f in flags]
+        s_mask = [k == ("stacked" if stacked else "whole") for k in kinds]
+        st_full = [x if k == "scalar" else y for x, y, k in zip(s_leaves, _fill(st, s_leaves, s_mask), kinds)]
+        w_full = p_def.unflatten(_fill(to_device(w), w_leaves, p_mask))
+        g = [clipped(x) for x in g]
+        updates, new = adamw.update(p_def.unflatten(_fill(g, g_seen, p_mask)),
+                                    s_def.unflatten(to_device(st_full)), w_full)
+        new_w = jax.tree.leaves(optax.apply_updates(w_full, updates))
+        new_s = jax.tree.leaves(new)
+        return ([x for x, m in zip(new_w, p_mask) if m], [to_host(x) for x, m in zip(new_s, s_mask) if m],
+                [x for x, k in zip(new_s, kinds) if k == "scalar"])
+
+    def pick(xs, mask):
+        return [x for x, m in zip(xs, mask) if m]
+
+    layer_params = pick(p_leaves, flags)
+    is_layer = [k == "stacked" for k in kinds]
+    is_whole = [k == "whole" for k in kinds]
+    # The state's stacks in host memory are the scan's outputs: new stacks, a second copy of the stacked state in host
+    # memory (XLA's buffer report); a loop updating them in place (dynamic_update_slice into host memory) does not
+    # compile for the compile-only H100 target (XLA: a host-to-host copy-start), so that copy stays. The parameters'
+    # stacks on the device are updated in place instead (the loop's carry, the donated parameters): as scan outputs
+    # they were zeros buffers that XLA created with the gradients' before the backward, 15 GiB held through it on
+    # one H100 for Llama-3.1-8B.
+    in_place = not host_params
+    weights_in_stacks = in_place and not master  # the weights are the parameters being updated: read from the carry
+
+    def body(carry, xs):  # one layer of the stacked parameters
+        i, stacks = carry
+        g, st, w = xs
+        if weights_in_stacks:
+            w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks]
+        w, st, _ = run(g, st, w, True)
+        new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
+        if in_place:
+            stacks = [jax.lax.dynamic_update_index_in_dim(p, x, i, axis=0) for p, x in zip(stacks, new_p)]
+            new_p = []
+        return (i + 1, stacks), (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
+
+    xs = (pick(g_leaves, flags), pick(s_leaves, is_layer), [] if weights_in_stacks else pick(w_leaves, flags))
+    (_, stacks), (p_layers, m_layers, s_layers) = jax.lax.scan(
+        body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
+    p_layers = stacks if in_place else p_layers
+    not_flags = [not f for f in flags]
+    w_rest, s_rest, scalars = run(pick(g_leaves, not_flags), pick(s_leaves, is_whole), pick(w_leaves, not_flags),
+                                  False)
+
+    def merge(mask, a, b):  # positions where mask: the next of a; elsewhere the next of b
+        ia, ib = iter(a), iter(b)
+        return [next(ia) if m else next(ib) for m in mask]
+
+    its = {"stacked": iter(s_layers), "whole": iter(s_rest), "scalar": iter(scalars)}
+    new_s = [next(its[k]) for k in kinds]
+    new_adam = s_def.unflatten(new_s)
+    new_chain = (clip_state, new_adam) if clip_norm else new_adam
+    p_rest = [x.astype(p.dtype) for x, p in zip(w_rest, pick(p_leaves, not_flags))]
+    new_params = p_def.unflatten(merge(flags, p_layers, p_rest))
+    if not master:
+        return new_params, new_chain, grad_norm
+    new_master = p_def.unflatten(merge(flags, m_layers, to_host(w_rest)))
+    return new_params, MasterState(new_master, new_chain), grad_norm
+
+
+def host_param_shardings(shardings):
+    """Parameter ``shardings`` with the stacked layers' (``ModelConfig.offload_params``) in pinned host memory."""
+
+    def host(s, stacked):
+        return NamedSharding(s.mesh, s.spec, memory_kind=HOST) if stacked and isinstance(s, NamedSharding) else s
+
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    return jax.tree.map(host, shardings, stacked_flags(shardings), is_leaf=is_sharding)
+
+
+def host_shardings(tx, abstract_opt, shardings):
+    """``shardings`` of the optimizer state with its parameter-shaped arrays in pinned host memory.
+
+    On devices without that memory kind (compile-only GPUs), JAX drops it and the sharding is unchanged.
+    """
+
+    def host(s):
+        return NamedSharding(s.mesh, s.spec, memory_kind=HOST) if isinstance(s, NamedSharding) else s
+
+    flags = optax.tree_map_params(tx, lambda _: True, abstract_opt, transform_non_params=lambda _: False)
+    return jax.tree.map(lambda s, f: host(s) if f else s, shardings, flags,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))

@@ -1,0 +1,389 @@
+"""A run remembers itself: configuration files, the run record, and what may change when a run continues.
+
+A run directory (``--run-dir``)::
+
+    run.json       the run record, written by ``train`` (process 0) once everything is checked: the effective
+                   configuration (``config``), the model (``model``, ``compute``), the data sources and tokenizer with
+                   content fingerprints (``data``, ``tokenizer``), the mesh, batch, schedule (with any re-planned
+                   decay), and one entry per start in ``starts``. ``train --resume`` and ``eval`` read everything
+                   from it.
+    config.yaml    the same effective configuration as a config file: ``train --config R/config.yaml`` repeats the run
+    checkpoints/   Orbax checkpoints (``checkpoint.py``)
+    metrics.jsonl  one JSON object per training step; tensorboard/: the same as TensorBoard events
+    eval.jsonl     one JSON object per ``ulysses-jax eval``
+
+Configuration: defaults < the run's record (on resume) < ``--config FILE`` (YAML or TOML, nested like the flags:
+``mesh: {sp: 8}`` for ``--mesh.sp 8``) < flags. On resume, a value that changes what the run learns (``LEARNED``: model,
+data, tokenizer, ``--init-from-hf`` folder, batch, sequence length, seed, optimizer) is refused; everything else (mesh,
+memory tools, attention, steps, checkpointing, evaluation, logging) may change. Data, tokenizer and the Hugging Face
+folder are compared by content, so a corpus or folder that moved can be named with its new path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import os
+import pathlib
+import types
+import typing
+from typing import Literal
+
+from ulysses_jax.data.documents import sources_differ
+
+RECORD = "run.json"
+# Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
+COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
+                "attn_recompute",
+                "compute_dtype")
+CONFIG = "config.yaml"
+VERSION = 1
+
+# TrainConfig fields that change what is learned: refused on resume when they differ from the record. Data and
+# tokenizer are compared by content (fingerprints), not here.
+LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format", "eval_fraction", "optim.lr",
+           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2")
+RECORDED_BEFORE = {"data_format": "text"}  # what a record written before a LEARNED field existed meant by it
+# Fields of one invocation, never inherited from a record or written into one.
+PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps", "distributed", "coordinator_address",
+                  "num_processes", "process_id")
+
+
+def flag(path: str) -> str:
+    """``"optim.warmup_steps"`` -> ``"--optim.warmup-steps"``."""
+    return "--" + path.replace("_", "-")
+
+
+# ------------------------------------------------------------------------------------ config files
+
+
+def load_config_file(path: str | os.PathLike) -> dict:
+    """A YAML (``.yaml``/``.yml``) or TOML (``.toml``) file as a dict; errors name the file and the fix."""
+    p = pathlib.Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"--config {path} does not exist; pass a .yaml or .toml file")
+    try:
+        raw = p.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    suffix = p.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(raw)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(raw)
+        else:
+            raise ValueError(f"--config {path}: unknown extension {p.suffix!r}; use a .yaml, .yml or .toml file")
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - yaml.YAMLError and tomllib.TOMLDecodeError
+        why = " ".join(str(e).split())[:200]
+        raise ValueError(f"--config {path} is not valid {suffix[1:].upper()} ({why}); fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of settings (such as `steps: 100`), not a "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _type_name(t) -> str:
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(t))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(t))
+    if origin is tuple:
+        return "a list of strings"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            type(None): "null"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def _convert(value, t, where: str):
+    origin = typing.get_origin(t)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(t):
+            try:
+                return _convert(value, arg, where)
+            except ValueError:
+                continue
+        raise ValueError(f"{where} is {value!r}, not {_type_name(t)}")
+    if origin is Literal:
+        if value in typing.get_args(t):
+            return value
+        raise ValueError(f"{where} is {value!r}, not {_type_name(t)}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike)) for v in value):
+            return tuple(str(v) for v in value)
+        raise ValueError(f"{where} is {value!r}, not {_type_name(t)}")
+    if t is type(None):
+        if value is None:
+            return None
+    elif t is bool:
+        if isinstance(value, bool):
+            return value
+    elif t is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif t is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif t is str:
+        if isinstance(value, str):
+            return value
+    raise ValueError(f"{where} is {value!r}, not {_type_name(t)}")
+
+
+def apply(base, values: dict, *, where: str, prefix: str = ""):
+    """``base`` (a frozen config dataclass) with ``values`` (nested dicts, keys with ``_`` or ``-``) replaced.
+
+    Unknown keys and values of the wrong type raise ``ValueError`` naming ``where`` (the file), the key and the fix.
+    """
+    cls = type(base)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    changes = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        path = prefix + name
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: unknown setting {prefix + str(key)!r}; {hint}the settings are the flags of "
+                             f"`--help` without the dashes ({', '.join(names[:6])}, ...)")
+        t = hints[name]
+        if dataclasses.is_dataclass(t):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}: {path} must be a mapping such as `{name}: {{...}}`, not {value!r}")
+            changes[name] = apply(getattr(base, name), value, where=where, prefix=path + ".")
+        else:
+            changes[name] = _convert(value, t, f"{where}: {path}")
+    return dataclasses.replace(base, **changes)
+
+
+def to_dict(cfg, *, skip: tuple[str, ...] = ()) -> dict:
+    """A config dataclass as nested plain data (tuples as lists), without the fields in ``skip``."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.name in skip:
+            continue
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            value = to_dict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def get(d: dict, path: str):
+    for part in path.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+# ------------------------------------------------------------------------------------ the run directory
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """What a run directory holds now (nothing is created by looking)."""
+
+    path: pathlib.Path
+    exists: bool
+    record: bool
+    steps: tuple[int, ...]  # finished checkpoints
+    metrics: bool  # metrics.jsonl or tensorboard/ events
+
+    @property
+    def checkpoints(self) -> pathlib.Path:
+        return self.path / "checkpoints"
+
+    def pick_step(self, step: int | None, *, none: str) -> int:
+        """``step`` (None: the latest) if it is a finished checkpoint; ``none``: the error when there is none."""
+        if not self.steps:
+            raise ValueError(none)
+        if step is None:
+            return self.steps[-1]
+        if step not in self.steps:
+            raise ValueError(f"--step {step}: no such checkpoint in {self.checkpoints} (steps: "
+                             f"{', '.join(map(str, self.steps))})")
+        return step
+
+
+def inspect(run_dir: str | os.PathLike) -> RunDir:
+    p = pathlib.Path(run_dir)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is a file; choose a directory path with --run-dir")
+    ckpts = p / "checkpoints"
+    steps = tuple(sorted(int(c.name) for c in ckpts.iterdir() if c.name.isdigit())) if ckpts.is_dir() else ()
+    metrics = (p / "metrics.jsonl").exists() or any((p / "tensorboard").glob("events.out.tfevents.*"))
+    return RunDir(p, p.is_dir(), (p / RECORD).is_file(), steps, metrics)
+
+
+def read_record(run_dir: str | os.PathLike) -> dict:
+    """The run record of ``run_dir``; ``ValueError`` when it is missing or not one."""
+    path = pathlib.Path(run_dir) / RECORD
+    if not path.is_file():
+        raise ValueError(f"{path} not found: {run_dir} is not a training run directory; pass the --run-dir of a run "
+                         f"written by `ulysses-jax train`")
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record["model"], dict):
+            raise TypeError("not a mapping with a model")
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read ({e.strerror or e}); check the file system") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path} is not a readable ulysses-jax run record ({type(e).__name__}: {e}); "
+            f"pass the --run-dir of a run written by `ulysses-jax train`"
+        ) from None
+    if "config" not in record or record.get("version", 0) > VERSION:
+        raise ValueError(f"{path} was written by another version of ulysses-jax (no configuration of version "
+                         f"{VERSION}); continue it with that version, or start a new --run-dir")
+    return record
+
+
+def write_record(run_dir: str | os.PathLike, record: dict) -> None:
+    """Write ``run.json`` and ``config.yaml`` atomically (process 0 only: the caller checks)."""
+    import yaml
+
+    p = pathlib.Path(run_dir)
+    p.mkdir(parents=True, exist_ok=True)
+    _atomic_write(p / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    header = ("# The effective configuration of this run (written by `ulysses-jax train`). Repeat it in a new\n"
+              "# directory with `ulysses-jax train --config <this file> --run-dir <new>`; continue it with\n"
+              "# `ulysses-jax train --run-dir <this run> --resume`.\n")
+    _atomic_write(p / CONFIG, header + yaml.safe_dump(record["config"], sort_keys=False))
+
+
+def _atomic_write(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------------ what may change
+
+
+def learned_difference(recorded: dict, current: dict) -> str | None:
+    """The first ``LEARNED`` setting that differs between two records' configs, as one phrase; else ``None``."""
+    for path in LEARNED:
+        a, b = get(recorded["config"], path), get(current["config"], path)
+        a = RECORDED_BEFORE.get(path) if a is None else a
+        if a != b:
+            return f"{flag(path)} is {b!r} here but {a!r} in the run"
+    a, b = recorded.get("model", {}), current.get("model", {})
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            return f"the model's {key} is {b.get(key)!r} here but {a.get(key)!r} in the run"
+    if recorded.get("optimizer") != current.get("optimizer"):
+        return f"the optimizer is {current.get('optimizer')} here but {recorded.get('optimizer')} in the run"
+    return None
+
+
+HF_FOLDER_FILES = ("config.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def describe_hf_folder(path: str, *, missing_ok: bool = False) -> dict | None:
+    """``--init-from-hf`` as the run records it: the resolved path and a fingerprint of its settings files.
+
+    The folder is compared by content, not by path (a folder that moved may be named anew), as data and tokenizers
+    are. The fingerprint covers config.json (the model) and the files that frame and render documents (BOS/EOS,
+    chat template); tokenizer.json has its own record (``tokenizer``). The weights are not hashed: they are
+    gigabytes, and they are read at step 0 only (a resumed run takes its weights from its checkpoint).
+    ``missing_ok`` (resuming): a folder that is gone gives None, the run's record then stands for it.
+    """
+    import hashlib
+
+    folder = pathlib.Path(path).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        if missing_ok:
+            return None
+        raise ValueError(f"--init-from-hf {path} has no config.json; pass a Hugging Face model folder")
+    h = hashlib.blake2b(digest_size=16)
+    for name in HF_FOLDER_FILES:
+        f = folder / name
+        h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
+    return {"path": str(folder), "fingerprint": h.hexdigest()}
+
+
+def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
+    if (recorded or {}).get("fingerprint") == (current or {}).get("fingerprint"):
+        return None
+    if recorded is None:
+        return f"--init-from-hf {current['path']} is given but the run was not started from a Hugging Face folder"
+    if current is None:
+        return f"the run was started from --init-from-hf {recorded['path']}"
+    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its config.json, "
+            f"tokenizer_config.json, generation_config.json or chat template differ)")
+
+
+def tokenizer_difference(recorded: dict | None, current: dict) -> str | None:
+    if recorded is None:
+        return None
+    if recorded.get("fingerprint") != current.get("fingerprint") or recorded.get("vocab_size") != current["vocab_size"]:
+        return (f"--tokenizer {current['path'] or '(none: bytes)'} is not the run's tokenizer "
+                f"({recorded.get('path') or 'bytes'}, vocabulary {recorded.get('vocab_size')})")
+    return None
+
+
+# ------------------------------------------------------------------------------------ the record of a run
+
+
+def make_record(cfg, model, mesh, batch_size: int, optim, horizon: int, replans: list, sources: list[dict],
+                tokenizer: dict) -> dict:
+    """The run record (module doc) of a ``TrainConfig`` about to run; ``starts`` and ids are added by the caller.
+
+    ``optim``: the schedule as first planned; ``horizon``: where its decay ends now (``replans``' last, if any).
+    Data and tokenizer paths are recorded resolved (``sources``, ``tokenizer``: ``data.describe_*``).
+    """
+    import jax
+
+    train = [d["path"] for d in sources if d["role"] == "train" and d["kind"] != "builtin"]
+    evals = [d["path"] for d in sources if d["role"] == "eval"]
+    effective = dataclasses.replace(cfg, batch_size=batch_size, optim=dataclasses.replace(optim, decay_steps=horizon),
+                                    data=tuple(train), eval_data=tuple(evals), tokenizer=tokenizer["path"])
+    fields = dataclasses.asdict(model)
+    return {
+        "version": VERSION,
+        "config": to_dict(effective, skip=PER_INVOCATION),
+        "model": {k: v for k, v in fields.items() if k not in COMPUTE_ONLY},
+        "compute": {k: fields[k] for k in COMPUTE_ONLY},
+        "seq_len": cfg.seq_len,
+        "batch_size": batch_size,
+        "mesh": dict(mesh.shape),
+        "processes": jax.process_count(),
+        "data": sources,
+        "tokenizer": tokenizer,
+        "schedule": {"warmup_steps": optim.warmup_steps, "decay_steps": optim.decay_steps, "replans": replans},
+        # the optimizer-state tree differs with and without clipping: a resume must keep that choice
+        "optimizer": "adamw+clip" if optim.clip_norm else "adamw",
+    }
+
+
+def same_run(recorded: dict, current: dict) -> str | None:
+    """Why ``current`` (a record about to be written) does not continue the ``recorded`` run, or ``None``."""
+    train = lambda ds: [d for d in ds if d.get("role") == "train"]  # noqa: E731
+    return (learned_difference(recorded, current)
+            or sources_differ(train(recorded.get("data", [])), train(current["data"]))
+            or tokenizer_difference(recorded.get("tokenizer"), current["tokenizer"])
+            or hf_difference(recorded.get("init_from_hf"), current.get("init_from_hf")))

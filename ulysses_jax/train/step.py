@@ -1,0 +1,292 @@
+"""The training step: one optimizer update (the job around it, loop and checkpoints, is ``trainer.py``).
+
+AdamW with warmup + cosine decay and global-norm clipping, gradient accumulation normalised by tokens,
+jitted with explicit shardings and the train state donated.
+
+The train state is a dict ``{"params": nnx.State, "opt_state": optax state, "step": int32, "rng": key data}``.
+Parameters are born sharded (see ``model/layers.py``); the optimizer state is laid out like the parameters
+(``optax.tree_map_params``), so both are split over the whole fsdp x sp (x data) group.
+
+Gradient accumulation: a global batch of ``B`` rows is cut into ``A = grad_accum`` micro-batches
+(row ``i`` goes to micro-batch ``i % A``, which keeps every micro-batch split over the batch mesh
+axes); gradients of each micro-batch's *sum* of token losses are added and divided once by the token
+count of the whole batch. So ``A`` micro-batches give the same loss and gradients as one batch of
+``B`` rows, whatever the number of valid tokens in each micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.model.loss import next_token_loss
+from ulysses_jax.model.transformer import Transformer
+from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
+from ulysses_jax.parallel.sharding import param_shardings
+from ulysses_jax.train import optimizer
+
+BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int | None = None  # linear warmup from 0; None: 10% of the decay steps
+    decay_steps: int | None = None
+    """step where the cosine reaches lr * min_lr_ratio; None: --steps when the run starts. A resumed run keeps
+    its schedule, even with more --steps; given on resume, the rate decays anew from where it is (no jump)."""
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.95  # AdamW second-moment decay
+    master_weights: bool = False
+    """keep float32 master weights in the optimizer state and update those: for bfloat16 parameters (--param-dtype
+    bfloat16), whose device copy is then the master rounded (``optimizer.py``)"""
+    offload: bool = False
+    """optimizer state (AdamW moments, master weights) in pinned host memory, streamed through the device one
+    layer at a time by the update (``optimizer.py``)"""
+
+    def __post_init__(self):
+        checks = (
+            ("lr", self.lr > 0, "> 0"),
+            ("warmup-steps", self.warmup_steps is None or self.warmup_steps >= 0, ">= 0"),
+            ("decay-steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1"),
+            ("min-lr-ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("weight-decay", self.weight_decay >= 0, ">= 0"),
+            ("clip-norm", self.clip_norm >= 0, ">= 0 (0: off)"),
+            ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
+            ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
+        )
+        for name, ok, need in checks:
+            if not ok:
+                value = getattr(self, name.replace("-", "_"))
+                raise ValueError(f"--optim.{name} ({value}) must be {need}")
+
+    def resolved(self, total_steps: int) -> OptimConfig:
+        """The same settings with the decay and warmup steps filled in for a run of ``total_steps``."""
+        decay = self.decay_steps if self.decay_steps is not None else total_steps
+        warmup = self.warmup_steps if self.warmup_steps is not None else round(0.1 * decay)
+        return dataclasses.replace(self, decay_steps=decay, warmup_steps=warmup)
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
+    """Linear warmup, cosine decay to ``lr * min_lr_ratio`` at ``decay_steps``, then constant.
+
+    ``replans``: ``(step, decay_steps)`` pairs, in order: from ``step`` on, a cosine from the rate the schedule had
+    there down to ``lr * min_lr_ratio`` at the new ``decay_steps`` (what ``--optim.decay-steps`` on resume does).
+    """
+    cfg = cfg.resolved(total_steps)
+    warmup = min(cfg.warmup_steps, max(cfg.decay_steps - 1, 0))
+    end = cfg.lr * cfg.min_lr_ratio
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.decay_steps, warmup + 1),
+        end_value=end,
+    )
+    for start, decay in replans:
+        schedule = _replanned(schedule, start, decay, end)
+    return schedule
+
+
+def _replanned(before: optax.Schedule, start: int, decay: int, end: float) -> optax.Schedule:
+    start_lr = float(before(start))
+    span = max(decay - start, 1)
+
+    def schedule(step):
+        frac = jnp.clip((step - start) / span, 0.0, 1.0)
+        after = end + (start_lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * frac))
+        return jnp.where(step < start, before(step), after)
+
+    return schedule
+
+
+def decay_mask(params):
+    """Weight decay on matrices and embeddings (names ``w*``, ``embed*``, ``lm_head*``), not on norm
+    scales or biases (which are stacked ``[L, ...]`` under the layer scan, so ``ndim`` cannot tell)."""
+
+    def decays(path, _):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, str)]
+        leaf = names[-1] if names else ""
+        return leaf.startswith(("w", "embed", "lm_head"))
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(
+    cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()
+) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW, as an ``optimizer.Optimizer`` (an optax transformation that names its parts,
+    with master weights and host memory as ``cfg`` asks)."""
+    adamw = optax.adamw(
+        make_schedule(cfg, total_steps, replans), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
+    )
+    return optimizer.Optimizer.of(cfg.clip_norm, adamw, master_weights=cfg.master_weights, offload=cfg.offload)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """``[B, S]`` batch arrays: rows over ``("data", "fsdp")``, sequence over ``("ring", "sp")``."""
+    return NamedSharding(mesh, P((DATA, FSDP), SEQ))
+
+
+def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
+    if getattr(tx, "offload", False):
+        return optimizer.host_shardings(tx, abstract_opt, _opt_shardings(tx.on_device, abstract_opt, param_shardings,
+                                                                       mesh))
+    return optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_shardings,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+
+
+def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transformer | None = None
+               ) -> tuple[nnx.GraphDef, dict]:
+    """A fresh train state, every array created in its final sharding.
+
+    ``model``: start from these parameters (``hf.from_hf``: already in their shardings) instead of random ones; the
+    optimizer state starts fresh either way.
+    """
+    if model is None:
+        model = Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed))
+    elif model.config != config:
+        raise ValueError(f"the starting model is {model.config}, not the configured {config}")
+    graphdef, params = nnx.split(model)
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    if config.offload_params:  # the stacked layers at rest in host memory
+        shardings = optimizer.host_param_shardings(shardings)
+        params = jax.device_put(params, shardings)
+    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), shardings, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    replicated = NamedSharding(mesh, P())
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.device_put(jnp.int32(0), replicated),
+        "rng": jax.device_put(jax.random.key_data(jax.random.key(seed)), replicated),
+    }
+    return graphdef, state
+
+
+def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> tuple[nnx.GraphDef, dict]:
+    """The train state as ``ShapeDtypeStruct``s carrying their shardings on ``mesh`` (nothing allocated).
+
+    Without ``tx``: ``{"params": ...}`` alone (what ``eval`` restores).
+    """
+    abstract_model = nnx.eval_shape(lambda: Transformer(config, mesh=mesh, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(abstract_model)
+    shardings = param_shardings(abstract_model, mesh)  # eval_shape drops shardings: read the metadata
+    if config.offload_params:
+        shardings = optimizer.host_param_shardings(shardings)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
+    if tx is None:
+        return graphdef, {"params": params}
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_shardings = _opt_shardings(tx, abstract_opt, shardings, mesh)
+    opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
+                             opt_shardings)
+    replicated = NamedSharding(mesh, P())
+    rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    state = {
+        "params": params,
+        "opt_state": opt_state,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        "rng": jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated),
+    }
+    return graphdef, state
+
+
+def state_shardings(state: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def _loss_sums(graphdef, params, batch):
+    model = nnx.merge(graphdef, params)
+    out = next_token_loss(model, batch)
+    return out.sum, out.count
+
+
+def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
+    """``ModelConfig.offload_params`` needs the streamed update (``tx``: an ``OptimConfig`` or the optimizer made from
+    one) and one micro-batch: else ``ValueError``."""
+    if offload_params and not getattr(tx, "offload", False):
+        raise ValueError("--offload-params needs --optim.offload: the update must stream the parameters and their "
+                         "gradients from host memory layer by layer")
+    if offload_params and grad_accum > 1:
+        raise ValueError(f"--offload-params takes --grad-accum 1 (got {grad_accum}): gradients in host memory are "
+                         f"not summed over micro-batches; use a longer --seq-len or a larger --batch-size instead")
+
+
+def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
+    """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
+    grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+
+    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
+
+    def step(state, batch):
+        params = state["params"]
+        host_params = nnx.merge(graphdef, params).config.offload_params
+        check_offload_params(host_params, tx, grad_accum)
+        if grad_accum == 1:
+            (total, count), grads = grad_fn(params, batch)
+        else:
+
+            def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
+                x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+            def body(carry, micro):
+                g_acc, s_acc, c_acc = carry
+                (s, c), g = grad_fn(params, micro)
+                return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+            (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+        denom = jnp.maximum(count, 1).astype(jnp.float32)
+        if getattr(tx, "offload", False):  # divides by the count itself, part by part on the device
+            new_params, opt_state, grad_norm = optimizer.streamed_update(
+                tx, grads, state["opt_state"], params, denom=denom, host_params=host_params)
+        else:
+            # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
+            # moments float32 after one step, and the new state would no longer fit the donated buffers
+            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+            new_params, opt_state = optimizer.apply(tx, grads, state["opt_state"], params)
+            grad_norm = optax.tree.norm(grads)
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
+        new_state = {
+            "params": new_params,
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+        }
+        metrics = {
+            "loss": total / denom,
+            "tokens": count,
+            "grad_norm": grad_norm,
+            "lr": schedule(state["step"]),
+        }
+        return new_state, metrics
+
+    bsh = batch_sharding(mesh)
+    return jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=0)
+
+
+def make_eval_step(graphdef, mesh: Mesh, param_sh):
+    """``eval_step(params, batch) -> (sum of token losses, count)`` over the global batch."""
+    return jax.jit(lambda p, b: _loss_sums(graphdef, p, b), in_shardings=(param_sh, batch_sharding(mesh)))

@@ -1,0 +1,410 @@
+"""The training job: setup and the loop (its settings are ``config.py``, the step ``step.py``, ``eval`` ``evaluate.py``).
+
+``train(TrainConfig(...))`` is what ``ulysses-jax train`` runs (the CLI flags are generated from the dataclass).
+Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError``
+that names the flag and the fix; the run record (``run.json``, see ``runconfig.py``) is written once the step has
+compiled.
+
+The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
+checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import signal
+import threading
+import time
+import uuid
+
+import jax
+import numpy as np
+
+from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
+from ulysses_jax.data.pipeline import BatchIterator, eval_batches, merge_states, process_rows, to_global
+from ulysses_jax.data.tokenizers import describe_tokenizer
+from ulysses_jax.interop.hf import from_hf
+from ulysses_jax.kernels.attention import device_platform
+from ulysses_jax.model import flops
+from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
+from ulysses_jax.train import runconfig
+from ulysses_jax.train.checkpoint import Checkpointer, gather
+from ulysses_jax.train.config import (
+    PRESET_AND_HF,
+    TrainConfig,
+    data_config,
+    default_run_dir,
+    model_config,
+    model_config_from_run,
+)
+from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
+from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
+from ulysses_jax.train.step import (
+    BATCH_KEYS,
+    abstract_state,
+    batch_sharding,
+    check_offload_params,
+    init_state,
+    make_eval_step,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+    state_shardings,
+)
+
+
+def _peak(cfg_peak_tflops: float | None) -> float | None:
+    if cfg_peak_tflops is not None:
+        if cfg_peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops ({cfg_peak_tflops}) must be positive")
+        return cfg_peak_tflops * 1e12
+    return flops.peak_flops(jax.devices()[0].device_kind)
+
+
+def _profile_range(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--profile-steps {spec!r} must look like A:B (two step numbers, A < B)") from None
+    if not 0 <= a < b:
+        raise ValueError(f"--profile-steps {spec!r} must look like A:B with 0 <= A < B")
+    return a, b
+
+
+def _hf_weights(folder: str | None, model: ModelConfig, mesh):
+    """The ``--init-from-hf`` model with its weights, each parameter read into its sharding on ``mesh`` (or None)."""
+    if folder is None:
+        return None
+    training = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in HF_CONFIG_FIELDS}
+    return from_hf(folder, mesh=mesh, **training)
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: TrainConfig
+    model: ModelConfig
+    mesh: jax.sharding.Mesh
+    data: BatchIterator
+    checkpointer: Checkpointer
+    start_step: int
+    state: dict
+    step_fn: object
+    peak: float | None
+    profile: tuple[int, int] | None
+    planned_bytes: int | None = None  # XLA's per-device total of the compiled step (what `plan` reports)
+    batch_size: int = 2
+    record: dict = dataclasses.field(default_factory=dict)
+    summary: str = ""  # what validate_sources found
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
+    eval_step: object = None
+    data_config: DataConfig | None = None
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.cfg.run_dir)
+
+
+def _continuation(cfg: TrainConfig, recorded: dict, where: runconfig.RunDir, notes: list[str]):
+    """Where a resumed run starts and its schedule: ``(start step, optim as first planned, decay end now, replans)``.
+
+    The recorded schedule is kept; ``--optim.decay-steps`` other than the recorded end re-plans the decay from the
+    step the run continues from (``step.make_schedule``), so the learning rate never jumps.
+    """
+    start = cfg.resume_from if cfg.resume_from is not None else where.steps[-1]
+    if start not in where.steps:
+        raise ValueError(f"--resume-from {start}: no such checkpoint in {where.checkpoints} (steps: "
+                         f"{', '.join(map(str, where.steps))})")
+    if start >= cfg.steps:
+        raise ValueError(f"--resume: the run is at step {start} of --steps {cfg.steps}; raise --steps to continue")
+    sched = recorded.get("schedule", {})
+    replans = [list(r) for r in sched.get("replans", [])]
+    first = sched.get("decay_steps", cfg.optim.resolved(cfg.steps).decay_steps)
+    horizon = replans[-1][1] if replans else first
+    asked = cfg.optim.decay_steps
+    if asked is not None and asked != horizon:
+        if asked <= start:
+            raise ValueError(f"--optim.decay-steps ({asked}) must be after the step the run continues from ({start})")
+        replans.append([start, asked])
+        horizon = asked
+        notes.append(f"learning rate: decaying anew from step {start} to its minimum at step {asked}")
+    elif cfg.steps > horizon:
+        notes.append(f"learning rate: the run's schedule ends at step {horizon}; steps after it keep the minimum "
+                     f"rate (--optim.decay-steps N decays anew to step N)")
+    warmup = cfg.optim.warmup_steps if cfg.optim.warmup_steps is not None else sched.get("warmup_steps")
+    return start, dataclasses.replace(cfg.optim, decay_steps=first, warmup_steps=warmup), horizon, replans
+
+
+def setup_train(cfg: TrainConfig) -> Run:
+    """Validate everything and build (or restore) the state; raises ValueError on user error; writes the record last."""
+    for name, value, least in (("--steps", cfg.steps, 1), ("--checkpoint-every", cfg.checkpoint_every, 1),
+                               ("--grad-accum", cfg.grad_accum, 1), ("--seq-len", cfg.seq_len, 1),
+                               ("--keep-checkpoints", cfg.keep_checkpoints, 1), ("--eval-every", cfg.eval_every, 0),
+                               ("--eval-batches", cfg.eval_batches, 1 if cfg.eval_every else 0)):
+        if value < least:
+            raise ValueError(f"{name} ({value}) must be at least {least}")
+    resuming = cfg.resume or cfg.resume_from is not None
+    if cfg.init_from_hf is not None:  # the model, and unless --tokenizer is given the tokenizer, come from the folder
+        if cfg.preset not in (None, "tiny"):
+            raise ValueError(PRESET_AND_HF)
+        folder = pathlib.Path(cfg.init_from_hf).expanduser().resolve()
+        if not folder.is_dir() and not resuming:
+            raise ValueError(f"--init-from-hf {cfg.init_from_hf} is not a folder; pass a Hugging Face model folder "
+                             f"(config.json, *.safetensors, tokenizer.json)")
+        if cfg.tokenizer is None and not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"--init-from-hf {cfg.init_from_hf} has no tokenizer.json; pass the model's tokenizer "
+                             f"with --tokenizer")
+        cfg = dataclasses.replace(cfg, preset=None, init_from_hf=str(folder),
+                                  tokenizer=str(folder) if cfg.tokenizer is None else cfg.tokenizer)
+    if cfg.run_dir is None:
+        if resuming:
+            raise ValueError("--resume needs --run-dir: the directory of the run to continue")
+        if jax.process_count() > 1:
+            raise ValueError("a multi-process run needs --run-dir (every process must write to the same directory)")
+        name = cfg.preset or pathlib.Path(cfg.init_from_hf or "tiny").name
+        cfg = dataclasses.replace(cfg, run_dir=default_run_dir(name))
+    check_wandb(cfg.wandb_project)
+    where = runconfig.inspect(cfg.run_dir)
+    if not resuming and where.steps:
+        raise ValueError(f"--run-dir {cfg.run_dir} already holds checkpoints; pass --resume to continue that run "
+                         f"or choose a new --run-dir (nothing was overwritten)")
+    if resuming and not where.steps:
+        raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point --run-dir "
+                         f"at a run")
+    recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
+
+    data_cfg = data_config(cfg)
+    summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
+    sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
+    hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
+                                                                                  missing_ok=resuming)
+    if resuming and (recorded or {}).get("init_from_hf"):
+        # the run's model is its record's (config.json is not read again); a changed folder is refused below
+        model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
+                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+                                      attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                                      attn_recompute=cfg.attn_recompute or None)
+        hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
+        if summary.vocab_size > model.vocab_size:
+            raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
+                             f"{model.vocab_size}; resume with the run's tokenizer (leave out --tokenizer)")
+    else:
+        model = model_config(cfg, summary.vocab_size)
+    mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
+    batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
+    check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
+    check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
+    peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
+
+    notes: list[str] = []
+    if resuming:
+        start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
+    else:
+        start, optim, replans = 0, cfg.optim.resolved(cfg.steps), []
+        horizon = optim.decay_steps
+    record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
+    record["init_from_hf"] = hf_folder
+    if recorded is not None:
+        why = runconfig.same_run(recorded, record)
+        if why and resuming:
+            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}; resume without that flag, or "
+                             f"start a new --run-dir")
+        if why:
+            raise ValueError(f"--run-dir {cfg.run_dir} holds another run that saved no checkpoint ({why}); choose a "
+                             f"new --run-dir, or delete that directory to start over")
+    if not resuming:
+        if where.metrics and recorded is None:
+            raise ValueError(f"--run-dir {cfg.run_dir} holds metrics of a run without run.json; choose a new "
+                             f"--run-dir (nothing was overwritten)")
+        if recorded is not None:
+            notes.append(f"{cfg.run_dir} holds this run, which saved no checkpoint: starting it again from step 0 "
+                         f"(its earlier metrics are dropped)")
+
+    it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed,
+                       row_ids=process_rows(mesh, batch_size, cfg.seq_len))
+    tx = make_optimizer(optim, cfg.steps, tuple(map(tuple, replans)))
+    if resuming:
+        graphdef, target = abstract_state(model, mesh, tx, cfg.seed)
+        reader = Checkpointer(cfg.run_dir, create=False)
+        try:
+            state, data_state = reader.restore(start, target)
+        finally:
+            reader.close()
+        it.set_state(data_state)
+    else:
+        graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh))
+    step_fn = make_train_step(graphdef, tx, make_schedule(optim, cfg.steps, tuple(map(tuple, replans))), mesh,
+                              state_shardings(state), grad_accum=cfg.grad_accum)
+    # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
+    batch = {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
+             for k in BATCH_KEYS}
+    step_fn = step_fn.lower(state, batch).compile()
+    planned = device_total_bytes(step_fn.memory_analysis())
+    eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
+
+    # Everything is checked: write.
+    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
+    if resuming and checkpointer.set_aside(after=start) is not None:
+        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
+    starts = (recorded or {}).get("starts", []) if resuming else []
+    record["starts"] = starts + [{"step": start, "time": runconfig.now(), "mesh": dict(mesh.shape),
+                                  "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
+    record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
+    if jax.process_index() == 0:
+        runconfig.write_record(cfg.run_dir, record)
+    return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
+               str(summary), notes, eval_step, data_cfg)
+
+
+# ------------------------------------------------------------------------------------ the loop
+
+
+def device_total_bytes(mem) -> int | None:
+    """XLA's per-device memory of a compiled program: argument + output + temp - alias (``memory_analysis()``)."""
+    if mem is None:
+        return None
+    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+class _StopSignals:
+    """SIGTERM / SIGINT set ``signum`` (the loop then saves and stops); a second one stops at once."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            self.__exit__()
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def stop(self) -> bool:
+        stop = self.signum is not None
+        if jax.process_count() > 1:  # every process stops after the same step (the save is collective)
+            from jax.experimental import multihost_utils
+
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+        return stop
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``)."""
+    return train_run(setup_train(cfg))
+
+
+def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,
+                  max_batches: int | None) -> dict:
+    total, count, batches = 0.0, 0, 0
+    rows = process_rows(mesh, batch_size, seq_len)
+    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
+                              row_ids=rows):
+        s, c = eval_step(params, to_global(local, mesh, global_batch=batch_size, row_ids=rows))
+        total, count, batches = total + float(s), count + int(c), batches + 1
+    if count == 0:
+        raise ValueError("no eval tokens: the eval split is empty; raise --eval-fraction or give --eval-data")
+    loss = total / count
+    return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0))), "tokens": count, "batches": batches}
+
+
+def _save(run: Run, step: int, state: dict) -> None:
+    run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
+
+
+def train_run(run: Run) -> dict:
+    cfg, mesh = run.cfg, run.mesh
+    n_dev = mesh.devices.size
+    step_flops = flops.flops_per_device(run.model, batch=run.batch_size, seq_len=cfg.seq_len, n_devices=n_dev)
+    log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress,
+                        wandb_project=cfg.wandb_project, wandb_id=run.record.get("wandb_id"),
+                        config=run.record.get("config"))
+    state, losses, times, evals = run.state, [], [], []
+    last_saved = run.start_step if run.start_step else None
+    stopped_by, step = None, run.start_step
+    try:
+        with _StopSignals() as signals:
+            for step in range(run.start_step, cfg.steps):
+                if run.profile and step == run.profile[0]:
+                    jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
+                batch = to_global(next(run.data), mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
+                t0 = time.perf_counter()
+                state, metrics = run.step_fn(state, batch)
+                loss = float(metrics["loss"])  # waits for the step
+                dt = time.perf_counter() - t0
+                if run.profile and step + 1 == run.profile[1]:
+                    jax.profiler.stop_trace()
+                if not math.isfinite(loss):
+                    where = (f"step {last_saved} in {run.checkpointer.directory}: continue from it with --resume, or "
+                             f"from an earlier one with --resume-from STEP" if last_saved is not None else "none yet")
+                    raise TrainingDiverged(
+                        f"loss is {loss} at step {step + 1}; stopped without saving (last good checkpoint: {where}); "
+                        f"if it recurs, start a new --run-dir with a lower --optim.lr or more --optim.warmup-steps"
+                    )
+                record = {
+                    "step": step + 1,
+                    "loss": loss,
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "lr": float(metrics["lr"]),
+                    "tokens": int(metrics["tokens"]),
+                    "step_time_s": dt,
+                    "tokens_per_s": run.batch_size * cfg.seq_len / dt,
+                    "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
+                    "peak_memory_bytes": peak_memory_bytes(),
+                }
+                if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
+                    # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
+                    record["planned_bytes"] = run.planned_bytes
+                    measured = record["peak_memory_bytes"]
+                    log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
+                              f"`ulysses-jax plan` reports), measured peak "
+                              f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
+                if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                    ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
+                                       batch_size=run.batch_size, max_batches=cfg.eval_batches)
+                    record.update({f"eval_{k}": v for k, v in ev.items()})
+                    evals.append((step + 1, ev["loss"]))
+                log.log(record)
+                losses.append(loss)
+                times.append(dt)
+                stop = signals.stop()
+                if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    _save(run, step + 1, state)
+                    last_saved = step + 1
+                if stop:
+                    stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
+                    break
+    finally:
+        run.checkpointer.close()
+        log.close()
+    steady = times[1:] or times  # the first step compiles
+    return {
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "steps": len(losses),
+        "last_step": run.start_step + len(losses),
+        "tokens_per_s": run.batch_size * cfg.seq_len * len(steady) / sum(steady) if steady else None,
+        "checkpoints": str(pathlib.Path(cfg.run_dir) / "checkpoints"),
+        "metrics": str(log.jsonl_path),
+        "tensorboard": str(log.tb_dir),
+        "losses": losses,
+        "evals": evals,
+        "stopped_by": stopped_by,
+    }
