@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import signal
 import threading
@@ -40,20 +41,16 @@ from ulysses_jax.train.config import (
     model_config,
     model_config_from_run,
 )
-from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
-from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
-from ulysses_jax.train.step import (
-    BATCH_KEYS,
-    abstract_state,
-    batch_sharding,
-    check_offload_params,
-    init_state,
-    make_eval_step,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
-    state_shardings,
+from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
+    MeshConfig,
+    build_mesh,
+    check_parallel,
+    memory_pool,
+    resolve_batch,
 )
+from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
+from ulysses_jax.train.program import optimizer_of, step_program
+from ulysses_jax.train.step import abstract_state, check_offload_params, init_state, make_eval_step, state_shardings
 
 
 def _peak(cfg_peak_tflops: float | None) -> float | None:
@@ -208,6 +205,8 @@ def setup_train(cfg: TrainConfig) -> Run:
         horizon = optim.decay_steps
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
     record["init_from_hf"] = hf_folder
+    fraction, source = memory_pool(cfg.memory_fraction, os.environ)  # the CLI applied it before JAX started
+    record["memory_pool"] = {"fraction": fraction, "source": source}
     if recorded is not None:
         why = runconfig.same_run(recorded, record)
         if why and resuming:
@@ -226,7 +225,7 @@ def setup_train(cfg: TrainConfig) -> Run:
 
     it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed,
                        row_ids=process_rows(mesh, batch_size, cfg.seq_len))
-    tx = make_optimizer(optim, cfg.steps, tuple(map(tuple, replans)))
+    tx = optimizer_of(optim, cfg.steps, replans)
     if resuming:
         graphdef, target = abstract_state(model, mesh, tx, cfg.seed)
         reader = Checkpointer(cfg.run_dir, create=False)
@@ -237,11 +236,10 @@ def setup_train(cfg: TrainConfig) -> Run:
         it.set_state(data_state)
     else:
         graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh))
-    step_fn = make_train_step(graphdef, tx, make_schedule(optim, cfg.steps, tuple(map(tuple, replans))), mesh,
-                              state_shardings(state), grad_accum=cfg.grad_accum)
-    # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
-    batch = {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
-             for k in BATCH_KEYS}
+    # Compiled ahead of the loop: the program `ulysses-jax plan` compiles (train/program.py), so its memory figure is
+    # the plan's.
+    step_fn, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, replans=replans, mesh=mesh,
+                                  batch_size=batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum)
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
