@@ -17,7 +17,7 @@ from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.plan import estimate, search
 from ulysses_jax.plan.hlo import Collective
-from ulysses_jax.plan.planner import PlanConfig, plan
+from ulysses_jax.plan.planner import PlanConfig, budgets, plan
 from ulysses_jax.plan.search import memory_choices, search_units, seq_len_unit, tile_for
 from ulysses_jax.plan.targets import TARGETS
 from ulysses_jax.train import devices
@@ -267,8 +267,8 @@ def test_joint_verdict_in_the_json(tmp_path):
     assert j["per_device"]["host_bytes"] > j["host_budget_bytes"]
     assert {"step_seconds", "tokens_per_second_per_gpu", "mfu", "assumptions"} <= set(j["estimate"])
     assert "--remat" in j["train_args"] and j["train_args"][j["train_args"].index("--remat") + 1] == "offload"
-    default = PlanConfig(preset="tiny", kernels=False)
-    assert "DGX H100" in plan(default, detail=False).host_budget_note  # the node the default host budget assumes
+    default = budgets(PlanConfig(preset="tiny"), TARGETS["h100"])  # the node the default host budget assumes
+    assert default[2] == int(0.9 * 2e12 / 8) and "8 x H100 SXM with 2 TB of host memory" in default[3]
 
 
 @pytest.mark.aot
