@@ -71,7 +71,8 @@ def measure(row: Row) -> dict:
     ratio = e["tokens_per_second_per_gpu"] / row.published_tps_gpu if row.published_tps_gpu else None
     return {"run": row.peer, "model": row.preset, "H100s": row.devices, "context": f"{row.seq_len:,}",
             "published": row.published, "published tok/s/GPU": f"{row.published_tps_gpu:,.0f}",
-            "estimate s/step": f"{e['step_seconds']:.2f}", "estimate tok/s/GPU": f"{e['tokens_per_second_per_gpu']:,.0f}",
+            "estimate s/step": f"{e['step_seconds']:.2f}",
+            "estimate tok/s/GPU": f"{e['tokens_per_second_per_gpu']:,.0f}",
             "estimate MFU": f"{e['mfu']:.1%}", "estimate / published": f"{ratio:.2f}" if ratio else "-",
             "fits": "yes" if p.fits else "NO", "our memory tools": p.memory_flags or " ".join(
                 a for a in p.train_args if a.startswith("--remat") or a.startswith("--optim.") or a in (

@@ -1,7 +1,6 @@
 """The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
 H100s (``ulysses_jax.plan.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
 
-import dataclasses
 import json
 import os
 import pathlib

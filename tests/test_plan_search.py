@@ -71,9 +71,9 @@ def _fake_plan(device_per_token: float, host_per_token: float, *, fixed: float =
                "budget_bytes": int(cfg.budget_fraction * TARGETS["h100"].memory_bytes),
                "host_budget_bytes": int(cfg.host_memory_gib * GiB) if cfg.host_memory_gib is not None
                else TARGETS["h100"].host_budget_bytes}
+        seconds = step_s(cfg, n) if callable(step_s) else step_s
         p = types.SimpleNamespace(seq_len=n, memory=mem, compile_seconds=0.0, max_seq_len=None, memory_flags=None,
-                                  train_args=[], estimate={"step_seconds": step_s(cfg, n) if callable(step_s) else step_s,
-                                                           "tokens_per_second_per_gpu": 1.0})
+                                  train_args=[], estimate={"step_seconds": seconds, "tokens_per_second_per_gpu": 1.0})
         p.fits_device = mem["total_bytes"] <= mem["budget_bytes"]
         p.fits_host = mem["host_bytes"] <= mem["host_budget_bytes"]
         p.fits = p.fits_device and p.fits_host
@@ -91,7 +91,8 @@ def test_find_max_seq_len_stops_at_the_host_budget(monkeypatch):
                      kernels=False)
     best = search.find_max_seq_len(cfg, log=lambda *_: None, detail=False)
     host_limit = TARGETS["h100"].host_budget_bytes / 100_000
-    assert best.fits and best.max_seq_len == best.seq_len and best.memory["host_bytes"] <= TARGETS["h100"].host_budget_bytes
+    assert best.fits and best.max_seq_len == best.seq_len
+    assert best.memory["host_bytes"] <= TARGETS["h100"].host_budget_bytes
     assert host_limit * 0.99 - 32768 <= best.max_seq_len <= host_limit
     assert best.max_seq_len in [n for _, n, _ in compiled] and len(compiled) <= 10
 
@@ -138,7 +139,8 @@ def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
 
     fake, compiled = _fake_plan(device_per_token=600_000, host_per_token=1_000, step_s=step_s)
     monkeypatch.setattr(search, "plan", fake)
-    monkeypatch.setattr(search, "_mesh", lambda cfg, model, n: (None, types.SimpleNamespace(shape={"ring": 1, "sp": 8})))
+    mesh = types.SimpleNamespace(shape={"ring": 1, "sp": 8})
+    monkeypatch.setattr(search, "_mesh", lambda cfg, model, n: (None, mesh))
     cfg = PlanConfig(preset="tiny", seq_len=8 * 12_000, batch_size=1, memory="auto", kernels=False)
     lines = []
     best = search.auto_fit(cfg, log=lines.append)
@@ -210,8 +212,8 @@ def test_estimate_hides_overlapped_collectives_up_to_the_compute_time():
     base = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8), model, "cudnn")
     compute = base["parts"]["compute_s"]
     link = TARGETS["h100"].nvlink_bytes_per_s * estimate.LINK_EFFICIENCY
-    small = Collective("all-to-all", count=1, bytes=int(0.5 * compute * link), intra_host_bytes=int(0.5 * compute * link),
-                       overlapped_bytes=int(0.5 * compute * link))
+    half = int(0.5 * compute * link)
+    small = Collective("all-to-all", count=1, bytes=half, intra_host_bytes=half, overlapped_bytes=half)
     big = dataclasses.replace(small, bytes=int(3 * compute * link), intra_host_bytes=int(3 * compute * link),
                               overlapped_bytes=int(1 * compute * link))
     hidden = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8, collectives={"a": small}), model,
