@@ -87,6 +87,8 @@ def find_max_seq_len(cfg: PlanConfig, *, log=print, on_trial=None, floor: int = 
     trials: dict[int, Plan] = {}
 
     def measure(n_units: int) -> float:
+        if n_units in trials:  # the floor, measured before the search starts there
+            return usage(trials[n_units])
         p = plan(cfg, seq_len=n_units * unit, detail=False)
         trials[n_units] = p
         log(f"  seq_len {n_units * unit:>11,}: {gib(p.memory['total_bytes'])} GiB per device, "
