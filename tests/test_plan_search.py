@@ -58,6 +58,13 @@ def test_search_survives_a_usage_that_is_not_affine():
         curve = lambda n, lim=limit: (n / lim) ** 3  # noqa: E731
         assert lim * 0.99 - 1 <= search_units(curve, start=7, max_units=10**5) <= limit if (lim := limit) else True
     assert search_units(lambda n: 0.1, start=3, max_units=40) == 40
+    calls = []  # flat at first (a fixed part that hides the growth), then linear: doubles through the flat stretch
+
+    def flat_then_linear(n):
+        calls.append(n)
+        return max(0.46, 0.0001 * n)
+
+    assert 9_900 - 100 <= search_units(flat_then_linear, start=1, max_units=10**6) <= 10_000 and len(calls) <= 20
 
 
 def _fake_plan(device_per_token: float, host_per_token: float, *, fixed: float = 10 * GiB, step_s=1.0):
