@@ -65,12 +65,11 @@ def _next_guess(seen: dict[int, float], lo: int, hi: int, step: int, max_units: 
     if len(near) == 2 and seen[near[0]] != seen[near[1]]:
         (a, ua), (b, ub) = ((k, seen[k]) for k in near)
         guess = a + (1 - ua) * (b - a) / (ub - ua)
-    else:  # one point, or a flat stretch (XLA's buffers did not grow): proportional from the longest seen
-        a = max(seen)
+    else:  # one point, or a flat stretch (XLA's buffers did not grow): proportional from the longest seen, and
+        a = max(seen)  # while nothing was over the budgets, at least double, as a bracketing search would
         guess = a / seen[a] if seen[a] > 0 else 2 * a
+        guess = max(guess, 2 * lo) if hi > max_units else guess
     guess = math.floor(guess - step / 2)  # aim just below: a fitting length moves lo, the answer
-    if hi > max_units:  # nothing over the budgets yet: at least double, as a bracketing search would
-        guess = max(guess, 2 * lo)
     if guess <= lo:
         guess = lo + step  # the boundary is within a step of lo: close the bracket
     if not lo < guess < hi:
