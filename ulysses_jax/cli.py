@@ -203,6 +203,7 @@ def _checked(setup, cfg):
 
 def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.train.metrics import tensorboard_command
+    from ulysses_jax.train.step import describe_optim
     from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
 
     run = _checked(setup_train, cfg)
@@ -220,6 +221,7 @@ def _train(cfg: TrainConfig) -> int:
     if layout.wasted_fraction:
         print(f"note: {m.num_heads} heads on sp={layout.sp} pads heads: {layout.wasted_fraction:.0%} of attention "
               f"wasted")
+    print(f"Optimizer: {describe_optim(run.record['config']['optim'], run.record.get('defaults', {}))}")
     for note in run.notes:
         print(f"note: {note}")
     try:
