@@ -345,7 +345,8 @@ def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
         return (f"the folder's {changed or 'settings files'} changed since the run started ({current['path']}); "
                 f"restore {'it' if ' and ' not in changed else 'them'}, or start a new --run-dir")
     return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its "
-            f"{changed or 'config.json, tokenizer_config.json, generation_config.json or chat template'} differ)")
+            f"{changed or 'config.json, tokenizer_config.json, generation_config.json or chat template'} "
+            f"{'differs' if changed and ' and ' not in changed else 'differ'})")
 
 
 def tokenizer_difference(recorded: dict | None, current: dict) -> str | None:

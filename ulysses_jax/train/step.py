@@ -111,7 +111,8 @@ def describe_optim(optim: dict, defaults: dict) -> str:
         return f"{text} ({why})" if why else text
 
     lr, warmup, wd = optim["lr"], optim["warmup_steps"], optim["weight_decay"]
-    return (f"AdamW, {said('lr', f'peak lr {lr:g}')}, {said('warmup_steps', f'warmup {warmup} step{"s" if warmup != 1 else ""}')}, cosine to "
+    steps = "step" if warmup == 1 else "steps"
+    return (f"AdamW, {said('lr', f'peak lr {lr:g}')}, {said('warmup_steps', f'warmup {warmup} {steps}')}, cosine to "
             f"{optim['min_lr_ratio']:g} x lr at step {optim['decay_steps']}, "
             f"{said('weight_decay', f'weight decay {wd:g}')}, clip-norm {optim['clip_norm']:g} (--optim.* flags "
             f"override)")

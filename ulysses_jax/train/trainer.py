@@ -220,6 +220,7 @@ def setup_train(cfg: TrainConfig) -> Run:
             fix = "" if why.endswith("--run-dir") else "; resume without that flag, or start a new --run-dir"
             raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}{fix}")
         if why:
+            why = why.removesuffix(", or start a new --run-dir")  # the fix of a value no flag gave: said once below
             raise ValueError(f"--run-dir {cfg.run_dir} holds another run that saved no checkpoint ({why}); choose a "
                              f"new --run-dir, or delete that directory to start over")
     if not resuming:
