@@ -120,7 +120,8 @@ def pack_rows(
     ``masked``: documents are ``{"tokens", "loss_mask"}`` (SFT): a label counts only where its position's mask is set.
 
     Text documents longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own segment (Grain's packer
-    rejects longer ones); an SFT record longer than that raises, or with ``overlong="drop"`` is left out. ``bins`` rows are filled first-fit; ``shuffle`` permutes them by ``seed``.
+    rejects longer ones); an SFT record longer than that raises, or with ``overlong="drop"`` is left out. ``bins``
+    rows are filled first-fit; ``shuffle`` permutes them by ``seed``.
     ``max_empty_run``: raise after that many token-less documents in a row (a repeated empty corpus never ends).
     """
     pieces = grain.experimental.FlatMapIterDataset(docs, _Pieces(seq_len, max_empty_run, overlong))
