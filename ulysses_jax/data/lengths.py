@@ -8,7 +8,7 @@ Plain-text documents longer than a row are cut into pieces of ``--seq-len`` toke
 pretraining does; the start-up lines say how many were.
 
 Counting text documents needs their token counts; a document whose UTF-8 bytes (plus BOS and EOS) fit in a row is
-not tokenized: the tokenizers read here (UTF-8 bytes, byte-level BPE, byte-fallback SentencePiece) give at most one
+not tokenized (the others are, in parallel batches): the tokenizers read here (UTF-8 bytes, byte-level BPE, byte-fallback SentencePiece) give at most one
 token per byte, so it cannot be longer than a row.
 """
 
@@ -18,6 +18,7 @@ import dataclasses
 from typing import Literal
 
 from ulysses_jax.data.documents import DataConfig, document_encoder, split_documents
+from ulysses_jax.data.tokenizers import make_tokenizer
 
 Overlong = Literal["refuse", "drop"]  # --sft-overlong: what an SFT record longer than --seq-len does
 
@@ -59,24 +60,37 @@ def measure(cfg: DataConfig, seq_len: int) -> Lengths:
     """Count the documents longer than ``seq_len`` tokens; an SFT record that is, under ``refuse``, raises
     ``ValueError`` with the count, the longest and the fix (module doc)."""
     sft = cfg.format == "sft"
-    encode = document_encoder(cfg)
-    slack = 2 if cfg.frame else 0  # BOS + EOS around a framed text document
+    encode = document_encoder(cfg) if sft else None
+    tok = None if sft or not cfg.tokenizer else make_tokenizer(cfg.tokenizer)
+    slack = 0 if sft else len(document_encoder(cfg)(""))  # the BOS / EOS that frame a text document
     count = over = longest = 0
-    where = ""
-    for index, doc, flag in _documents(cfg):
-        count += 1
-        text = index.text(doc)
-        if not sft and not cfg.tokenizer:
-            n = len(text.encode("utf-8")) + slack  # the tokens are the bytes
-        elif not sft and len(text.encode("utf-8")) + slack <= seq_len:
-            continue  # cannot be longer than a row (module doc)
-        else:
-            encoded = encode(text)
-            n = len(encoded["tokens"] if sft else encoded)
-        if n > seq_len:
-            over += 1
+    where, batch = "", []
+
+    def add(n: int, index, doc: int, flag: str) -> None:
+        nonlocal over, longest, where
+        over += n > seq_len
         if n > longest:
             longest, where = n, index.where(doc, flag)
+
+    def flush() -> None:  # text documents tokenized in parallel, a batch at a time
+        for (index, doc, flag), n in zip(batch, tok.count([index.text(d) for index, d, _ in batch])):
+            add(n + slack, index, doc, flag)
+        batch.clear()
+
+    for index, doc, flag in _documents(cfg):
+        count += 1
+        if sft:
+            add(len(encode(index.text(doc))["tokens"]), index, doc, flag)
+            continue
+        size = len(index.text(doc).encode("utf-8")) + slack
+        if tok is None:  # the tokens are the bytes
+            add(size, index, doc, flag)
+        elif size > seq_len:  # else it cannot be longer than a row (module doc)
+            batch.append((index, doc, flag))
+            if len(batch) == 64:
+                flush()
+    if batch:
+        flush()
     if sft and over and over == count:
         raise ValueError(f"all {count} SFT records are longer than --seq-len {seq_len} (the longest: {longest} "
                          f"tokens, {where}); raise --seq-len")

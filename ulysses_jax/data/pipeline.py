@@ -80,8 +80,8 @@ class _Pieces(grain.experimental.FlatMapTransform):
         self._empty_run = 0 if len(tokens) and not over else self._empty_run + 1
         if self.max_empty_run is not None and self._empty_run > self.max_empty_run:
             raise ValueError(
-                f"{self._empty_run} documents in a row have no tokens (or are SFT records longer than --seq-len); "
-                f"check --tokenizer, --data-field and --seq-len"
+                f"{self._empty_run} documents in a row have no tokens; check --tokenizer and --data-field"
+                + (" (or raise --seq-len: SFT records longer than it are dropped)" if over else "")
             )
         if over:
             if self.overlong == "drop":

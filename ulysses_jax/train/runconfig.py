@@ -290,10 +290,11 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
         a = RECORDED_BEFORE.get(path) if a is None else a
         if a != b:
             why_a, why_b = (r.get("defaults", {}).get(path, {}).get("why") for r in (recorded, current))
-            if why_a or why_b:  # a value no flag gave: say where each came from, and the flag that keeps the run's
-                return (f"{flag(path)} is {b!r} here ({why_b or 'given'}) but {a!r} in the run ({why_a or 'given'}); "
-                        f"pass {flag(path)} {a!r} to keep the run's, or start a new --run-dir")
-            return f"{flag(path)} is {b!r} here but {a!r} in the run"
+            was = f" ({why_a})" if why_a else ""
+            if why_b:  # a value no flag gave here: say where each came from, and the flag that keeps the run's
+                return (f"{flag(path)} is {b!r} here ({why_b}) but {a!r} in the run{was}; pass {flag(path)} {a!r} to "
+                        f"keep the run's, or start a new --run-dir")
+            return f"{flag(path)} is {b!r} here but {a!r} in the run{was}"
     a, b = recorded.get("model", {}), current.get("model", {})
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

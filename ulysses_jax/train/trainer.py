@@ -213,7 +213,9 @@ def setup_train(cfg: TrainConfig) -> Run:
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
                   cfg.optim.defaults(cfg.steps, fine_tuning).items()}
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
-    record["init_from_hf"], record["defaults"] = hf_folder, chosen
+    # a setting given on resume is no longer the default it was
+    record["init_from_hf"], record["defaults"] = hf_folder, {
+        k: v for k, v in chosen.items() if runconfig.get(record["config"], k) == v["value"]}
     if recorded is not None:
         why = runconfig.same_run(recorded, record)
         if why and resuming:
