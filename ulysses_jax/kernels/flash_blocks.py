@@ -40,7 +40,9 @@ class BlockSizes:
 # Tuned on the H100 target (sm_90a, ptxas via XLA's deviceless compile; see experiments/kernel_ptxas.py): per
 # (head_dim rounded up to a power of two, bytes per element) the six block sizes and per-kernel warps and
 # stages (forward, dK/dV, dQ). Chosen as the largest tiles with no register spill at any sequence length,
-# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block.
+# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block; in 16-bit types
+# every product's M is a multiple of 64 (Hopper wgmma, no mma.sync) and, at head_dim 64 and 128, each warpgroup's N
+# is >= 32. dK/dV at head_dim 128 keeps a 32-row query block: 64 rows reach 255 registers (4 bytes spilled non-causal).
 _TUNED: dict[tuple[int, int], BlockSizes] = {
     (64, 2): BlockSizes(128, 128, 64, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
     (128, 2): BlockSizes(128, 64, 32, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
