@@ -13,7 +13,7 @@ from ulysses_jax.kernels.flash_blocks import KERNELS, BlockSizes, default_block_
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_visited_tiles_are_the_kernels_loop_bounds(bq, bk, s, causal):
     """Counted from the kernels' own bound functions, block by block."""
-    kw = dict(block_q=bq, block_k=bk, seq_len=s, causal=causal)
+    kw = {"block_q": bq, "block_k": bk, "seq_len": s, "causal": causal}
     rows = sum(int(kv_block_bound(i, **kw)) for i in range(s // bq))
     cols = sum(int(hi) - int(lo) for lo, hi in (q_block_range(j, **kw) for j in range(s // bk)))
     assert fe.visited_tiles("fwd", bq, bk, s, causal=causal) == fe.visited_tiles("dq", bq, bk, s, causal=causal) == rows
