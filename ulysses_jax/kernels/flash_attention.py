@@ -9,8 +9,9 @@ Algorithm (Dao, "FlashAttention-2", 2023):
             through an online softmax in float32; writes ``O`` and the log-sum-exp ``L`` (base 2).
   backward  ``delta = rowsum(dO * O)`` in jnp, then two kernels that recompute ``P = exp2(S - L)``
             block by block: dK/dV (grid over KV blocks, loops over the G query heads of the KV head and
-            over query blocks, so GQA sums happen in registers) and dQ (grid over query blocks, loops
-            over KV blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
+            over query blocks, so GQA sums happen in registers; it computes S^T and dP^T, keys first, so
+            that every product can be a Hopper wgmma) and dQ (grid over query blocks, loops over KV
+            blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
 Causal: KV blocks entirely in a query block's future are skipped by the loop bounds
 (:func:`kv_block_bound`, :func:`q_block_range`). Every visited block applies the elementwise mask (an
 iota compare and a select); only blocks on the diagonal, at document edges or at the padded end
