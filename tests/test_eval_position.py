@@ -121,8 +121,8 @@ def test_by_position_equals_reference_and_plain_eval(setting, base):
 @pytest.mark.parametrize("mesh_cfg,devices,compute", [
     (MeshConfig(sp=1), 1, {}),
     (MeshConfig(sp=8), 8, {}),
-    (MeshConfig(ring=2, sp=4), 8, {}),
-    (MeshConfig(fsdp=2, sp=4), 8, {"loss_chunk": 32}),
+    pytest.param(MeshConfig(ring=2, sp=4), 8, {}, marks=pytest.mark.slow),
+    pytest.param(MeshConfig(fsdp=2, sp=4), 8, {"loss_chunk": 32}, marks=pytest.mark.slow),
 ], ids=["sp1", "sp8", "ring2xsp4", "sp4-tiled-loss"])
 def test_same_numbers_on_any_mesh(setting, base, mesh_cfg, devices, compute):
     data, model_cfg = setting
