@@ -106,3 +106,28 @@ def test_parse_list():
     assert parse_list("0,0.25,1", "--depths", float) == (0.0, 0.25, 1.0)
     with pytest.raises(ValueError, match="--depths is empty"):
         parse_list(",", "--depths", float)
+
+
+def test_outside_harness_reads_the_export_and_the_task(run, tmp_path, capsys):
+    """What lm-evaluation-harness reads, checked without it and without network: the task YAML and its local JSON
+    dataset, and the exported folder's config.json (its context length covers the run's) and weights."""
+    yaml = pytest.importorskip("yaml")
+    transformers = pytest.importorskip("transformers")
+    assert main(["eval", "--run-dir", str(run), "--task", "passkey", "--lengths", "160,256", "--depths", "0,1",
+                 "--samples", "2", "--max-batches", "1", "--no-plot", "--harness-task", str(tmp_path / "task")]) == 0
+    assert "ulysses_passkey.yaml" in capsys.readouterr().out
+    task = yaml.safe_load((tmp_path / "task" / "ulysses_passkey.yaml").read_text())
+    assert task["task"] == "ulysses_passkey" and task["dataset_path"] == "json" and task["test_split"] == "test"
+    assert task["output_type"] == "generate_until" and task["generation_kwargs"]["do_sample"] is False
+    assert task["doc_to_text"] == "{{input}}" and task["doc_to_target"] == "{{answer}}"
+    assert task["metric_list"][0]["metric"] == "exact_match"
+    rows = [json.loads(x) for x in pathlib.Path(task["dataset_kwargs"]["data_files"]["test"]).read_text().splitlines()]
+    assert [(r["length"], r["depth"]) for r in rows] == [(n, d) for n in (160, 256) for d in (0.0, 1.0) for _ in "ab"]
+    for r in rows:
+        assert r["answer"].isdigit() and len(r["answer"]) == 5 and r["answer"] in r["input"]
+        assert r["input"].endswith("What is the pass key? The pass key is ")
+        assert len(r["input"].encode()) == r["length"] - 1 - 5  # bytes: the sample less its key and "."
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert config.max_position_embeddings >= 256 and config.architectures
+    assert list((tmp_path / "hf").glob("*.safetensors"))

@@ -276,7 +276,7 @@ def _eval(cfg: EvalConfig) -> int:
     )
     for what in ("by_position", "passkey"):  # --by-position, --task passkey (train/evaluate.py)
         if what in result:
-            print(f"  {what.replace('_', ' ')}: " + ", ".join(result[what][k] for k in ("json", "png")
+            print(f"  {what.replace('_', ' ')}: " + ", ".join(result[what][k] for k in ("json", "png", "harness_task")
                                                              if k in result[what]))
     return 0
 

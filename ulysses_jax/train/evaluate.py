@@ -48,6 +48,7 @@ class EvalConfig:
     passkey_filler: Literal["fixed", "data"] = "fixed"  # haystack: a fixed text, or the run's held-out documents
     seed: int = 0  # passkey keys and filler offsets
     plot: bool = True  # draw the PNGs beside the JSON files
+    harness_task: str | None = None  # with --task passkey: also write its samples here as an lm-evaluation-harness task
     mesh: MeshConfig = MeshConfig()
     batch_size: int | None = None  # rows per batch; None: the run's, if the mesh divides it
     max_batches: int = 16  # batches to read (0: all)
@@ -110,6 +111,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         raise ValueError(f"--max-batches ({cfg.max_batches}) must be positive (0: all, on one process only)")
     steps = checkpoint_steps(cfg, where)
     task = _passkey_setup(cfg, record, tokenizer["path"], data_cfg, seq_len) if cfg.task == "passkey" else None
+    if cfg.harness_task is not None and task is None:
+        raise ValueError(f"--harness-task {cfg.harness_task} writes the passkey samples; add --task passkey")
     meta = {"seq_len": seq_len, "batch_size": batch_size, "data": what, "mesh": dict(mesh.shape)}
     graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
     eval_step = make_eval_step(graphdef, mesh, state_shardings(target["params"]))
@@ -135,7 +138,20 @@ def evaluate(cfg: EvalConfig) -> dict:
                                                          batch_size=batch_size)
     if jax.process_index() == 0:
         _write_extras(cfg, run_dir, result, by_step, task, meta)
+        if task is not None and cfg.harness_task is not None:
+            result["passkey"]["harness_task"] = str(_harness_task(cfg.harness_task, task, tokenizer["path"]))
     return result
+
+
+def _harness_task(folder: str, task: dict, tokenizer_path) -> pathlib.Path:
+    from ulysses_jax.data.tokenizers import make_tokenizer
+    from ulysses_jax.train import passkey
+    from ulysses_jax.train.harness_task import write_lm_eval_task
+
+    samples = [(passkey.build_sample(task["fmt"], task["filler"], length=n, depth=d, index=i, seed=task["seed"],
+                                     digits=task["digits"]), n, d)
+               for n in task["lengths"] for d in task["depths"] for i in range(task["samples"])]
+    return write_lm_eval_task(folder, samples, make_tokenizer(tokenizer_path).decode)
 
 
 def checkpoint_steps(cfg: EvalConfig, where) -> list[int]:
