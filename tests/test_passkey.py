@@ -50,6 +50,9 @@ def test_scorer_known_logits(seed):
     for row, pos in ((0, 0), (0, 16), (1, 15), (1, 8)):
         wrong[row, pos, (rows["labels"][row, pos] + 1) % V] = 20.0
     assert _scored(wrong, rows, samples, placements).tolist() == [False, False, True, False]
+    _, hit = greedy_scores(jnp.asarray(wrong), jnp.asarray(rows["labels"]))
+    _, share = passkey.score(np.asarray(hit), rows["labels"], samples, placements, token_share=True)
+    np.testing.assert_allclose(share, [2 / 3, 3 / 4, 1.0, 0.0])
     table = passkey.accuracy_table({(18, 0.0): [0, 1], (18, 1.0): [2, 3]},
                                    _scored(wrong, rows, samples, placements))
     assert table == [{"length": 18, "depth": 0.0, "samples": 2, "accuracy": 0.0},

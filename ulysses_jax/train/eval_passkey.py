@@ -115,8 +115,8 @@ def run_passkey(token_step, params, mesh, fmt: passkey.PromptFormat, filler: np.
         part = {k: v[b: b + batch_size][list(local)] for k, v in rows.items()}
         _, hit_BS = token_step(params, to_global(part, mesh, global_batch=batch_size, row_ids=local))
         hits[b: b + batch_size] = to_host(hit_BS)
-    correct = passkey.score(hits, rows["labels"], built, placements)
-    return {"results": passkey.accuracy_table(cells, correct), "rows": n_rows,
+    correct, share = passkey.score(hits, rows["labels"], built, placements, token_share=True)
+    return {"results": passkey.accuracy_table(cells, correct, share), "rows": n_rows,
             "keys": [s.key for s in built[:3]]}
 
 

@@ -167,20 +167,25 @@ def pack_samples(samples: list[Sample], row_len: int) -> tuple[dict[str, np.ndar
     return out, placements
 
 
-def score(hit_RS: np.ndarray, labels_RS: np.ndarray, samples: list[Sample], placements: list[Placement]) -> np.ndarray:
+def score(hit_RS: np.ndarray, labels_RS: np.ndarray, samples: list[Sample], placements: list[Placement],
+          *, token_share: bool = False):
     """Per sample: whether every key token of its answer was the greedy prediction (``hit`` at the label position
-    before each key token: the token that predicts it)."""
-    correct = np.zeros(len(samples), bool)
+    before each key token: the token that predicts it). ``token_share``: also the share of its key tokens right."""
+    correct, share = np.zeros(len(samples), bool), np.zeros(len(samples))
     for p in placements:
         a, b = samples[p.sample].answer
         where = np.arange(p.offset + a - 1, p.offset + b - 1)
         labels = labels_RS[p.row, where]
         assert (labels == samples[p.sample].tokens[a:b]).all() and (labels != IGNORE).all(), "key labels misplaced"
         correct[p.sample] = bool(hit_RS[p.row, where].all())
-    return correct
+        share[p.sample] = float(hit_RS[p.row, where].mean())
+    return (correct, share) if token_share else correct
 
 
-def accuracy_table(samples_by_cell: dict[tuple[int, float], list[int]], correct: np.ndarray) -> list[dict]:
-    """``[{"length", "depth", "samples", "accuracy"}, ...]`` from each (length, depth) cell's sample indices."""
-    return [{"length": int(length), "depth": float(depth), "samples": len(idx),
-             "accuracy": float(np.mean(correct[idx]))} for (length, depth), idx in samples_by_cell.items()]
+def accuracy_table(samples_by_cell: dict[tuple[int, float], list[int]], correct: np.ndarray,
+                   share: np.ndarray | None = None) -> list[dict]:
+    """``[{"length", "depth", "samples", "accuracy"}, ...]`` from each (length, depth) cell's sample indices (with
+    ``share``: ``key_token_accuracy`` too, the mean share of key tokens right, a finer signal for weak models)."""
+    return [{"length": int(length), "depth": float(depth), "samples": len(idx), "accuracy": float(np.mean(correct[idx])),
+             **({} if share is None else {"key_token_accuracy": float(np.mean(share[idx]))})}
+            for (length, depth), idx in samples_by_cell.items()]
