@@ -122,8 +122,9 @@ def test_chat_format_and_multi_digit_tokens(tmp_path):
     assert len(s.tokens) == 200
     assert hf.decode(s.tokens[s.answer[0]: s.answer[1]]) == s.key
     hay = hf.decode(s.tokens[s.haystack[0]: s.haystack[1]])
-    assert tok.decode(s.tokens.tolist(), skip_special_tokens=False) == render([{"role": "user", "content": hay + "\nWhat is the pass key?"},
-                                          {"role": "assistant", "content": f"The pass key is {s.key}."}])
+    expect = render([{"role": "user", "content": hay + "\nWhat is the pass key?"},
+                     {"role": "assistant", "content": f"The pass key is {s.key}."}])
+    assert tok.decode(s.tokens.tolist(), skip_special_tokens=False) == expect
     with pytest.raises(ValueError, match="does not keep a user message and an assistant reply"):
         passkey.PromptFormat.chat(hf, lambda messages: messages[0]["content"])
 

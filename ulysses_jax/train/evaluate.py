@@ -41,7 +41,7 @@ class EvalConfig:
     steps: str | None = None  # several checkpoints, comma-separated ("100,200,last"); overrides --step
     by_position: bool = False  # also the loss in log-spaced position buckets: eval_by_position.json and a PNG
     task: Literal["passkey"] | None = None  # passkey: retrieval accuracy by length and depth (eval_passkey.json, PNG)
-    lengths: str | None = None  # passkey sample lengths in tokens, comma-separated; None: the run's --seq-len and halves
+    lengths: str | None = None  # passkey sample lengths, comma-separated; None: the run's --seq-len and its halves
     depths: str = "0,0.25,0.5,0.75,1"  # where the needle starts in the context (0: first token, 1: at the end)
     samples: int = 5  # passkey samples per (length, depth)
     passkey_digits: int = 5  # digits of each key

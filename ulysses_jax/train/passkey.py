@@ -105,10 +105,10 @@ def build_sample(fmt: PromptFormat, filler_ids: np.ndarray, *, length: int, dept
     >= 1); the haystack takes a window of it (repeated if short) starting at a seeded offset."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"--depths {depth} must be in [0, 1] (0: the start of the context, 1: its end)")
-    rng = np.random.default_rng([seed, length, int(round(depth * 10**6)), index])
+    rng = np.random.default_rng([seed, length, round(depth * 10**6), index])
     key = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
     key_ids = _ids(fmt.encode(key))
-    needle, key_at = fmt.needle(key_ids)
+    needle, _ = fmt.needle(key_ids)
     n_filler = length - len(fmt.prefix) - len(needle) - len(fmt.question) - len(key_ids) - len(fmt.tail)
     if n_filler < 0:
         raise ValueError(f"--lengths {length} is too short for a passkey sample (at least "
@@ -116,7 +116,7 @@ def build_sample(fmt: PromptFormat, filler_ids: np.ndarray, *, length: int, dept
     stream = np.asarray(filler_ids, np.int32).reshape(-1)
     start = int(rng.integers(len(stream)))
     filler = np.resize(np.roll(stream, -start), n_filler) if n_filler else np.zeros(0, np.int32)
-    cut = int(round(depth * n_filler))
+    cut = round(depth * n_filler)
     hay_start = len(fmt.prefix)
     answer_start = hay_start + n_filler + len(needle) + len(fmt.question)
     tokens = np.concatenate([np.asarray(x, np.int32) for x in (
@@ -140,7 +140,7 @@ def pack_samples(samples: list[Sample], row_len: int) -> tuple[dict[str, np.ndar
     """Samples -> rows of ``row_len`` tokens, in order, a new row when the next one does not fit. Each sample is its
     own segment (ids 1, 2, ... in a row; positions restart at 0; labels never cross a sample); padding has segment 0
     and no labels. Returns the ``[rows, row_len]`` arrays and where each sample went."""
-    placements, row, used, seg = [], 0, 0, 0
+    placements, row, used = [], 0, 0
     rows: list[list[tuple[int, Sample]]] = [[]]
     for i, s in enumerate(samples):
         if len(s.tokens) > row_len:
@@ -186,6 +186,7 @@ def accuracy_table(samples_by_cell: dict[tuple[int, float], list[int]], correct:
                    share: np.ndarray | None = None) -> list[dict]:
     """``[{"length", "depth", "samples", "accuracy"}, ...]`` from each (length, depth) cell's sample indices (with
     ``share``: ``key_token_accuracy`` too, the mean share of key tokens right, a finer signal for weak models)."""
-    return [{"length": int(length), "depth": float(depth), "samples": len(idx), "accuracy": float(np.mean(correct[idx])),
+    return [{"length": int(length), "depth": float(depth), "samples": len(idx),
+             "accuracy": float(np.mean(correct[idx])),
              **({} if share is None else {"key_token_accuracy": float(np.mean(share[idx]))})}
             for (length, depth), idx in samples_by_cell.items()]
