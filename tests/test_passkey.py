@@ -167,3 +167,16 @@ def test_packed_rows_never_let_a_sample_see_another(seed):
     np.testing.assert_allclose(l_ab, l_b, rtol=2e-5, atol=2e-5)  # alone at the row's start: the same
     assert (h_ab == h_ob).all() and (h_ab == h_b).all()
     assert l_ab[-1] == 0.0 and (l_ab[:-1] > 0).all()  # the sample's last token has no label in the row
+
+
+def test_data_filler_reads_the_held_out_documents(tmp_path):
+    from ulysses_jax.data.documents import DataConfig
+    from ulysses_jax.train.eval_passkey import filler_tokens
+
+    corpus = tmp_path / "eval.txt"
+    corpus.write_text("alpha beta gamma " * 40)
+    cfg = DataConfig(paths=(str(corpus),), eval_paths=(str(corpus),), eval_fraction=0.0)
+    stream = filler_tokens(BYTES, "data", cfg, 300)
+    assert ByteTokenizer().decode(stream[:17]) == "alpha beta gamma " and len(stream) >= 300
+    s = passkey.build_sample(BYTES, stream, length=400, depth=0.5, index=0, seed=0)
+    assert "alpha" in ByteTokenizer().decode(s.tokens) and len(s.tokens) == 400
