@@ -15,6 +15,7 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parents[1] / "notebooks").glob("*.ipy
 PARAMETERS = {
     "03_plan_a_cluster_run": 'PRESET = "tiny"\nDEVICE_COUNTS = (1, 8)\nLENGTHS = [2048, 8192]\n'
                              'CHUNK = 256\nATTENTION = "xla"\nMAX_COMPILES = 8\n',
+    "04_did_the_long_context_take": "STEPS = 3\nSEQ_LEN = 256\nSAMPLES = 1\n",
 }
 NEEDS_AOT = {"03_plan_a_cluster_run"}  # compiles for compile-only H100s: needs the CUDA plugin
 

@@ -301,6 +301,10 @@ def _eval(cfg: EvalConfig) -> int:
         f"({result['tokens']} tokens of {result['data']} in {result['batches']} batches of {result['batch_size']} x "
         f"{result['seq_len']} tokens); written to {result['written_to']}"
     )
+    for what in ("by_position", "passkey"):  # --by-position, --task passkey (train/evaluate.py)
+        if what in result:
+            print(f"  {what.replace('_', ' ')}: " + ", ".join(result[what][k] for k in ("json", "png", "harness_task")
+                                                             if k in result[what]))
     return 0
 
 

@@ -55,7 +55,9 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU ``"cudnn"`` when cuDNN can
     take the request (no segment ids, float16/bfloat16, head_dim a multiple of 8 and <= 128),
     otherwise ``"pallas"``. This ranking (cuDNN ahead of our Triton-lowered kernel) follows the
-    published H100 kernel figures; ``experiments/bench_attention.py`` is the measurement that
+    published H100 kernel figures (FlashAttention-3, arXiv 2407.08608: cuDNN 539 / 516 TFLOP/s causal forward /
+    backward at head_dim 128) against our kernel's static estimate (``kernels/flash_estimate.py``: 491 / 393
+    without overlap), both in ``docs/attention.md``; ``experiments/bench_attention.py`` is the measurement that
     must confirm it on the hardware at hand.
     """
     if impl not in IMPLS:

@@ -9,8 +9,9 @@ Algorithm (Dao, "FlashAttention-2", 2023):
             through an online softmax in float32; writes ``O`` and the log-sum-exp ``L`` (base 2).
   backward  ``delta = rowsum(dO * O)`` in jnp, then two kernels that recompute ``P = exp2(S - L)``
             block by block: dK/dV (grid over KV blocks, loops over the G query heads of the KV head and
-            over query blocks, so GQA sums happen in registers) and dQ (grid over query blocks, loops
-            over KV blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
+            over query blocks, so GQA sums happen in registers; it computes S^T and dP^T, keys first, so
+            that every product can be a Hopper wgmma) and dQ (grid over query blocks, loops over KV
+            blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
 Causal: KV blocks entirely in a query block's future are skipped by the loop bounds
 (:func:`kv_block_bound`, :func:`q_block_range`). Every visited block applies the elementwise mask (an
 iota compare and a select); only blocks on the diagonal, at document edges or at the padded end
@@ -126,10 +127,13 @@ def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: Co
     return mask
 
 
-def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg):
-    """Masked base-2 logits ``[Bq, Bk]`` in float32: ``scale * log2(e) * q @ k.T``."""
-    s = _dot(q, k, trans_b=True) * (cfg.scale * LOG2_E)
+def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg, keys_first: bool = False):
+    """Masked base-2 logits ``[Bq, Bk]`` in float32: ``scale * log2(e) * q @ k.T``; ``keys_first``: their
+    transpose ``[Bk, Bq]``, computed as ``k @ q.T`` (the dK/dV kernel's layout, see :func:`_dkv_kernel`)."""
+    s = (_dot(k, q, trans_b=True) if keys_first else _dot(q, k, trans_b=True)) * (cfg.scale * LOG2_E)
     mask = _mask(q_start, k_start, q_seg, k_seg, block_q=block_q, block_k=block_k, cfg=cfg)
+    if mask is not None and keys_first:
+        mask = mask.T
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
@@ -302,16 +306,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delt
     k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(kj * bk, bk)]
 
     def q_step(qi, carry, g):
+        # Keys first: every product here has the KV block (Bk rows) as its M dimension, the one a Hopper
+        # warpgroup MMA (wgmma) needs to be a multiple of 64; with queries first, S = Q K^T and dP = dO V^T
+        # would have only Bq rows and Triton would fall back to Ampere-style mma.sync for them.
         dk, dv = carry
         qs = pl.ds(qi * bq, bq)
         q, do = q_ref[qs, g, :], do_ref[qs, g, :]
         q_seg = None if q_seg_ref is None else q_seg_ref[qs]
-        s = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg)
-        p = jnp.exp2(s - lse_ref[g, qs][:, None])  # [Bq, Bk] probabilities, recomputed
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta_ref[g, qs][:, None])  # d(loss)/d(logits), before the softmax scale
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        s_t = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg, keys_first=True)
+        p_t = jnp.exp2(s_t - lse_ref[g, qs][None, :])  # [Bk, Bq] probabilities (transposed), recomputed
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        dp_t = _dot(v, do, trans_b=True)  # [Bk, Bq]
+        ds_t = p_t * (dp_t - delta_ref[g, qs][None, :])  # d(loss)/d(logits)^T, before the softmax scale
+        dk = dk + _dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
     lo, hi = q_block_range(kj, block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal)

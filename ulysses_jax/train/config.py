@@ -72,6 +72,9 @@ class TrainConfig:
     tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
     eval_every: int = 0  # evaluate every N steps (and at the last step), logged with the training metrics; 0: off
     eval_batches: int = 16  # batches per evaluation during training
+    eval_by_position: bool = False  # with --eval-every: also the eval loss in position buckets (eval_loss_pos_*)
+    eval_passkey: bool = False  # with --eval-every: also passkey accuracy at --seq-len (eval_passkey_accuracy)
+    eval_passkey_samples: int = 2  # with --eval-passkey: samples per depth (0, 0.25, 0.5, 0.75, 1)
     run_dir: str | None = None  # checkpoints, metrics, run.json; None: a new runs/<preset>-<date>-<time>
     config: str | None = None  # a YAML or TOML file of these settings (flags override it)
     resume: bool = False  # continue the run in --run-dir from its latest checkpoint, with its recorded settings

@@ -42,6 +42,7 @@ from ulysses_jax.train.config import (
     model_config_from_run,
 )
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
+from ulysses_jax.train.eval_loop import LoopEval
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.train.step import (
     BATCH_KEYS,
@@ -104,6 +105,7 @@ class Run:
     notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
     eval_step: object = None
     data_config: DataConfig | None = None
+    loop_eval: LoopEval | None = None  # --eval-by-position / --eval-passkey (eval_loop.py)
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -254,6 +256,8 @@ def setup_train(cfg: TrainConfig) -> Run:
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
+    loop_eval = LoopEval.setup(cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]),
+                               data_cfg=data_cfg, batch_size=batch_size)
 
     # Everything is checked: write.
     checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
@@ -266,7 +270,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     if jax.process_index() == 0:
         runconfig.write_record(cfg.run_dir, record)
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
-               f"{summary}; {lengths_found}", notes, eval_step, data_cfg)
+               f"{summary}; {lengths_found}", notes, eval_step, data_cfg, loop_eval)
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -389,6 +393,7 @@ def train_run(run: Run) -> dict:
                     ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
                                        batch_size=run.batch_size, max_batches=cfg.eval_batches)
                     record.update({f"eval_{k}": v for k, v in ev.items()})
+                    record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
                     evals.append((step + 1, ev["loss"]))
                 log.log(record)
                 losses.append(loss)
