@@ -73,6 +73,9 @@ class PlanConfig(TrainConfig):
     host_memory_gib: float = 237.0  # pinned host memory per GPU that --memory auto may plan for (1.9 TB / 8)
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
+    xla_log: str | None = None
+    """file for XLA's own compiler messages (buffer assignment, rematerialization); None: a new file in the temp
+    directory, named at the end; -: show them on the terminal (ulysses_jax.plan.xla_log)"""
 
 
 @dataclasses.dataclass

@@ -64,6 +64,9 @@ class TrainConfig:
     data_format: DataFormat = "text"
     """text: loss on every token; sft: .jsonl {"prompt", "completion"} or {"messages"} records rendered with
     the tokenizer and chat template of the --init-from-hf (or --tokenizer) folder, loss on the answers only"""
+    sft_overlong: Literal["refuse", "drop"] = "refuse"
+    """with --data-format sft, a record longer than --seq-len (never split across rows): refuse stops before training
+    with the count and the longest; drop leaves such records out and says how many at start"""
     eval_data: Paths = ()  # a validation source; none: the documents held out of --data by --eval-fraction
     eval_fraction: float = 0.02  # share of --data documents held out for evaluation (chosen by a hash of the text)
     tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
@@ -151,7 +154,7 @@ def model_config_from_run(record: dict, **compute) -> ModelConfig:
 def data_config(cfg: TrainConfig) -> DataConfig:
     return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
                       eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data), format=cfg.data_format,
-                      frame=cfg.init_from_hf is not None)
+                      frame=cfg.init_from_hf is not None, sft_overlong=cfg.sft_overlong)
 
 
 def default_run_dir(preset: str) -> str:

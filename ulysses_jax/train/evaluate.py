@@ -82,7 +82,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     if why:
         raise ValueError(f"{why}; evaluate with the run's own tokenizer (leave out --tokenizer)")
     # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
-    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None)
+    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None,
+                     sft_overlong=rc.get("sft_overlong", "refuse"))
     if cfg.eval_data:
         data_cfg = DataConfig(paths=tuple(cfg.eval_data), eval_paths=tuple(cfg.eval_data), eval_fraction=0.0,
                               tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"), **documents)

@@ -289,7 +289,12 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
         a, b = get(recorded["config"], path), get(current["config"], path)
         a = RECORDED_BEFORE.get(path) if a is None else a
         if a != b:
-            return f"{flag(path)} is {b!r} here but {a!r} in the run"
+            why_a, why_b = (r.get("defaults", {}).get(path, {}).get("why") for r in (recorded, current))
+            was = f" ({why_a})" if why_a else ""
+            if why_b:  # a value no flag gave here: say where each came from, and the flag that keeps the run's
+                return (f"{flag(path)} is {b!r} here ({why_b}) but {a!r} in the run{was}; pass {flag(path)} {a!r} to "
+                        f"keep the run's, or start a new --run-dir")
+            return f"{flag(path)} is {b!r} here but {a!r} in the run{was}"
     a, b = recorded.get("model", {}), current.get("model", {})
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -323,7 +328,9 @@ def describe_hf_folder(path: str, *, missing_ok: bool = False) -> dict | None:
     for name in HF_FOLDER_FILES:
         f = folder / name
         h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
-    return {"path": str(folder), "fingerprint": h.hexdigest()}
+    files = {n: hashlib.blake2b((folder / n).read_bytes(), digest_size=8).hexdigest() if (folder / n).is_file()
+             else None for n in HF_FOLDER_FILES}
+    return {"path": str(folder), "fingerprint": h.hexdigest(), "files": files}
 
 
 def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
@@ -333,8 +340,14 @@ def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
         return f"--init-from-hf {current['path']} is given but the run was not started from a Hugging Face folder"
     if current is None:
         return f"the run was started from --init-from-hf {recorded['path']}"
-    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its config.json, "
-            f"tokenizer_config.json, generation_config.json or chat template differ)")
+    a, b = recorded.get("files", {}), current.get("files", {})
+    changed = " and ".join(n for n in HF_FOLDER_FILES if a.get(n) != b.get(n)) if a else ""
+    if current["path"] == recorded["path"]:  # the same folder, edited: say what changed, not a flag
+        return (f"the folder's {changed or 'settings files'} changed since the run started ({current['path']}); "
+                f"restore {'it' if ' and ' not in changed else 'them'}, or start a new --run-dir")
+    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its "
+            f"{changed or 'config.json, tokenizer_config.json, generation_config.json or chat template'} "
+            f"{'differs' if changed and ' and ' not in changed else 'differ'})")
 
 
 def tokenizer_difference(recorded: dict | None, current: dict) -> str | None:

@@ -38,13 +38,14 @@ BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3  # peak learning rate
-    warmup_steps: int | None = None  # linear warmup from 0; None: 10% of the decay steps
+    lr: float | None = None  # peak learning rate; None: 3e-3 from scratch, 2e-5 with --init-from-hf (FINE_TUNING)
+    warmup_steps: int | None = None
+    """linear warmup from 0; None: 10% of the decay steps from scratch, 3% of them (at least 1) with --init-from-hf"""
     decay_steps: int | None = None
     """step where the cosine reaches lr * min_lr_ratio; None: --steps when the run starts. A resumed run keeps
     its schedule, even with more --steps; given on resume, the rate decays anew from where it is (no jump)."""
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    weight_decay: float | None = None  # AdamW decoupled weight decay; None: 0.1 from scratch, 0 with --init-from-hf
     clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
     b1: float = 0.9  # AdamW first-moment decay
     b2: float = 0.95  # AdamW second-moment decay
@@ -57,11 +58,11 @@ class OptimConfig:
 
     def __post_init__(self):
         checks = (
-            ("lr", self.lr > 0, "> 0"),
+            ("lr", self.lr is None or self.lr > 0, "> 0"),
             ("warmup-steps", self.warmup_steps is None or self.warmup_steps >= 0, ">= 0"),
             ("decay-steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1"),
             ("min-lr-ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-            ("weight-decay", self.weight_decay >= 0, ">= 0"),
+            ("weight-decay", self.weight_decay is None or self.weight_decay >= 0, ">= 0"),
             ("clip-norm", self.clip_norm >= 0, ">= 0 (0: off)"),
             ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
             ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
@@ -71,11 +72,50 @@ class OptimConfig:
                 value = getattr(self, name.replace("-", "_"))
                 raise ValueError(f"--optim.{name} ({value}) must be {need}")
 
-    def resolved(self, total_steps: int) -> OptimConfig:
-        """The same settings with the decay and warmup steps filled in for a run of ``total_steps``."""
-        decay = self.decay_steps if self.decay_steps is not None else total_steps
-        warmup = self.warmup_steps if self.warmup_steps is not None else round(0.1 * decay)
-        return dataclasses.replace(self, decay_steps=decay, warmup_steps=warmup)
+    def resolved(self, total_steps: int, *, fine_tuning: bool = False) -> OptimConfig:
+        """The same settings with every ``None`` filled in for a run of ``total_steps``: the from-scratch defaults, or
+        with ``fine_tuning`` (a pretrained start, ``--init-from-hf``) those of ``FINE_TUNING``."""
+        return dataclasses.replace(self, **{k: v for k, (v, _) in self.defaults(total_steps, fine_tuning).items()})
+
+    def defaults(self, total_steps: int, fine_tuning: bool = False) -> dict[str, tuple[float | int, str]]:
+        """``{field: (value, why)}`` for each setting left at ``None`` (not given), as ``resolved`` fills it in."""
+        d = FINE_TUNING if fine_tuning else SCRATCH
+        out = {}
+        decay = self.decay_steps
+        if decay is None:
+            decay = total_steps
+            out["decay_steps"] = (decay, f"--steps {total_steps}")
+        if self.warmup_steps is None:
+            warmup = max(round(d["warmup_share"] * decay), 1 if fine_tuning else 0)
+            out["warmup_steps"] = (warmup, f"{d['warmup_share']:.0%} of {decay} steps, derived from "
+                                           f"{'--steps' if self.decay_steps is None else '--optim.decay-steps'}")
+        for name in ("lr", "weight_decay"):
+            if getattr(self, name) is None:
+                out[name] = (d[name], d["why"])
+        return out
+
+
+# Defaults for settings not given (None). From scratch: this project's tiny-model recipe. Fine-tuning a pretrained
+# model (--init-from-hf): the full fine-tuning recipe of Stanford Alpaca's train command, LLaVA's and AllenAI
+# open-instruct's (Tulu 2) fine-tuning scripts: peak lr 2e-5, no weight decay, warmup over 3% of the steps; all of
+# them clip the global gradient norm at 1.0 (the Transformers Trainer's max_grad_norm), as --optim.clip-norm does.
+SCRATCH = dict(lr=3e-3, weight_decay=0.1, warmup_share=0.1, why="from-scratch default")
+FINE_TUNING = dict(lr=2e-5, weight_decay=0.0, warmup_share=0.03, why="fine-tuning default for --init-from-hf")
+
+
+def describe_optim(optim: dict, defaults: dict) -> str:
+    """The start-up line of a run's optimizer: ``optim`` as recorded (``run.json``'s ``config.optim``), each setting
+    that was not given marked with where its value came from (``defaults``: the record's ``defaults``)."""
+    def said(name: str, text: str) -> str:
+        why = defaults.get(f"optim.{name}", {}).get("why")
+        return f"{text} ({why})" if why else text
+
+    lr, warmup, wd = optim["lr"], optim["warmup_steps"], optim["weight_decay"]
+    steps = "step" if warmup == 1 else "steps"
+    return (f"AdamW, {said('lr', f'peak lr {lr:g}')}, {said('warmup_steps', f'warmup {warmup} {steps}')}, cosine to "
+            f"{optim['min_lr_ratio']:g} x lr at step {optim['decay_steps']}, "
+            f"{said('weight_decay', f'weight decay {wd:g}')}, clip-norm {optim['clip_norm']:g} (--optim.* flags "
+            f"override)")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
@@ -128,6 +168,7 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW, as an ``optimizer.Optimizer`` (an optax transformation that names its parts,
     with master weights and host memory as ``cfg`` asks)."""
+    cfg = cfg.resolved(total_steps)  # settings not given: the from-scratch defaults (a job resolves them before)
     adamw = optax.adamw(
         make_schedule(cfg, total_steps, replans), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
     )

@@ -22,6 +22,7 @@ import uuid
 import jax
 import numpy as np
 
+from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
 from ulysses_jax.data.pipeline import BatchIterator, eval_batches, merge_states, process_rows, to_global
 from ulysses_jax.data.tokenizers import describe_tokenizer
@@ -181,6 +182,7 @@ def setup_train(cfg: TrainConfig) -> Run:
 
     data_cfg = data_config(cfg)
     summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
+    lengths_found = lengths.measure(data_cfg, cfg.seq_len)  # refuses an SFT record longer than a row
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
     hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
@@ -203,19 +205,26 @@ def setup_train(cfg: TrainConfig) -> Run:
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
 
     notes: list[str] = []
-    if resuming:
+    if resuming:  # the run's settings are its record's: what its defaults chose stays recorded as chosen
         start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
+        chosen = recorded.get("defaults", {})
     else:
-        start, optim, replans = 0, cfg.optim.resolved(cfg.steps), []
+        fine_tuning = cfg.init_from_hf is not None
+        start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning), []
         horizon = optim.decay_steps
+        chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
+                  cfg.optim.defaults(cfg.steps, fine_tuning).items()}
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
-    record["init_from_hf"] = hf_folder
+    # a setting given on resume is no longer the default it was
+    record["init_from_hf"], record["defaults"] = hf_folder, {
+        k: v for k, v in chosen.items() if runconfig.get(record["config"], k) == v["value"]}
     if recorded is not None:
         why = runconfig.same_run(recorded, record)
         if why and resuming:
-            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}; resume without that flag, or "
-                             f"start a new --run-dir")
+            fix = "" if why.endswith("--run-dir") else "; resume without that flag, or start a new --run-dir"
+            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}{fix}")
         if why:
+            why = why.removesuffix(", or start a new --run-dir")  # the fix of a value no flag gave: said once below
             raise ValueError(f"--run-dir {cfg.run_dir} holds another run that saved no checkpoint ({why}); choose a "
                              f"new --run-dir, or delete that directory to start over")
     if not resuming:
@@ -261,7 +270,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     if jax.process_index() == 0:
         runconfig.write_record(cfg.run_dir, record)
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
-               str(summary), notes, eval_step, data_cfg, loop_eval)
+               f"{summary}; {lengths_found}", notes, eval_step, data_cfg, loop_eval)
 
 
 # ------------------------------------------------------------------------------------ the loop
