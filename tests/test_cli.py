@@ -186,6 +186,12 @@ def test_run_dir_of_another_run_is_refused(existing_run, tmp_path, capsys):
         assert main(args) == 2, args
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message.format(run=run) in err, (args, err)
+    # master weights change the optimizer-state tree: refused by name through the real entry point (it used to be
+    # "checkpoint ... is damaged or not from this run"); the other direction is test_cli_hf's master-weights export
+    p = cli("train", "--run-dir", str(run), "--resume", "--steps", "3", "--optim.master-weights", check=False)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"error: cannot continue {run} with other settings: --optim.master-weights is True here but False in the run; "
+        f"resume without that flag, or start a new --run-dir"), p.stderr
     assert snapshot(run) == before
 
 

@@ -38,7 +38,6 @@ from ulysses_jax.train.config import (
     data_config,
     default_run_dir,
     model_config,
-    model_config_from_run,
 )
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
@@ -182,18 +181,9 @@ def setup_train(cfg: TrainConfig) -> Run:
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
     hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
-    if resuming and (recorded or {}).get("init_from_hf"):
-        # the run's model is its record's (config.json is not read again); a changed folder is refused below
-        model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
-                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                                      attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
-                                      attn_recompute=cfg.attn_recompute or None)
+    model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
+    if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
-        if summary.vocab_size > model.vocab_size:
-            raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
-                             f"{model.vocab_size}; resume with the run's tokenizer (leave out --tokenizer)")
-    else:
-        model = model_config(cfg, summary.vocab_size)
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
