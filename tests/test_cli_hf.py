@@ -295,6 +295,51 @@ def test_resume_flags_are_the_same_for_presets_and_folders(kind, folder, tmp_pat
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
+def test_master_weights_run_exports_its_float32_masters(tmp_path, capsys):
+    """--param-dtype bfloat16 --optim.master-weights (with --grad-accum 2: float32 sums): `export --dtype float32`
+    writes the float32 masters (not the bfloat16 parameters), `--dtype bfloat16` the parameters; resuming without
+    master weights is refused by name."""
+    from safetensors.numpy import load_file
+
+    from ulysses_jax.interop import hf
+    from ulysses_jax.train import runconfig
+    from ulysses_jax.train.checkpoint import Checkpointer
+    from ulysses_jax.train.config import model_config_from_run
+    from ulysses_jax.train.devices import build_mesh
+    from ulysses_jax.train.step import OptimConfig, abstract_state, make_optimizer
+
+    run = tmp_path / "run"
+    cli("train", "--preset", "tiny", "--steps", "2", "--data", write_corpus(tmp_path / "c.jsonl"), "--run-dir", run,
+        *FLAGS, "--param-dtype", "bfloat16", "--optim.master-weights", "--grad-accum", "2", "--batch-size", "4")
+    cli("export", "--run-dir", run, "--out", tmp_path / "f32", "--dtype", "float32")
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    # the masters as the full train state holds them (moments and all), written by the same writer
+    record = runconfig.read_record(run)
+    model = model_config_from_run(record)
+    mesh = build_mesh(MeshConfig(), model, record["seq_len"])
+    graphdef, target = abstract_state(model, mesh, make_optimizer(OptimConfig(master_weights=True).resolved(2), 2))
+    ckpt = Checkpointer(run, create=False)
+    try:
+        state, _ = ckpt.restore(2, target)
+    finally:
+        ckpt.close()
+    hf.to_hf(nnx.merge(graphdef, state["opt_state"].master), tmp_path / "want", dtype="float32")
+    f32, want, bf16 = (load_file(tmp_path / d / "model.safetensors") for d in ("f32", "want", "bf16"))
+    assert f32.keys() == want.keys() == bf16.keys()
+    rounded = 0
+    for name in want:
+        assert f32[name].dtype == np.float32, name
+        np.testing.assert_array_equal(f32[name], want[name], err_msg=name)
+        # the bfloat16 export is the parameters: the masters rounded once
+        np.testing.assert_array_equal(bf16[name], want[name].astype(bf16[name].dtype), err_msg=name)
+        rounded += int((want[name].astype(bf16[name].dtype).astype(np.float32) != want[name]).sum())
+    assert rounded > 0  # the masters are not bfloat16 values: writing the parameters would differ
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["torch_dtype"] == "float32"
+    capsys.readouterr()
+    refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "3", "--optim.no-master-weights"],
+            "--optim.master-weights is False here but True in the run")
+
+
 def test_preset_and_init_from_hf_exclude_each_other(folder, tmp_path, capsys):
     refused(capsys, ["train", "--preset", "tiny", "--init-from-hf", folder, "--run-dir", tmp_path / "r"],
             "--preset and --init-from-hf exclude each other")
