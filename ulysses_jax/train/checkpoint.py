@@ -53,8 +53,10 @@ class Checkpointer:
         self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
         if not create and not self.directory.is_dir():
             raise ValueError(f"no checkpoint in {self.directory}; train first or pass the --run-dir of a run")
+        # a save cut short by a kill leaves its temporary directory: the writer deletes such leftovers at start
         options = ocp.CheckpointManagerOptions(max_to_keep=keep if create else None,
-                                               enable_async_checkpointing=async_save, create=create)
+                                               enable_async_checkpointing=async_save, create=create,
+                                               cleanup_tmp_directories=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:

@@ -71,7 +71,9 @@ class TrainConfig:
     eval_batches: int = 16  # batches per evaluation during training
     run_dir: str | None = None  # checkpoints, metrics, run.json; None: a new runs/<preset>-<date>-<time>
     config: str | None = None  # a YAML or TOML file of these settings (flags override it)
-    resume: bool = False  # continue the run in --run-dir from its latest checkpoint, with its recorded settings
+    resume: bool = False
+    """continue the run in --run-dir from its latest complete checkpoint, with its recorded settings (a run stopped
+    before its first checkpoint starts again from step 0)"""
     resume_from: int | None = None  # continue from this checkpoint step (later checkpoints are set aside)
     checkpoint_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM/SIGINT)
     keep_checkpoints: int = 3  # checkpoints kept (the oldest are deleted)

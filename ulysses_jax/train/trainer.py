@@ -7,6 +7,8 @@ compiled.
 
 The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
 checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
+A run killed outright continues with ``--resume`` from its last complete checkpoint (``checkpoint.py``), or, killed
+before its first one was complete, starts again from step 0 with the settings of its record.
 """
 
 from __future__ import annotations
@@ -172,8 +174,10 @@ def setup_train(cfg: TrainConfig) -> Run:
         raise ValueError(f"--run-dir {cfg.run_dir} already holds checkpoints; pass --resume to continue that run "
                          f"or choose a new --run-dir (nothing was overwritten)")
     if resuming and not where.steps:
-        raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point --run-dir "
-                         f"at a run")
+        if cfg.resume_from is not None or not where.record:
+            raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point "
+                             f"--run-dir at a run")
+        resuming = False  # the run stopped before its first checkpoint was complete: it starts again (noted below)
     recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
 
     data_cfg = data_config(cfg)
@@ -236,16 +240,16 @@ def setup_train(cfg: TrainConfig) -> Run:
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
 
-    # Everything is checked: write.
-    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
-    if resuming and checkpointer.set_aside(after=start) is not None:
-        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
+    # Everything is checked: write, the record first (a run killed from here on is one that `--resume` continues).
     starts = (recorded or {}).get("starts", []) if resuming else []
     record["starts"] = starts + [{"step": start, "time": runconfig.now(), "mesh": dict(mesh.shape),
                                   "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
     record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
     if jax.process_index() == 0:
         runconfig.write_record(cfg.run_dir, record)
+    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
+    if resuming and checkpointer.set_aside(after=start) is not None:
+        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
                str(summary), notes, eval_step, data_cfg)
 
