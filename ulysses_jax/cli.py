@@ -167,12 +167,17 @@ def parse(argv: list[str]):
         return tyro.extras.subcommand_cli_from_dict(commands, prog="ulysses-jax", description=DESCRIPTION, args=argv)
     name, args = argv[0], argv[1:]
     cls = commands[name]
-    base = None
+    base, resume = None, False
     if issubclass(cls, TrainConfig):
         resume = any(a == "--resume" or a.startswith("--resume-from") for a in args) and "--no-resume" not in args
-        base = _base(cls, args, resume=resume and cls is TrainConfig)
+        resume = resume and cls is TrainConfig
+        base = _base(cls, args, resume=resume)
     help_text = f"{cls.__doc__} {PLAN_EXIT}" if name == "plan" else None
     cfg = _parse(cls, args, base, f"ulysses-jax {name}", help_text)
+    if resume:  # the run's settings with this invocation's over them: a tool switched off here takes its options along
+        config = _value(args, "--config")
+        files = (runconfig.load_config_file(config),) if config is not None else ()
+        cfg = runconfig.drop_qualifiers(cfg, runconfig.given_settings(cls, args, files))
     if isinstance(cfg, TrainConfig) and cfg.init_from_hf is not None and _explicit_preset(args):
         raise ValueError(PRESET_AND_HF)
     return cfg

@@ -44,16 +44,62 @@ VERSION = 1
 # TrainConfig fields that change what is learned: refused on resume when they differ from the record. Data and
 # tokenizer are compared by content (fingerprints), not here.
 LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format", "eval_fraction", "optim.lr",
-           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2")
-RECORDED_BEFORE = {"data_format": "text"}  # what a record written before a LEARNED field existed meant by it
+           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2",
+           "optim.master_weights")
+# what a record written before a LEARNED field existed meant by it
+RECORDED_BEFORE = {"data_format": "text", "optim.master_weights": False}
 # Fields of one invocation, never inherited from a record or written into one.
 PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps", "distributed", "coordinator_address",
                   "num_processes", "process_id")
 
 
+# A setting that qualifies a memory tool, inherited from the run only while the tool stays on: a resume that switches
+# the tool off (``--attn-chunk 0``) drops the qualifiers the run gave it, unless they are given anew (then refused).
+QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk"}
+
+
 def flag(path: str) -> str:
     """``"optim.warmup_steps"`` -> ``"--optim.warmup-steps"``."""
     return "--" + path.replace("_", "-")
+
+
+def setting_paths(cls, prefix: str = "") -> set[str]:
+    """Every setting of a config dataclass, nested ones as ``"optim.lr"``."""
+    out = set()
+    for f in dataclasses.fields(cls):
+        t = typing.get_type_hints(cls)[f.name]
+        out |= setting_paths(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else {prefix + f.name}
+    return out
+
+
+def given_settings(cls, args: list[str], files: tuple[dict, ...] = ()) -> set[str]:
+    """The settings of ``cls`` that this invocation gives: in ``args`` (``--mesh.sp 8``, ``--attn-chunk=0``,
+    ``--no-attn-recompute``, ``--optim.no-master-weights``: the flags tyro makes of the fields) or in ``files``
+    (config files' contents)."""
+    known, given = setting_paths(cls), set()
+    for a in args:
+        if a.startswith("--"):
+            name = a[2:].split("=", 1)[0].replace("-", "_")
+            head, dot, last = name.rpartition(".")
+            given |= {n for n in (name, head + dot + last[3:] if last.startswith("no_") else None) if n in known}
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            path = prefix + str(k).replace("-", "_")
+            given.add(path) if not isinstance(v, dict) else walk(v, path + ".")
+
+    for f in files:
+        walk(f, "")
+    return given
+
+
+def drop_qualifiers(cfg, given: set[str]):
+    """``cfg`` (a resumed run's settings with this invocation's over them) without the ``QUALIFIES`` settings it
+    inherited for a tool that ``given`` (``given_settings``) switches off: they go back to their defaults."""
+    defaults = type(cfg)()
+    off = {k: getattr(defaults, k) for k, tool in QUALIFIES.items()
+           if tool in given and not getattr(cfg, tool) and k not in given}
+    return dataclasses.replace(cfg, **off)
 
 
 # ------------------------------------------------------------------------------------ config files
@@ -388,7 +434,8 @@ def make_record(cfg, model, mesh, batch_size: int, optim, horizon: int, replans:
         "data": sources,
         "tokenizer": tokenizer,
         "schedule": {"warmup_steps": optim.warmup_steps, "decay_steps": optim.decay_steps, "replans": replans},
-        # the optimizer-state tree differs with and without clipping: a resume must keep that choice
+        # the optimizer-state tree differs with and without clipping (and master weights, a LEARNED setting refused
+        # by its flag's name before this is compared): a resume must keep that choice
         "optimizer": "adamw+clip" if optim.clip_norm else "adamw",
     }
 

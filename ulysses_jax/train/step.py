@@ -9,9 +9,10 @@ Parameters are born sharded (see ``model/layers.py``); the optimizer state is la
 
 Gradient accumulation: a global batch of ``B`` rows is cut into ``A = grad_accum`` micro-batches
 (row ``i`` goes to micro-batch ``i % A``, which keeps every micro-batch split over the batch mesh
-axes); gradients of each micro-batch's *sum* of token losses are added and divided once by the token
-count of the whole batch. So ``A`` micro-batches give the same loss and gradients as one batch of
-``B`` rows, whatever the number of valid tokens in each micro-batch.
+axes); gradients of each micro-batch's *sum* of token losses are added in float32 (whatever the parameters'
+dtype) and divided once by the token count of the whole batch. So ``A`` micro-batches give the same loss and
+gradients as one batch of ``B`` rows, whatever the number of valid tokens in each micro-batch. The float32 sum
+holds 4 bytes per parameter on the device while the micro-batches run (2 more than bfloat16 gradients).
 """
 
 from __future__ import annotations
@@ -271,13 +272,32 @@ def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
                          f"not summed over micro-batches; use a longer --seq-len or a larger --batch-size instead")
 
 
+def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh):
+    """``((sum of token losses, token count), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in
+    micro-batch ``i % grad_accum``), the micro-batches' gradients added in float32 whatever the parameters' dtype
+    (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``: ``((sum, count), gradients)``."""
+    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
+
+    def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
+        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+    def body(carry, micro):
+        g_acc, s_acc, c_acc = carry
+        (s, c), g = grad_fn(params, micro)
+        return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g), s_acc + s, c_acc + c), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    return (total, count), grads
+
+
 def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
     grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
-
-    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def step(state, batch):
         params = state["params"]
@@ -286,27 +306,20 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
         if grad_accum == 1:
             (total, count), grads = grad_fn(params, batch)
         else:
-
-            def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
-                x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-                return jax.lax.with_sharding_constraint(x, micro_sharding)
-
-            def body(carry, micro):
-                g_acc, s_acc, c_acc = carry
-                (s, c), g = grad_fn(params, micro)
-                return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-            (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+            (total, count), grads = accumulate(grad_fn, params, batch, grad_accum, mesh)
         denom = jnp.maximum(count, 1).astype(jnp.float32)
+        if grad_accum > 1:  # float32 sums divided in float32, then in the dtype the optimizer takes (below)
+            master = isinstance(state["opt_state"], optimizer.MasterState)
+            grads = jax.tree.map(lambda g, p: (g / denom).astype(jnp.float32 if master else p.dtype), grads, params)
         if getattr(tx, "offload", False):  # divides by the count itself, part by part on the device
             new_params, opt_state, grad_norm = optimizer.streamed_update(
-                tx, grads, state["opt_state"], params, denom=denom, host_params=host_params)
+                tx, grads, state["opt_state"], params, denom=denom if grad_accum == 1 else None,
+                host_params=host_params)
         else:
             # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
             # moments float32 after one step, and the new state would no longer fit the donated buffers
-            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+            if grad_accum == 1:
+                grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
             new_params, opt_state = optimizer.apply(tx, grads, state["opt_state"], params)
             grad_norm = optax.tree.norm(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])

@@ -7,6 +7,8 @@ compiled.
 
 The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
 checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
+A run killed outright continues with ``--resume`` from its last complete checkpoint (``checkpoint.py``), or, killed
+before its first one was complete, starts again from step 0 with the settings of its record.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from ulysses_jax.train.config import (
     data_config,
     default_run_dir,
     model_config,
-    model_config_from_run,
 )
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
 from ulysses_jax.train.eval_loop import LoopEval
@@ -176,8 +177,10 @@ def setup_train(cfg: TrainConfig) -> Run:
         raise ValueError(f"--run-dir {cfg.run_dir} already holds checkpoints; pass --resume to continue that run "
                          f"or choose a new --run-dir (nothing was overwritten)")
     if resuming and not where.steps:
-        raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point --run-dir "
-                         f"at a run")
+        if cfg.resume_from is not None or not where.record:
+            raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point "
+                             f"--run-dir at a run")
+        resuming = False  # the run stopped before its first checkpoint was complete: it starts again (noted below)
     recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
 
     data_cfg = data_config(cfg)
@@ -186,18 +189,9 @@ def setup_train(cfg: TrainConfig) -> Run:
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
     hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
-    if resuming and (recorded or {}).get("init_from_hf"):
-        # the run's model is its record's (config.json is not read again); a changed folder is refused below
-        model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
-                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                                      attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
-                                      attn_recompute=cfg.attn_recompute or None)
+    model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
+    if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
-        if summary.vocab_size > model.vocab_size:
-            raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
-                             f"{model.vocab_size}; resume with the run's tokenizer (leave out --tokenizer)")
-    else:
-        model = model_config(cfg, summary.vocab_size)
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
@@ -259,16 +253,16 @@ def setup_train(cfg: TrainConfig) -> Run:
     loop_eval = LoopEval.setup(cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]),
                                data_cfg=data_cfg, batch_size=batch_size)
 
-    # Everything is checked: write.
-    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
-    if resuming and checkpointer.set_aside(after=start) is not None:
-        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
+    # Everything is checked: write, the record first (a run killed from here on is one that `--resume` continues).
     starts = (recorded or {}).get("starts", []) if resuming else []
     record["starts"] = starts + [{"step": start, "time": runconfig.now(), "mesh": dict(mesh.shape),
                                   "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
     record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
     if jax.process_index() == 0:
         runconfig.write_record(cfg.run_dir, record)
+    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
+    if resuming and checkpointer.set_aside(after=start) is not None:
+        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
                f"{summary}; {lengths_found}", notes, eval_step, data_cfg, loop_eval)
 
