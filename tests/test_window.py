@@ -120,3 +120,51 @@ def test_block_kind_with_a_window():
     assert win.block_kind(run(16, 24), run(0, 8), True, 10) == win.MASKED
     assert win.block_kind(run(8, 16), run(0, 8), True, 16) == win.FULL  # 15 - 16 < 0: every key inside
     assert win.block_kind(run(0, 8), run(8, 16), True, 4) == win.SKIP
+
+
+@pytest.mark.parametrize("axes, shape, impl", [(("fsdp", "sp"), (2, 4), "blockwise"), (("ring", "sp"), (2, 4), "xla"),
+                                               (("ring", "sp"), (4, 2), "blockwise")], ids=str)
+def test_ulysses_attention_with_a_window(axes, shape, impl, seed):
+    """Ulysses (each device holds the whole sequence of its heads) and Ulysses x ring: the windowed answer."""
+    from jax.sharding import AxisType
+
+    from ulysses_jax.parallel.ulysses import ulysses_attention
+
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    q, k, v, do, seg = random_inputs(seed, 2, 64, 8, 4, 16, jnp.float32, shard=8)
+    fn = functools.partial(ulysses_attention, mesh=mesh, segment_ids=seg, impl=impl, window=11)
+    out, vjp = jax.vjp(jax.jit(fn), q, k, v)
+    want_out, want_grads = attention_f64(q, k, v, do, segment_ids=seg, window=11)
+    for name, x, w in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), (want_out, *want_grads)):
+        assert rel_err(x, w) < TOL["float32"], (name, rel_err(x, w))
+
+
+def test_cudnn_window_convention():
+    """``attention(impl="cudnn", window=W)`` passes ``local_window_size=(W - 1, 0)``: jax's own XLA implementation of
+    that argument gives the float64 windowed answer (the cuDNN kernel itself runs only on a GPU: test_gpu.py)."""
+    q, k, v, _, _ = random_inputs(3, 1, 40, 4, 2, 16, jnp.float32)
+    for window in (1, 7, 16):
+        got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
+                                           implementation="xla")
+        assert rel_err(got, attention_f64(q, k, v, window=window)) < TOL["float32"]
+
+
+@pytest.mark.aot
+def test_cudnn_window_compiles_for_h100():
+    """The compile-only H100 accepts cuDNN's sliding window, forward and backward: two fused-attention calls whose
+    configuration carries the window length."""
+    from jax.sharding import SingleDeviceSharding
+
+    from ulysses_jax.plan.targets import target_devices
+
+    dev = target_devices("h100", devices=1)[0]
+    q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16, sharding=SingleDeviceSharding(dev))
+    kv = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16, sharding=SingleDeviceSharding(dev))
+
+    def loss(q, k, v):
+        return attention(q, k, v, window=512, impl="cudnn", platform="gpu").astype(jnp.float32).sum()
+
+    with jax.default_device(dev):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower().compile().as_text()
+    assert text.count("__cudnn$fmha") == 2
+    assert text.count('"sliding_window_length": 512') == 2 or text.count('sliding_window_length":512') == 2

@@ -46,21 +46,28 @@ import dataclasses
 import jax.numpy as jnp
 
 from ulysses_jax.model import hf_config
+from ulysses_jax.model import layer_kinds
+from ulysses_jax.model.layer_kinds import check_layers
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
+ROPE_TYPES = ("llama3", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+    """RoPE frequency scaling: Llama-3 style (``rope_type: llama3`` in Hugging Face configs) or ``linear`` (every
+    frequency divided by ``factor``; Gemma 3's global layers), which reads ``factor`` only."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope scaling rope_type {self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
         if self.factor < 1:
             raise ValueError(f"rope scaling factor ({self.factor}) must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -104,6 +111,17 @@ class ModelConfig:
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
+    # Per-layer attention (model/layer_kinds.py): ``layer_pattern`` repeats over the layers ("global" / "local"); an
+    # empty pattern is all "local" with a sliding_window, else all "global". Local layers see sliding_window tokens.
+    sliding_window: int = 0  # tokens a local layer's query sees (itself included); 0: no local layers
+    layer_pattern: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE base of the local layers, unscaled (Gemma 3: 10000); 0: as the global ones
+    # Gemma 3: norms after each sublayer too, norm scales (1 + w), GeGLU, scaled embeddings
+    post_norms: bool = False
+    norm_plus_one: bool = False
+    mlp_activation: str = "silu"
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    query_pre_attn_scalar: float = 0.0  # attention scale 1/sqrt(this); 0: head_dim
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -148,6 +166,22 @@ class ModelConfig:
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")
+        check_layers(self)
+
+    @property
+    def window_kinds(self) -> tuple:
+        """The distinct attention kinds of the layers, each a window (``None``: global); see ``layer_kinds``."""
+        return layer_kinds.kinds(self)
+
+    @property
+    def kind_of_layer(self) -> tuple[int, ...]:
+        """Per layer, its index into ``window_kinds``."""
+        return layer_kinds.kind_index(self)
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention's softmax scale: 1/sqrt(query_pre_attn_scalar or head_dim)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def param_jnp_dtype(self):
@@ -170,7 +204,7 @@ class ModelConfig:
         ``model/hf_config.py``), with ``overrides`` replaced. Unsupported settings raise ``ValueError`` naming the
         field."""
         fields = hf_config.config_fields(path)
-        if fields["rope_scaling"] is not None:
+        if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
