@@ -39,6 +39,16 @@ CASES = {  # name -> (config class, settings); llama3 scaling with original leng
     "qwen2-tied": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3-untied": ("Qwen3Config", dict(rope_theta=1e6, head_dim=32, tie_word_embeddings=False)),  # N*H != D
     "mistral-untied": ("MistralConfig", dict(rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
+    # sliding windows (5 tokens < the documents): Mistral on every layer, Qwen2 from layer max_window_layers on
+    "mistral-window": ("MistralConfig", dict(rope_theta=1e6, sliding_window=5, tie_word_embeddings=False)),
+    "qwen2-window": ("Qwen2Config", dict(rope_theta=1e6, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1, tie_word_embeddings=True)),
+    # Gemma 3 text: local, local, global; local RoPE base 1e4, global 1e6 scaled linearly x8; 1/sqrt(24) scale
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=5,
+        query_pre_attn_scalar=24, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})),
 }
 XLA32 = dict(compute_dtype="float32", attention_impl="xla")
 

@@ -14,6 +14,12 @@ Presets carry the shapes of the published checkpoints (Hugging Face ``config.jso
 | qwen3-4b     | 36     | 2560   | 32    | 8  | 128      | 9728  | 151936 | 1e6    | -          | yes  | qk-norm  |
 | qwen3-8b     | 36     | 4096   | 32    | 8  | 128      | 12288 | 151936 | 1e6    | -          | no   | qk-norm  |
 | mistral-7b   | 32     | 4096   | 32    | 8  | 128      | 14336 | 32768  | 1e6    | -          | no   | (v0.3)   |
+| gemma3-1b    | 26     | 1152   | 4     | 1  | 256      | 6912  | 262144 | 1e6    | -          | yes  | Gemma 3  |
+| gemma3-4b    | 34     | 2560   | 8     | 4  | 256      | 10240 | 262208 | 1e6    | linear x8  | yes  | Gemma 3  |
+
+Gemma 3 (text; the 4B's language model): five local layers of a sliding window (512 tokens for 1B, 1024 for 4B) to one
+global, local RoPE base 10000, norms around both sublayers with (1 + w), qk-norm, GeGLU (tanh GELU), embeddings times
+sqrt(hidden), attention scale 1/sqrt(256).
 
 ``mistral-7b`` is v0.3 (no sliding window; v0.1's 4096-token window is not modelled). ``tiny`` is a
 CPU-sized GQA model (5.2M parameters) for smoke runs. Variations: ``dataclasses.replace(cfg, ...)``, which
@@ -224,6 +230,9 @@ def local_chunks(chunk: int, local_seq: int, what: str) -> int:
 
 
 _LLAMA3 = dict(rope_theta=500_000.0, rms_eps=1e-5, vocab_size=128_256, max_seq_len=131_072)
+_GEMMA3 = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, rms_eps=1e-6, head_dim=256,
+               layer_pattern=("local",) * 5 + ("global",), tie_embeddings=True, qk_norm=True, post_norms=True,
+               norm_plus_one=True, mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0)
 _QWEN = dict(rope_theta=1_000_000.0, rms_eps=1e-6)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -270,5 +279,13 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(
         name="mistral-7b", vocab_size=32_768, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768,
+    ),
+    "gemma3-1b": ModelConfig(
+        name="gemma3-1b", vocab_size=262_144, num_layers=26, hidden=1152, num_heads=4, num_kv_heads=1, mlp_dim=6912,
+        sliding_window=512, max_seq_len=32_768, **_GEMMA3,
+    ),
+    "gemma3-4b": ModelConfig(
+        name="gemma3-4b", vocab_size=262_208, num_layers=34, hidden=2560, num_heads=8, num_kv_heads=4, mlp_dim=10240,
+        sliding_window=1024, rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), max_seq_len=131_072, **_GEMMA3,
     ),
 }
