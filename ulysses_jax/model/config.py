@@ -172,6 +172,8 @@ class ModelConfig:
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")
+        if isinstance(self.layer_pattern, list):  # from JSON (run.json)
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         check_layers(self)
 
     @property

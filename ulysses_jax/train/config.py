@@ -49,6 +49,9 @@ class TrainConfig:
     attn_head_chunk: int | None = None
     """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
     K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    sliding_window: int | None = None
+    """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
+    has none); None: the model's own"""
     attn_recompute: bool = False
     """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
     again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
@@ -112,7 +115,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
                    attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
                    attn_recompute=cfg.attn_recompute or None, param_dtype=cfg.param_dtype,
-                   remat_every=cfg.remat_every,
+                   remat_every=cfg.remat_every, sliding_window=cfg.sliding_window,
                    offload_params=cfg.offload_params or None)
     if cfg.attn_head_chunk and not cfg.attn_chunk:
         raise ValueError(f"--attn-head-chunk ({cfg.attn_head_chunk}) groups the heads of the tiled attention "
