@@ -19,7 +19,8 @@ Algorithm (FlashAttention-2's, written with ``lax`` loops instead of a kernel):
             FlashAttention-2's separate dQ pass, so ``P`` is recomputed once, not twice).
 Skipping (:func:`_live_blocks`): a block pair is visited only if it can hold an allowed (query, key)
 pair: causal (the KV block starts at or before the query block's last row), not all padding, and,
-with segment ids, the ``[min, max]`` id ranges of the two blocks overlap for some batch row. Each query
+with segment ids, the ``[min, max]`` id ranges of the two blocks overlap for some batch row; with a sliding
+window (``kernels/window.py``), the KV block's last key is inside the query block's first row's window. Each query
 block visits the span from its first to its last live KV block (and each KV block the span of query
 blocks), which for packed documents (ids constant along a document) is exactly the live set. Every
 visited tile also applies the elementwise mask, so skipping only drops tiles that are entirely masked:
