@@ -225,7 +225,8 @@ def visited_tiles(seq_len: int, *, causal: bool = True, segment_ids=None,
 
     For inspection and tests: ``visited_tiles(...).mean()`` is the fraction of the dense work done.
     """
-    cfg = _config(seq_len, causal=causal, scale=1.0, block_sizes=block_sizes, window=check_window(window, causal=causal))
+    cfg = _config(seq_len, causal=causal, scale=1.0, block_sizes=block_sizes,
+                  window=check_window(window, causal=causal))
     lo, hi = _span(_live_blocks(_pad_segments(segment_ids, cfg), cfg))
     j = jnp.arange(cfg.padded_len // cfg.block_k)[None, :]
     return (lo[:, None] <= j) & (j < hi[:, None])
@@ -237,7 +238,8 @@ def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale
 
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA). segment_ids: [B, S] integers or
     None: a token attends only to tokens with the same id (packed documents), and when ``causal`` not to later
-    positions; ``window``: a causal sliding window (``kernels/window.py``). scale defaults to 1/sqrt(D). Any S (padded to a block multiple inside, padded keys masked).
+    positions; ``window``: a causal sliding window (``kernels/window.py``). scale defaults to 1/sqrt(D). Any S
+    (padded to a block multiple inside, padded keys masked).
     Softmax and all products in float32; returns [B, S, H, D] in q.dtype, gradients in the inputs' dtypes.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:

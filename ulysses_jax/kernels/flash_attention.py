@@ -375,7 +375,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta
 
     bounds = dict(block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal, window=cfg.window,
                   offset=cfg.offset)
-    dq = lax.fori_loop(kv_block_start(qi, **bounds), kv_block_bound(qi, **bounds), body, jnp.zeros(q.shape, jnp.float32))
+    dq = lax.fori_loop(kv_block_start(qi, **bounds), kv_block_bound(qi, **bounds), body,
+                       jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 

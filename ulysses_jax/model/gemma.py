@@ -93,8 +93,9 @@ def check_gemma_exportable(cfg) -> None:
                 qkv_bias=False)
     for field, value in need.items():
         if getattr(cfg, field) != value:
-            raise ValueError(f"a model with post_norms is exported as Gemma3ForCausalLM, which needs {field}={value!r}, "
-                             f"but this one has {getattr(cfg, field)!r}; no Hugging Face architecture here holds it")
+            raise ValueError(f"a model with post_norms is exported as Gemma3ForCausalLM, which needs "
+                             f"{field}={value!r}, but this one has {getattr(cfg, field)!r}; no Hugging Face "
+                             f"architecture here holds it")
     if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type != "linear":
         raise ValueError(f"Gemma3ForCausalLM scales RoPE linearly; this model has {cfg.rope_scaling.rope_type!r}")
 

@@ -1,10 +1,8 @@
 """Hugging Face ``config.json`` <-> ``ModelConfig`` fields: the families read (Llama 3.x, Qwen2, Qwen3, Mistral, with
 their sliding windows, and Gemma 3 text: ``model/gemma.py``), the settings refused with the field that asks for them,
-and the ``config.json`` written on export.
-
-This module imports nothing of the package but ``model/gemma.py``: ``config_fields(path)`` returns plain field values (RoPE scaling as a
-dict) that ``ModelConfig.from_hf`` turns into a config, and the writer reads a config's attributes. The weights,
-which need the model, are ``interop/hf.py``.
+and the ``config.json`` written on export. This module imports nothing of the package but ``model/gemma.py``:
+``config_fields(path)`` returns plain field values (RoPE scaling as a dict) that ``ModelConfig.from_hf`` turns into a
+config, and the writer reads a config's attributes. The weights, which need the model, are ``interop/hf.py``.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ Architecture (Llama 3 / Qwen 2.5 / Qwen 3 / Mistral): token embedding, ``num_lay
 ``x + attn(norm(x))``, ``x + mlp(norm(x))`` with RMSNorm, RoPE (optionally Llama-3 scaled; half-split
 rotation as in the Hugging Face checkpoints), GQA attention with optional q/k/v bias (Qwen 2.5) and
 optional per-head RMSNorm of q and k before RoPE (Qwen 3), SwiGLU MLP, final RMSNorm, and an unembedding
-that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases. Gemma 3 adds
-(``ModelConfig``): a norm after each sublayer too, norm scales ``1 + w``, GeGLU, embeddings times sqrt(D), and local
-layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch`` per scanned layer).
+that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases.
+Gemma 3 adds (``ModelConfig``): a norm after each sublayer too, norm scales ``1 + w``, GeGLU, embeddings times
+sqrt(D), and local layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch``
+per scanned layer).
 
 Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer
 per parameter writes each device's shard directly, so no device ever holds a whole copy, and the

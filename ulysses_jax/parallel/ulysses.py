@@ -119,8 +119,8 @@ def ulysses_attention(
     (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
 
     Same contract as ``ulysses_jax.kernels.attention`` (``window``: a causal sliding window; each device holds the
-    whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch is split over the mesh's other
-    non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
+    whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch
+    is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
     as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
     ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``, ``"pallas"``; ``"auto"``: pallas
     on GPUs, blockwise elsewhere), and
