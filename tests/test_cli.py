@@ -530,6 +530,10 @@ TRAIN_ERRORS = {
               r"--loss-chunk \(7\) must divide the per-device sequence length \(64 = seq / sp\)"),
     "cudnn on cpu": (["--attention", "cudnn"], r"--attention cudnn: cannot serve this call: cuDNN needs a GPU but the "
                                                r"devices' platform is cpu; use --attention pallas or auto"),
+    "window": (["--sliding-window", "-3"], r"sliding.window \(-3\) must be 0 \(no local layers\) or a positive number "
+                                          r"of tokens"),
+    "gemma window 0": (["--preset", "gemma3-1b", "--sliding-window", "0"],
+                       r"layer.pattern has 'local' layers but sliding.window is 0"),
     "unknown flag": (["--stepz", "3"], r"Unrecognized options: --stepz, 3 \(did you mean --steps\?\); see"),
     "not an integer": (["--steps", "abc"], r"Error parsing --steps: 'abc' is not an integer"),
     "bad choice": (["--attention", "foo"], r"invalid choice 'foo' for argument '--attention'"),

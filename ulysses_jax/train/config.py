@@ -49,6 +49,9 @@ class TrainConfig:
     attn_head_chunk: int | None = None
     """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
     K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    sliding_window: int | None = None
+    """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
+    has none); None: the model's own"""
     attn_recompute: bool = False
     """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
     again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
@@ -140,7 +143,8 @@ def model_config(cfg: TrainConfig, vocab_size: int, *, record: dict | None = Non
     settings with this invocation's flags over them (``cli.parse``), so a flag given when the run started still holds,
     and one given now (``--no-attn-recompute``, ``--attn-chunk 0``) replaces it.
     """
-    compute = compute_settings(cfg)
+    # the window shapes the model (a LEARNED model field, kept on resume), so it is no compute setting to reset
+    compute = {**compute_settings(cfg), "sliding_window": cfg.sliding_window}
     if cfg.attn_head_chunk and not cfg.attn_chunk:
         raise ValueError(f"--attn-head-chunk ({cfg.attn_head_chunk}) groups the heads of the tiled attention "
                          f"sublayer; add --attn-chunk (tokens per chunk of each device's sequence, e.g. 4096)")
