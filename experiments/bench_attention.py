@@ -1,12 +1,16 @@
 """Time attention implementations side by side on one GPU: ours (Pallas flash attention), cuDNN, XLA,
 and JAX's own Pallas (Triton) attention op.
 
-    python experiments/bench_attention.py                  # S in 4K..64K, D in {64, 128}, bf16
+    python experiments/bench_attention.py                  # S in 4K..128K, D in {64, 128}, bf16
     python experiments/bench_attention.py --quick          # S in {4K, 8K}, D = 128
     python experiments/bench_attention.py --allow-cpu --quick   # tiny smoke run on CPU (interpret mode)
 
 Workload: bf16, B * S = --tokens (default 32K tokens, B >= 1), H = Hkv = --heads (default 16), layout
-[B, S, H, D]. FLOPs: forward 4*B*H*S^2*D (halved when causal); forward+backward 3.5x forward.
+[B, S, H, D]; masks: causal, full, and packed (causal with 8 documents of random lengths per row, segment ids: ours
+and XLA only, cuDNN has none). FLOPs: forward 4*B*H*S^2*D (halved when causal or packed: packed rows count one
+causal document, the work of a kernel that skips no cross-document tile); backward 2.5x forward, its time the
+forward+backward time less the forward's. Beside ours, the static estimate (``ulysses_jax/kernels/flash_estimate.py``,
+best / no overlap, an estimate) and, at D=128, FlashAttention-3's published H100 figures at S=16K.
 Each number is the median of --iters timed calls after --warmup calls, each call ending in
 jax.block_until_ready. "% peak" is relative to an 8192^3 bf16 matmul timed in the same run;
 "vs cuDNN" is cuDNN's time over this implementation's time (> 1: faster than cuDNN). "max |diff|" is
@@ -35,12 +39,15 @@ from results_io import run_header, write_table  # noqa: E402  (beside this scrip
 from ulysses_jax.kernels.flash_attention import flash_attention  # noqa: E402
 
 IMPLS = ("ours", "cudnn", "xla", "pallas_mha")
+MASKS = ("causal", "full", "packed")
+# FlashAttention-3 (arXiv 2407.08608), H100 SXM5, bf16, head_dim 128, S = 16K: (mask, direction) -> TFLOP/s
+FA3_PUBLISHED = {("full", "fwd"): 648, ("causal", "fwd"): 616, ("causal", "bwd"): 561}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated sequence lengths (default 4096,8192,16384,32768,65536)")
+                   help="comma-separated sequence lengths (default 4096,...,131072)")
     p.add_argument("--head-dims", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="comma-separated head dims (default 64,128)")
     p.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
@@ -58,7 +65,7 @@ def parse_args(argv=None):
     elif args.quick:
         defaults = dict(seq_lens=[4096, 8192], head_dims=[128], tokens=32768, heads=16, iters=10)
     else:
-        defaults = dict(seq_lens=[4096, 8192, 16384, 32768, 65536], head_dims=[64, 128], tokens=32768, heads=16,
+        defaults = dict(seq_lens=[4096, 8192, 16384, 32768, 65536, 131072], head_dims=[64, 128], tokens=32768, heads=16,
                         iters=20)
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -87,10 +94,16 @@ def matmul_peak_tflops(n: int, args) -> float:
     return 2 * n**3 / t / 1e12
 
 
-def attention_fn(impl: str, causal: bool, d: int, cpu: bool):
+def attention_fn(impl: str, causal: bool, d: int, cpu: bool, segment_ids=None):
     """(q, k, v) -> out, in [B, S, H, D]."""
     if impl == "ours":
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if segment_ids is not None and impl != "xla":
+        raise ValueError(f"{impl} takes no segment ids")
+    if impl == "xla" and segment_ids is not None:
+        from ulysses_jax.kernels.attention import xla_attention
+
+        return lambda q, k, v: xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=1 / math.sqrt(d))
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     if impl == "pallas_mha":
@@ -133,20 +146,25 @@ def run(args):
         for d in args.head_dims:
             keys = jax.random.split(jax.random.key(s * 1000 + d), 4)
             q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
-            for causal in (True, False):
+            for mask in MASKS:
+                causal = mask != "full"
+                seg = packed_segment_ids(b, s, seed=s + d) if mask == "packed" else None
                 fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                outputs = {}
+                outputs, fwd_ms = {}, {}
                 for direction, flops in (("fwd", fwd_flops), ("fwd+bwd", 3.5 * fwd_flops)):
                     for impl in args.impls:
-                        row = dict(impl=impl, seq_len=s, head_dim=d, causal=causal, direction=direction, batch=b,
-                                   heads=h, ms="", tflops="", pct_peak="", vs_cudnn="", max_abs_diff="", note="")
+                        row = dict(impl=impl, seq_len=s, head_dim=d, mask=mask, direction=direction, batch=b,
+                                   heads=h, ms="", tflops="", pct_peak="", vs_cudnn="", max_abs_diff="",
+                                   estimate_tflops=estimate(impl, d, mask, direction, s),
+                                   fa3_published_16k=FA3_PUBLISHED.get((mask, direction), "") if d == 128 else "",
+                                   note="")
                         rows.append(row)
                         limit = device_bytes()
                         if impl == "xla" and limit and 3 * b * h * s * s * 4 > 0.8 * limit:
                             row["note"] = f"skipped: materialises [B,H,S,S] ({b * h * s * s * 4 / 2**30:.0f} GiB f32)"
                             continue
                         try:
-                            attn = attention_fn(impl, causal, d, cpu)
+                            attn = attention_fn(impl, causal, d, cpu, seg)
                             if direction == "fwd":
                                 fn, call_args = jax.jit(attn), (q, k, v)
                                 outputs[impl] = fn(*call_args)
@@ -160,13 +178,45 @@ def run(args):
                             gc.collect()
                         row.update(ms=f"{t * 1e3:.3f}", tflops=f"{flops / t / 1e12:.3g}",
                                    pct_peak=f"{100 * flops / t / 1e12 / peak:.0f}")
-                        print(f"S={s:6d} D={d:3d} {'causal' if causal else 'full':6s} {direction:7s} {impl:10s} "
+                        print(f"S={s:6d} D={d:3d} {mask:6s} {direction:7s} {impl:10s} "
                               f"{t * 1e3:9.3f} ms {flops / t / 1e12:7.3g} TFLOP/s", flush=True)
+                        if direction == "fwd":
+                            fwd_ms[impl] = t * 1e3
+                        elif impl in fwd_ms and t * 1e3 > fwd_ms[impl]:  # backward alone: the difference
+                            bwd_t = t - fwd_ms[impl] / 1e3
+                            rows.append(dict(row, direction="bwd", ms=f"{bwd_t * 1e3:.3f}",
+                                             tflops=f"{2.5 * fwd_flops / bwd_t / 1e12:.3g}",
+                                             pct_peak=f"{100 * 2.5 * fwd_flops / bwd_t / 1e12 / peak:.0f}",
+                                             estimate_tflops=estimate(impl, d, mask, "bwd", s),
+                                             fa3_published_16k=FA3_PUBLISHED.get((mask, "bwd"), "") if d == 128
+                                             else "", note=""))
                     _relative_columns([r for r in rows if r["seq_len"] == s and r["head_dim"] == d
-                                       and r["causal"] == causal and r["direction"] == direction], outputs)
+                                       and r["mask"] == mask and r["direction"] == direction], outputs)
+                _relative_columns([r for r in rows if r["seq_len"] == s and r["head_dim"] == d
+                                   and r["mask"] == mask and r["direction"] == "bwd"], {})
                 outputs.clear()
             del q, k, v, do
     return rows, peak
+
+
+def packed_segment_ids(b: int, s: int, *, seed: int, docs: int = 8):
+    """[B, S] int32 ids of ``docs`` documents of random lengths per row (packed training data)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    cuts = np.stack([np.sort(rng.choice(np.arange(1, s), size=docs - 1, replace=False)) for _ in range(b)])
+    return jnp.asarray(np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]), jnp.int32)
+
+
+def estimate(impl: str, d: int, mask: str, direction: str, s: int) -> str:
+    """Our kernel's static estimate, "best / no overlap" TFLOP/s (an estimate, ``flash_estimate.py``)."""
+    if impl != "ours" or direction == "fwd+bwd" or jax.default_backend() == "cpu":  # an H100 estimate
+        return ""
+    from ulysses_jax.kernels.flash_estimate import attention_fractions, tflops
+
+    a = attention_fractions(d, jnp.bfloat16, causal=mask != "full", segment_ids=mask == "packed", seq_len=s)
+    which = a["forward" if direction == "fwd" else "backward"]
+    return f"{tflops(which['best']):.0f} / {tflops(which['no_overlap']):.0f}"
 
 
 def _relative_columns(group, outputs):
@@ -206,16 +256,16 @@ def _plot(rows, meta, path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot written")
         return False
-    panels = sorted({(r["head_dim"], r["causal"], r["direction"]) for r in rows})
+    panels = sorted({(r["head_dim"], r["mask"], r["direction"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (d, causal, direction) in zip(axes[0], panels):
+    for ax, (d, mask, direction) in zip(axes[0], panels):
         for impl in IMPLS:
             pts = [(r["seq_len"], float(r["tflops"])) for r in rows if r["impl"] == impl and r["tflops"]
-                   and (r["head_dim"], r["causal"], r["direction"]) == (d, causal, direction)]
+                   and (r["head_dim"], r["mask"], r["direction"]) == (d, mask, direction)]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=impl)
         ax.set(xscale="log", xlabel="sequence length", ylabel="TFLOP/s",
-               title=f"D={d} {'causal' if causal else 'full'} {direction}")
+               title=f"D={d} {mask} {direction}")
         ax.legend(fontsize=7)
     fig.suptitle(f"{meta['hardware']}  {meta['date']}  {meta['commit'][:10]}", fontsize=8)
     fig.tight_layout()

@@ -1,14 +1,17 @@
-"""ptxas figures of the Pallas FlashAttention kernels compiled for an H100, before and after tuning.
+"""ptxas figures and instruction mix of the Pallas FlashAttention kernels compiled for an H100, before and after.
 
 No GPU needed: with the CUDA plugin (the ``aot`` extra) XLA compiles the kernels for a compile-only H100
-("deviceless" AOT), runs ptxas itself (``-arch=sm_90a --warn-on-spills``, XLA's own command line), and
-``ulysses_jax.plan.kernel_report`` reads the launches (grid, threads, dynamic shared memory) from XLA's thunk
-sequence and registers / spills from ``ptxas -v`` on the dumped PTX. "before" is the kernel file at
-``--before-rev`` (read with ``git show``), "after" the working tree's. Shapes: B=1, S=4096, 8 heads (MHA),
-causal, forward + backward (``jax.grad`` of a sum). Also records the kernels' pointer-offset width at the
-lengths we advertise (64-bit proof). Writes ``experiments/results/kernel_ptxas_h100.md``.
+("deviceless" AOT), runs ptxas itself (``-arch=sm_90a --warn-on-spills``), and ``ulysses_jax.plan.kernel_report``
+reads the launches (grid, threads, dynamic shared memory) from XLA's thunk sequence, registers / spills from
+``ptxas -v`` on the dumped PTX, and the instruction mix from the PTX: Hopper ``wgmma.mma_async``, Ampere-style
+``mma.sync``, TMA (``cp.async.bulk``) and Ampere async copies (``cp.async``); resident blocks per SM follow from
+registers and shared memory. Beside them, the static estimate of each kernel's rate (``kernels/flash_estimate.py``,
+an estimate, not a measurement) at S=16K. "before" is the kernel and block-size files at ``--before-rev`` (read with
+``git show``), "after" the working tree's. Shapes: B=1, S=4096, 8 heads (MHA), forward + backward (``jax.grad`` of a
+sum). Also records the kernels' pointer-offset width at the lengths we advertise (64-bit proof). Writes
+``experiments/results/kernel_ptxas_h100.md``.
 
-    python experiments/kernel_ptxas.py [--before-rev 7b33453] [--out-dir experiments/results] [--quick]
+    python experiments/kernel_ptxas.py [--before-rev 3078163] [--out-dir experiments/results] [--quick]
 """
 
 from __future__ import annotations
@@ -31,25 +34,52 @@ from results_io import run_header, write_table  # noqa: E402  (beside this scrip
 
 ROOT = pathlib.Path(__file__).parents[1]
 KERNEL_FILE = "ulysses_jax/kernels/flash_attention.py"
+BLOCKS_FILE = "ulysses_jax/kernels/flash_blocks.py"  # split from KERNEL_FILE later; absent at older revisions
 COLS = ["version", "dtype", "head_dim", "segments", "causal", "kernel", "block_q x block_k", "warps", "stages",
-        "shared_memory_bytes", "registers", "spill_store_bytes", "spill_load_bytes", "note"]
+        "shared_memory_bytes", "registers", "spill_store_bytes", "spill_load_bytes", "wgmma", "mma.sync", "TMA",
+        "cp.async", "wgmma shapes", "blocks/SM", "estimate best / no overlap", "note"]
 
 
-def load_kernel_module(rev: str | None):
-    """The kernel module of git revision ``rev`` (None: the working tree's)."""
-    if rev is None:
-        import ulysses_jax.kernels.flash_attention as mod
+def _git_show(rev: str, path: str) -> str | None:
+    out = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return out.stdout if out.returncode == 0 else None
 
-        return mod
-    source = subprocess.run(["git", "show", f"{rev}:{KERNEL_FILE}"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    path = pathlib.Path(tempfile.mkdtemp()) / f"flash_attention_{rev}.py"
+
+def _exec_module(name: str, source: str):
+    path = pathlib.Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"flash_attention_{rev}", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_kernel_module(rev: str | None):
+    """The kernel module of git revision ``rev`` (None: the working tree's), with that revision's block sizes."""
+    if rev is None:
+        import ulysses_jax.kernels.flash_attention as mod
+
+        return mod
+    source = _git_show(rev, KERNEL_FILE)
+    blocks = _git_show(rev, BLOCKS_FILE)
+    if blocks is not None:
+        _exec_module(f"flash_blocks_{rev}", blocks)
+        source = source.replace("ulysses_jax.kernels.flash_blocks", f"flash_blocks_{rev}")
+    return _exec_module(f"flash_attention_{rev}", source)
+
+
+def estimate_cell(version, dtype, head_dim, segments, causal, blocks, kernel) -> str:
+    """The static estimate's (best, no overlap) fraction of the tensor-core peak at S=16K; "before" with the dK/dV
+    kernel's queries-first products."""
+    from ulysses_jax.kernels.flash_estimate import kernel_fractions
+
+    try:
+        est = kernel_fractions(head_dim, dtype, causal=causal, segment_ids=segments, seq_len=16_384,
+                               block_sizes=blocks, dkv_keys_first=version == "after")[kernel]
+    except ValueError:
+        return ""
+    return f"{est.best:.2f} / {est.no_overlap:.2f}"
 
 
 def block_sizes(mod, head_dim, dtype):
@@ -175,17 +205,44 @@ def variants(mod, device, dtype, head_dim):
             worst.setdefault("errors", []).append(f"S={s} seg={seg} causal={causal} G={group}: {result}")
             continue
         for name, k in result[0].items():
-            w = worst.setdefault(name, dict(registers=0, spill=0, spilled=0, smem=0))
+            w = worst.setdefault(name, dict(registers=0, spill=0, spilled=0, smem=0, mma_sync=0, wgmma=10**9, tma=0,
+                                            blocks=10**9))
             spill = (k.spill_store_bytes or 0) + (k.spill_load_bytes or 0)
             w["registers"] = max(w["registers"], k.registers or 0)
             w["spill"], w["spilled"] = max(w["spill"], spill), w["spilled"] + (spill > 0)
             w["smem"] = max(w["smem"], k.shared_memory_bytes)
+            w["mma_sync"], w["wgmma"] = max(w["mma_sync"], k.mma_sync or 0), min(w["wgmma"], k.wgmma or 0)
+            w["tma"], w["blocks"] = max(w["tma"], k.tma or 0), min(w["blocks"], k.resident_blocks or 0)
     return worst, n
+
+
+READING = """
+## Reading the table
+
+- **Instruction kinds.** Triton issues a product as Hopper `wgmma` when its M (the rows of the result) is a multiple
+  of 64 and the block has whole warpgroups (warps a multiple of 4); otherwise as Ampere-style `mma.sync`. Before, the
+  dK/dV kernel computed S = Q K^T and dP = dO V^T with the thin query block (32 rows) as M: those two of its four
+  products were `mma.sync` (m16n8k16), the other two (dV, dK: the KV block as M) `wgmma`. After, it computes the
+  transposes, S^T = K Q^T and dP^T = V dO^T, so all four products have the KV block (64 or 128 rows) as M: no
+  `mma.sync` is left in any kernel. Instruction counts are static (in the PTX), not executed counts.
+- **wgmma shapes.** `m64nNk16` per warpgroup; with 8 warps Triton splits M over the two warpgroups when M > 64,
+  else N. A small N (n8, n16) is still wgmma but reads its operands from shared memory for little work: the
+  estimate's operand bound (`ulysses_jax/kernels/flash_estimate.py`) charges it.
+- **TMA: none, before or after.** Pallas' Triton lowering (jax 0.10.2, `jax/_src/pallas/triton/lowering.py`)
+  addresses memory with tensors of pointers (`tt.addptr` + `tt.load`), never with tensor descriptors, and its
+  compiler params are only `num_warps` / `num_stages`; Triton emits TMA (`cp.async.bulk.tensor`) only for
+  descriptor loads. The copies are Ampere `cp.async`, software-pipelined over `num_stages` buffers.
+- **blocks/SM**: resident thread blocks per SM from registers (65,536 per SM, allocated per warp in units of 256),
+  shared memory (233,472 per SM, 1 KiB reserved per block) and threads (2,048).
+- **estimate best / no overlap**: the static estimate at S=16K of the fraction of the dense bf16 tensor-core peak
+  (989 TFLOP/s) the kernel's useful FLOPs can reach, with matmuls and softmax work overlapped, or not. An estimate
+  from tiles, instruction kinds and loop bounds, not a measurement; its assumptions are in the module docstring.
+"""
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before-rev", default="7b33453", help="git revision of the 'before' kernel file")
+    parser.add_argument("--before-rev", default="3078163", help="git revision of the 'before' kernel files")
     parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
     parser.add_argument("--quick", action="store_true", help="bf16 head_dim 64 only, no variants (smoke run)")
     args = parser.parse_args(argv)
@@ -223,16 +280,22 @@ def main(argv=None) -> int:
                 rows.append(dict(base, kernel=name, **{"block_q x block_k": f"{bq} x {bk}"}, warps=k.warps,
                                  stages=stages.get(name, ""), shared_memory_bytes=k.shared_memory_bytes,
                                  registers=k.registers, spill_store_bytes=k.spill_store_bytes,
-                                 spill_load_bytes=k.spill_load_bytes, note=""))
+                                 spill_load_bytes=k.spill_load_bytes, wgmma=k.wgmma, **{
+                                     "mma.sync": k.mma_sync, "TMA": k.tma, "cp.async": k.cp_async,
+                                     "wgmma shapes": " ".join(k.wgmma_shapes), "blocks/SM": k.resident_blocks,
+                                     "estimate best / no overlap": estimate_cell(version, dtype, head_dim, segments,
+                                                                                 causal, blocks, name)}, note=""))
 
     meta = run_header(hardware="compile-only H100 (deviceless AOT on a CPU machine)",
-                      before=f"{args.before_rev}:{KERNEL_FILE}",
+                      before=f"{args.before_rev}:{KERNEL_FILE} (+ {BLOCKS_FILE})",
                       shapes="B=1, S=4096, H=Hkv=8, forward + backward (jax.grad of a sum)")
     with tempfile.TemporaryDirectory() as tmp:  # keep only the markdown (write_table also writes a CSV)
         md = pathlib.Path(write_table(pathlib.Path(tmp) / "kernel_ptxas_h100",
-                                      "Pallas FlashAttention kernels on H100: ptxas figures before and after tuning",
+                                      "Pallas FlashAttention kernels on H100: ptxas figures and instruction mix, "
+                                      "before and after",
                                       meta, COLS, rows)[1]).read_text()
 
+    md += READING
     if not args.quick:
         md += "\n## After tuning, worst case over sequence lengths, segment ids, causal or not, MHA or GQA\n\n"
         md += ("Each row: the default blocks of that dtype and head_dim compiled for every combination of S "
@@ -241,8 +304,9 @@ def main(argv=None) -> int:
                "query heads over 8 or 2 KV heads. ptxas's register allocation moves with these (constants, loop "
                "bounds): the tuned blocks leave headroom below 255. float32 dots run on FMA units at full "
                "precision (no tensor cores); ptxas then trades a few spilled bytes for occupancy.\n\n")
-        md += "| dtype | head_dim | compiles | kernel | max registers | max spill bytes (store + load) | " \
-              "variants that spill | max shared_memory_bytes |\n|---|---|---|---|---|---|---|---|\n"
+        md += ("| dtype | head_dim | compiles | kernel | max registers | max spill bytes (store + load) | "
+               "variants that spill | max shared_memory_bytes | max mma.sync | min wgmma | max TMA | min blocks/SM |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|\n")
         for dtype, head_dim in [(jnp.bfloat16, 64), (jnp.bfloat16, 128), (jnp.bfloat16, 256), (jnp.float32, 32),
                                 (jnp.float32, 64), (jnp.float32, 128), (jnp.float32, 256)]:
             t0 = time.time()
@@ -251,7 +315,8 @@ def main(argv=None) -> int:
             for name in ("fwd", "dkv", "dq"):
                 w = worst.get(name, {})
                 md += (f"| {jnp.dtype(dtype).name} | {head_dim} | {n} | {name} | {w.get('registers', '')} | "
-                       f"{w.get('spill', '')} | {w.get('spilled', '')} | {w.get('smem', '')} |\n")
+                       f"{w.get('spill', '')} | {w.get('spilled', '')} | {w.get('smem', '')} | "
+                       f"{w.get('mma_sync', '')} | {w.get('wgmma', '')} | {w.get('tma', '')} | {w.get('blocks', '')} |\n")
             for error in worst.get("errors", []):
                 md += f"\nerror: {error}\n"
 

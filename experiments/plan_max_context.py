@@ -41,6 +41,7 @@ class Row:
     attn_chunk: int = 0  # the tiled attention sublayer (ModelConfig.attn_chunk)
     attn_head_chunk: int = 0  # its query heads per group on each device (ModelConfig.attn_head_chunk)
     attn_recompute: bool = False  # no attention output kept for the backward (ModelConfig.attn_recompute)
+    mlp_chunk: int = 4096  # the tiled MLP (0: off; Gemma 3's post-MLP norm has no tiled form yet)
 
     @property
     def key(self) -> str:
@@ -48,7 +49,7 @@ class Row:
         return (f"{self.preset}/{self.devices}/{self.remat}{every}" + ("+optim-offload" if self.optim_offload else "")
                 + (f"+attn-chunk{self.attn_chunk}" if self.attn_chunk else "")
                 + (f"+heads{self.attn_head_chunk}" if self.attn_head_chunk else "")
-                + ("+recompute" if self.attn_recompute else ""))
+                + ("+recompute" if self.attn_recompute else "") + ("" if self.mlp_chunk else "+mlp-whole"))
 
 
 ROWS = [
@@ -89,6 +90,9 @@ ROWS = [
     Row("qwen3-4b", 8, "offload", 12_582_912, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     Row("qwen3-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     Row("qwen3-8b", 8, "offload", 9_437_184, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
+    # Gemma 3 (29 local layers of 1,024 tokens, 5 global): no tiled attention or MLP (its post-sublayer norms)
+    Row("gemma3-4b", 1, "offload", 131_072, optim_offload=True, mlp_chunk=0),
+    Row("gemma3-4b", 8, "offload", 1_048_576, optim_offload=True, mlp_chunk=0),
 ]
 
 
@@ -96,7 +100,8 @@ def config(row: Row, seq_len: int) -> PlanConfig:
     sp = row.sp or min(row.devices, 8)
     return PlanConfig(
         preset=row.preset, seq_len=seq_len, batch_size=1, mesh=MeshConfig(fsdp=-1, sp=sp), attention="pallas",
-        remat=row.remat, loss_chunk=4096, mlp_chunk=4096, attn_chunk=row.attn_chunk, attn_head_chunk=row.attn_head_chunk,
+        remat=row.remat, loss_chunk=4096, mlp_chunk=row.mlp_chunk, attn_chunk=row.attn_chunk,
+        attn_head_chunk=row.attn_head_chunk,
         attn_recompute=row.attn_recompute, target="h100", devices=row.devices, hosts=row.hosts,
         kernels=False, param_dtype="bfloat16" if row.optim_offload else None, remat_every=row.remat_every,
         optim=OptimConfig(master_weights=row.optim_offload, offload=row.optim_offload),

@@ -29,6 +29,8 @@ SLOW = frozenset({
     "tests/test_sharding.py::test_same_seed_same_parameters_on_any_mesh",  # test_model: SP=P == SP=1 from the init
     # covered in the default suite by the planner's own tests (test_plan.py) and notebooks 01-02
     "tests/test_notebooks.py::test_notebook_runs[03_plan_a_cluster_run]",
+    # trains and evaluates; the same paths run in the default suite by tests/test_eval_tasks_cli.py
+    "tests/test_notebooks.py::test_notebook_runs[04_did_the_long_context_take]",
     # train-then-eval and mesh-changing resume are also covered by test_eval_reads_the_run_and_refuses_other_data
     # and test_step.py::test_checkpoint_restores_onto_another_mesh
     "tests/test_cli.py::test_pulse_train_then_eval",

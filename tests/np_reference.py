@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def attention_f64(q, k, v, dout=None, *, causal=True, segment_ids=None, scale=None):
-    """q [B,S,H,D], k/v [B,S,Hkv,D] -> out [B,S,H,D] (and dq, dk, dv for cotangent ``dout``), in float64."""
+def attention_f64(q, k, v, dout=None, *, causal=True, segment_ids=None, scale=None, window=None):
+    """q [B,S,H,D], k/v [B,S,Hkv,D] -> out [B,S,H,D] (and dq, dk, dv for cotangent ``dout``), in float64.
+    ``window=W``: query i sees keys i - W < j <= i."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, s, h, d = q.shape
     g = h // k.shape[2]
@@ -15,6 +16,8 @@ def attention_f64(q, k, v, dout=None, *, causal=True, segment_ids=None, scale=No
     mask = np.ones((b, 1, s, s), dtype=bool)
     if causal:
         mask &= np.tril(np.ones((s, s), dtype=bool))[None, None]
+    if window is not None:
+        mask &= (np.arange(s)[:, None] - np.arange(s)[None, :] < window)[None, None]
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         mask &= (seg[:, :, None] == seg[:, None, :])[:, None]

@@ -3,6 +3,7 @@ transformers loading the export (no missing or unexpected weight, the same logit
 exactly; a preset run exports too; SFT jsonl in training (hand-checked labels) and every refusal (exit 2, one line,
 nothing written)."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -228,6 +229,115 @@ def test_a_preset_run_exports(tmp_path, capsys):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 4096
     tokens = np.frombuffer(b"the sky is blue. " * 4, np.uint8).astype(np.int64)[:64].reshape(2, 32)
     assert np.abs(our_logits(run, 1, tokens) - hf_logits(loaded, tokens)).max() <= TOL
+
+
+def compute(run):
+    return json.loads((pathlib.Path(run) / "run.json").read_text())["compute"]
+
+
+@pytest.mark.parametrize("kind", ["preset", "hf"])
+def test_resume_merges_flags_the_same_for_presets_and_folders(kind, folder, tmp_path):
+    """What ``train --resume`` resolves (no step run): the run's record, this invocation's flags over it, one model
+    resolution for a preset and a folder; an explicit ``--no-...`` counts, a tool switched off takes its options."""
+    from ulysses_jax.cli import parse
+    from ulysses_jax.train import runconfig
+    from ulysses_jax.train.config import COMPUTE_ONLY, TrainConfig, model_config
+
+    run = tmp_path / "run"
+    start = TrainConfig(**({"preset": "tiny"} if kind == "preset" else {"preset": None, "init_from_hf": str(folder)}),
+                        seq_len=64, attn_chunk=8, attn_head_chunk=1, attn_recompute=True, param_dtype="bfloat16")
+    model = dataclasses.asdict(model_config(start, 0))
+    record = {"version": 1, "config": runconfig.to_dict(start, skip=runconfig.PER_INVOCATION),
+              "model": {k: v for k, v in model.items() if k not in COMPUTE_ONLY},
+              "compute": {k: model[k] for k in COMPUTE_ONLY}, "init_from_hf": {"path": str(folder)}}
+    runconfig.write_record(run, record)
+
+    def resumed(*flags):
+        cfg = parse(["train", "--run-dir", str(run), "--resume", *flags])
+        m = model_config(cfg, 0, record=record)
+        return (m.attn_chunk, m.attn_head_chunk, m.attn_recompute, m.param_dtype, m.offload_params)
+
+    assert resumed() == (8, 1, True, "bfloat16", False)
+    assert resumed("--no-attn-recompute") == (8, 1, False, "bfloat16", False)
+    assert resumed("--attn-chunk", "16") == (16, 1, True, "bfloat16", False)
+    assert resumed("--attn-chunk", "0") == (0, 0, False, "bfloat16", False)
+    assert resumed("--attn-chunk=0", "--remat", "full") == (0, 0, False, "bfloat16", False)
+    assert resumed("--param-dtype", "float32") == (8, 1, True, "float32", False)  # then refused as another model
+    (tmp_path / "c.yaml").write_text("attn_chunk: 0\n")
+    assert resumed("--config", str(tmp_path / "c.yaml")) == (0, 0, False, "bfloat16", False)
+    with pytest.raises(ValueError, match=r"--attn-head-chunk \(1\) groups the heads .* add --attn-chunk"):
+        resumed("--attn-chunk", "0", "--attn-head-chunk", "1")  # given anew: refused, as on a new run
+    assert runconfig.given_settings(TrainConfig, ["--no-attn-recompute", "--optim.no-master-weights", "--mesh.sp=4",
+                                                  "--attn_chunk", "0", "--steps", "--resume"]) == {
+        "attn_recompute", "optim.master_weights", "mesh.sp", "attn_chunk", "steps", "resume"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["preset", "hf"])
+def test_resume_flags_are_the_same_for_presets_and_folders(kind, folder, tmp_path, capsys):
+    """The tiled attention's switches on resume, for a preset run and a run from a folder alike: a flag the run was
+    started with holds, ``--no-attn-recompute`` is honoured, ``--attn-chunk 0`` switches the tiled attention off with
+    the options the run gave it, and an option given anew without the tool is refused."""
+    run = tmp_path / "run"
+    model = ["--preset", "tiny"] if kind == "preset" else ["--init-from-hf", folder]
+    assert main([str(a) for a in ["train", *model, "--data", write_corpus(tmp_path / "c.jsonl"), "--steps", "1",
+                                  "--run-dir", run, *FLAGS, "--attn-chunk", "8", "--attn-head-chunk", "1",
+                                  "--attn-recompute"]]) == 0
+    tiled = {"attn_chunk": 8, "attn_head_chunk": 1, "attn_recompute": True}
+    assert {k: compute(run)[k] for k in tiled} == tiled
+    cli("train", "--run-dir", run, "--resume", "--steps", "2", "--no-attn-recompute")  # the real entry point
+    assert {k: compute(run)[k] for k in tiled} == {**tiled, "attn_recompute": False}
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "3", "--attn-chunk", "0"]) == 0
+    assert {k: compute(run)[k] for k in tiled} == {"attn_chunk": 0, "attn_head_chunk": 0, "attn_recompute": False}
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "4", "--attn-head-chunk", "1"],
+            "--attn-head-chunk (1) groups the heads of the tiled attention sublayer; add --attn-chunk")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_master_weights_run_exports_its_float32_masters(tmp_path, capsys):
+    """--param-dtype bfloat16 --optim.master-weights (with --grad-accum 2: float32 sums): `export --dtype float32`
+    writes the float32 masters (not the bfloat16 parameters), `--dtype bfloat16` the parameters; resuming without
+    master weights is refused by name."""
+    from safetensors.numpy import load_file
+
+    from ulysses_jax.interop import hf
+    from ulysses_jax.train import runconfig
+    from ulysses_jax.train.checkpoint import Checkpointer
+    from ulysses_jax.train.config import model_config_from_run
+    from ulysses_jax.train.devices import build_mesh
+    from ulysses_jax.train.step import OptimConfig, abstract_state, make_optimizer
+
+    run = tmp_path / "run"
+    cli("train", "--preset", "tiny", "--steps", "2", "--data", write_corpus(tmp_path / "c.jsonl"), "--run-dir", run,
+        *FLAGS, "--param-dtype", "bfloat16", "--optim.master-weights", "--grad-accum", "2", "--batch-size", "4")
+    cli("export", "--run-dir", run, "--out", tmp_path / "f32", "--dtype", "float32")
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    # the masters as the full train state holds them (moments and all), written by the same writer
+    record = runconfig.read_record(run)
+    model = model_config_from_run(record)
+    mesh = build_mesh(MeshConfig(), model, record["seq_len"])
+    graphdef, target = abstract_state(model, mesh, make_optimizer(OptimConfig(master_weights=True).resolved(2), 2))
+    ckpt = Checkpointer(run, create=False)
+    try:
+        state, _ = ckpt.restore(2, target)
+    finally:
+        ckpt.close()
+    hf.to_hf(nnx.merge(graphdef, state["opt_state"].master), tmp_path / "want", dtype="float32")
+    f32, want, bf16 = (load_file(tmp_path / d / "model.safetensors") for d in ("f32", "want", "bf16"))
+    assert f32.keys() == want.keys() == bf16.keys()
+    rounded = 0
+    for name in want:
+        assert f32[name].dtype == np.float32, name
+        np.testing.assert_array_equal(f32[name], want[name], err_msg=name)
+        # the bfloat16 export is the parameters: the masters rounded once
+        np.testing.assert_array_equal(bf16[name], want[name].astype(bf16[name].dtype), err_msg=name)
+        rounded += int((want[name].astype(bf16[name].dtype).astype(np.float32) != want[name]).sum())
+    assert rounded > 0  # the masters are not bfloat16 values: writing the parameters would differ
+    assert json.loads((tmp_path / "f32" / "config.json").read_text())["torch_dtype"] == "float32"
+    capsys.readouterr()
+    refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "3", "--optim.no-master-weights"],
+            "--optim.master-weights is False here but True in the run")
 
 
 def test_preset_and_init_from_hf_exclude_each_other(folder, tmp_path, capsys):

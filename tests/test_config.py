@@ -20,6 +20,7 @@ PUBLISHED = {
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
     "mistral-7b": 7_248_023_552,
+    "gemma3-1b": 999_885_952,
 }
 
 
@@ -31,11 +32,13 @@ def test_presets_have_the_published_parameter_count(name):
 
 
 def test_preset_features():
-    assert set(PRESETS) == {"tiny", *PUBLISHED}
-    assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b"}
+    assert set(PRESETS) == {"tiny", "gemma3-4b", *PUBLISHED}  # gemma3-4b: the text model of a vision-language one
+    gemma = {"gemma3-1b", "gemma3-4b"}
+    assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
+    assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", *gemma}
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
-        "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b"
+        "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b", *gemma
     }
     for name in ("llama3.2-1b", "llama3.2-3b"):
         assert PRESETS[name].rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
@@ -43,7 +46,8 @@ def test_preset_features():
         assert PRESETS[name].rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
         assert PRESETS[name].rope_theta == 500_000.0
     llama3 = {"llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b"}
-    assert {n for n, c in PRESETS.items() if c.rope_scaling} == llama3
+    assert {n for n, c in PRESETS.items() if c.rope_scaling} == llama3 | {"gemma3-4b"}
+    assert PRESETS["gemma3-4b"].rope_scaling == RopeScaling(factor=8.0, rope_type="linear")
     assert PRESETS["qwen3-4b"].head_dim * PRESETS["qwen3-4b"].num_heads != PRESETS["qwen3-4b"].hidden
     assert 2e6 < param_count(PRESETS["tiny"]) < 1e7 and PRESETS["tiny"].compute_dtype == "float32"
 
@@ -121,3 +125,31 @@ def test_peak_and_mfu():
     assert mfu(494.5e12, 1.0, 989e12) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="must be positive"):
         mfu(1.0, 0.0, 989e12)
+
+
+def test_flops_count_the_window_of_local_layers():
+    """gemma3-4b at 128K: 29 local layers count S*W - W^2/2 pairs (W = 1024), 5 global ones S^2/2; the window
+    cuts the attention term by more than 5x. Parameters: the published 3.88B of the text model (tied)."""
+    from ulysses_jax.model.flops import attention_pairs, param_count
+
+    cfg = ModelConfig.from_preset("gemma3-4b")
+    s, w = 131072, 1024
+    pairs = 29 * (s * w - w * w / 2) + 5 * s * s / 2
+    assert attention_pairs(s, w) == s * w - w * w / 2 and attention_pairs(s, None) == s * s / 2
+    assert attention_pairs(512, w) == 512 * 512 / 2  # a window longer than the sequence is no window
+    want = 6 * matmul_params(cfg) * s + 12 * pairs * 8 * 256
+    assert training_flops(cfg, batch=1, seq_len=s) == pytest.approx(want)
+    every_global = 6 * matmul_params(cfg) * s + 12 * 34 * s * s / 2 * 8 * 256
+    assert (every_global - 6 * matmul_params(cfg) * s) / (want - 6 * matmul_params(cfg) * s) > 5
+    assert 3.8e9 < param_count(cfg) < 3.95e9
+    assert 0.99e9 < param_count(ModelConfig.from_preset("gemma3-1b")) < 1.01e9
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(sliding_window=-4), r"sliding_window \(-4\) must be 0 \(no local layers\)"),
+    (dict(layer_pattern=("sliding",)), r"layer_pattern has 'sliding', an unknown layer type"),
+    (dict(mlp_activation="relu"), r"mlp_activation 'relu' is not one of 'silu', 'gelu_tanh'"),
+])
+def test_invalid_layer_settings(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_preset("tiny", **overrides)

@@ -44,6 +44,36 @@ def test_cudnn_and_pallas_agree_with_reference(s, causal, seed):
             assert rel_err(np.asarray(g, np.float32), np.asarray(w, np.float32)) < TOL_BF16, (impl, name)
 
 
+# Each output of our compiled kernels comes from one kernel: O from the forward, dQ from the dQ kernel, dK and dV
+# from the dK/dV kernel (all three on wgmma since 2026-11-25); each is checked against the float32 reference.
+KERNEL_OF = {"out": "flash_attention_fwd", "dq": "flash_attention_dq", "dk": "flash_attention_dkv",
+             "dv": "flash_attention_dkv"}
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,segments,hkv", [(True, False, 4), (False, False, 2), (True, True, 1)],
+                         ids=["causal-mha", "full-gqa", "causal-seg-mqa"])
+def test_each_kernel_matches_the_float32_reference(d, causal, segments, hkv, seed):
+    """bf16 inputs, S=4096 (not a multiple of every tile: 4000), 4 query heads: each kernel's output against the
+    float32 reference on the same bf16-rounded inputs."""
+    from ulysses_jax.kernels.flash_attention import flash_attention, reference
+
+    s = 4000
+    q, k, v, do = inputs(seed, s, h=4, hkv=hkv, d=d)
+    seg = jnp.repeat(jnp.arange(5), s // 5)[None] if segments else None
+
+    def run(f, *xs):
+        out, vjp = jax.vjp(f, *xs)
+        return dict(zip(["out", "dq", "dk", "dv"], [out, *vjp(do.astype(out.dtype))]))
+
+    got = jax.jit(lambda q, k, v: run(lambda *a: flash_attention(*a, causal=causal, segment_ids=seg), q, k, v))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.jit(lambda q, k, v: run(lambda *a: reference(*a, causal=causal, segment_ids=seg), q, k, v))(*f32)
+    for name, g in got.items():
+        err = rel_err(np.asarray(g, np.float32), np.asarray(want[name], np.float32))
+        assert err < TOL_BF16, (KERNEL_OF[name], name, err)
+
+
 def test_auto_picks_cudnn_without_segments_and_pallas_with():
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False) == "cudnn"
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True) == "pallas"

@@ -6,7 +6,9 @@ registers / spills from ``ptxas -v`` on the same PTX. Checked: no register spill
 bfloat16 with the default (tuned) blocks, shared memory within the H100's limit per block, head_dim 256 and
 float32 either fit or are refused up front, and 64-bit pointer offsets where a q/k/v passes 2^31 elements.
 The non-causal case also guards a fixed bug: its dK/dV loop bound lowered to i1 and the backward did not compile.
-Figures for the record: ``python experiments/kernel_ptxas.py``.
+The instruction mix is a test too: in bfloat16 every matmul of all three kernels is a Hopper ``wgmma`` (no
+Ampere-style ``mma.sync`` in the PTX), as the static estimate (``kernels/flash_estimate.py``) predicts from the tiles;
+cuDNN's fused attention compiles for the same target. Figures for the record: ``python experiments/kernel_ptxas.py``.
 """
 
 import re
@@ -63,7 +65,22 @@ def _compile(dev, dump_dir, *, d, dtype=jnp.bfloat16, segments=False, causal=Tru
 
 def _report(found):
     return ", ".join(f"{n}: {k.warps} warps, {k.shared_memory_bytes} B smem, {k.registers} regs, "
-                     f"{k.spill_store_bytes}/{k.spill_load_bytes} B spilled" for n, k in sorted(found.items()))
+                     f"{k.spill_store_bytes}/{k.spill_load_bytes} B spilled, {k.wgmma} wgmma {list(k.wgmma_shapes)}, "
+                     f"{k.mma_sync} mma.sync, {k.tma} TMA, {k.resident_blocks} blocks/SM" for n, k in sorted(found.items()))
+
+
+def _assert_all_wgmma(found, blocks, d):
+    """No ``mma.sync`` in any kernel, wgmma in each, and the static estimate predicts exactly that from the tiles."""
+    from ulysses_jax.kernels.flash_estimate import instruction, matmuls
+
+    for name, k in found.items():
+        kernel = name.removeprefix("flash_attention_")
+        i = flash_blocks.KERNELS.index(kernel)
+        warps = flash_blocks.launch(blocks, i, d)[0]
+        predicted = {instruction(mm, warps=warps, dtype=jnp.bfloat16)
+                     for mm in matmuls(kernel, *flash_blocks.tiles(blocks, i), d)}
+        assert predicted == {"wgmma"}, (name, predicted)
+        assert k.mma_sync == 0 and k.wgmma > 0, _report(found)
 
 
 # --------------------------------------------------------------------------------- registers and spills
@@ -86,6 +103,19 @@ def test_bf16_kernels_compile_without_spills(h100, tmp_path, d, segments, causal
         # the up-front estimate bounds what Triton allocates, and not loosely
         assert k.shared_memory_bytes <= estimate[kernel] <= 1.7 * k.shared_memory_bytes, (name, estimate)
         assert k.warps == flash_blocks.launch(blocks, flash_blocks.KERNELS.index(kernel), d)[0]
+        assert k.resident_blocks >= 1, _report(found)
+    _assert_all_wgmma(found, fa.fit_blocks(blocks, 4096), d)
+
+
+def test_instruction_check_sees_mma_sync(h100, tmp_path):
+    """The check above can fail: a forward query block of 32 rows (M < 64) is what Triton issues as mma.sync, and the
+    estimate predicts it; the other two kernels keep wgmma."""
+    from ulysses_jax.kernels.flash_estimate import instruction, matmuls
+
+    blocks = BlockSizes(32, 64, 64, 128, 128, 64, num_warps=8, num_stages=3)
+    found = _compile(h100, tmp_path, d=64, block_sizes=blocks)
+    assert found["flash_attention_fwd"].mma_sync > 0 and found["flash_attention_dkv"].mma_sync == 0, _report(found)
+    assert "mma.sync" in {instruction(mm, warps=8, dtype=jnp.bfloat16) for mm in matmuls("fwd", 32, 64, 64)}
 
 
 @pytest.mark.parametrize("causal,float32", [(True, True), (False, True), (True, False)],
@@ -118,6 +148,7 @@ def test_ring_pair_kernels_compile_without_spills(h100, tmp_path, causal, float3
     for k in found.values():
         assert k.registers is not None and (k.spill_store_bytes, k.spill_load_bytes) == (0, 0), _report(found)
         assert k.shared_memory_bytes <= SHARED_MEMORY_PER_BLOCK, _report(found)
+    _assert_all_wgmma(found, fa.fit_blocks(fa.default_block_sizes(d, jnp.bfloat16), s), d)
     # the outputs are float32 (o, dq, dk, dv): what the ring merges and accumulates; else the inputs' dtype
     want = jnp.float32 if float32 else jnp.bfloat16
     assert all(x.dtype == want for x in [lowered.out_info[0], *lowered.out_info[2]])
@@ -143,6 +174,8 @@ def test_large_head_dim_and_float32_fit_the_shared_memory(h100, tmp_path, d, dty
         assert k.registers is not None, _report(found)
         if dtype == jnp.bfloat16:  # float32 dots run on FMA units (full precision): ptxas may spill a few bytes
             assert k.spill_store_bytes == 0, _report(found)
+    if dtype == jnp.bfloat16:
+        _assert_all_wgmma(found, fa.default_block_sizes(d, dtype), d)
 
 
 @pytest.mark.parametrize("d,dtype", [(256, jnp.bfloat16), (128, jnp.float32), (512, jnp.bfloat16)],
@@ -239,3 +272,23 @@ def test_ptx_addresses_global_memory_with_64_bit_offsets_beyond_2_31_elements(h1
         assert all(n == 0 for n in counts.values()), counts
     else:
         assert all(n > 0 for n in counts.values()), counts
+
+
+# --------------------------------------------------------------------------------- cuDNN
+
+
+def test_cudnn_fused_attention_compiles_forward_and_backward(h100, tmp_path):
+    """What ``auto`` picks on a GPU for calls without segment ids: cuDNN's fused attention (``impl="cudnn"``),
+    bfloat16, causal, GQA, head_dim 128, compiles for the H100 with one fused kernel each way."""
+    from ulysses_jax.kernels.attention import attention, resolve_impl
+
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False, platform="gpu") == "cudnn"
+    q, k, v, _ = _structs(h100, s=4096, h=8, hkv=2, d=128, dtype=jnp.bfloat16, segments=False)
+
+    def loss(q, k, v):
+        return attention(q, k, v, causal=True, impl="auto", platform="gpu").astype(jnp.float32).sum()
+
+    with jax.default_device(h100):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().compile()
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', compiled.as_text())
+    assert len(calls) == 2 and any("Backward" in c for c in calls), calls

@@ -39,6 +39,16 @@ CASES = {  # name -> (config class, settings); llama3 scaling with original leng
     "qwen2-tied": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3-untied": ("Qwen3Config", dict(rope_theta=1e6, head_dim=32, tie_word_embeddings=False)),  # N*H != D
     "mistral-untied": ("MistralConfig", dict(rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
+    # sliding windows (5 tokens < the documents): Mistral on every layer, Qwen2 from layer max_window_layers on
+    "mistral-window": ("MistralConfig", dict(rope_theta=1e6, sliding_window=5, tie_word_embeddings=False)),
+    "qwen2-window": ("Qwen2Config", dict(rope_theta=1e6, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1, tie_word_embeddings=True)),
+    # Gemma 3 text: local, local, global; local RoPE base 1e4, global 1e6 scaled linearly x8; 1/sqrt(24) scale
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=5,
+        query_pre_attn_scalar=24, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}})),
 }
 XLA32 = dict(compute_dtype="float32", attention_impl="xla")
 
@@ -184,7 +194,7 @@ def test_table_covers_every_parameter():
     """Each parameter of each model variant has exactly one row of the table, and the reshapes invert."""
     mesh = one_device()
     for tie in (False, True):
-        for extra in ({}, {"qkv_bias": True}, {"qk_norm": True}):
+        for extra in ({}, {"qkv_bias": True}, {"qk_norm": True}, {"qk_norm": True, "post_norms": True}):
             cfg = uj.ModelConfig(tie_embeddings=tie, **extra)
             model = nnx.eval_shape(lambda cfg=cfg: uj.Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
             shapes = {k: v.shape for k, v in params_of(model).items()}
@@ -224,8 +234,12 @@ def test_config_layouts_and_refusals(tmp_path):
     assert qwen2.qkv_bias and not qwen2.qk_norm
     bad = {
         "architectures": dict(architectures=["GPT2LMHeadModel"]),
-        "use_sliding_window": dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True),
-        "sliding_window": dict(architectures=["MistralForCausalLM"], sliding_window=4096),
+        "a layer type ulysses_jax does not know": dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                                       sliding_window=8, layer_types=["chunked_attention"] * 2),
+        "sliding_window = 0 must be a positive number": dict(architectures=["MistralForCausalLM"], sliding_window=0),
+        "Gemma 3 vision-language model": dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                                              text_config={}, vision_config={}),
+        "final_logit_softcapping": dict(architectures=["Gemma3ForCausalLM"], final_logit_softcapping=30.0),
         "rope_scaling.rope_type": dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
         "rope_parameters.rope_type": dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
         "attention_bias": dict(attention_bias=True),
@@ -237,8 +251,16 @@ def test_config_layouts_and_refusals(tmp_path):
         with pytest.raises(ValueError, match=field.replace(".", r"\.")) as err:
             uj.ModelConfig.from_hf(config(**changes))
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="sliding_window"):  # Mistral without the key: transformers takes 4096
-        uj.ModelConfig.from_hf(config(architectures=["MistralForCausalLM"], model_type="mistral"))
+    # Mistral without the key: transformers takes a window of 4096 on every layer; Qwen2 windows from max_window_layers
+    mistral = uj.ModelConfig.from_hf(config(architectures=["MistralForCausalLM"], model_type="mistral"))
+    assert (mistral.sliding_window, mistral.layer_pattern) == (4096, ())
+    qwen2 = uj.ModelConfig.from_hf(config(architectures=["Qwen2ForCausalLM"], use_sliding_window=True,
+                                          sliding_window=64, max_window_layers=1))
+    assert (qwen2.sliding_window, qwen2.layer_pattern, qwen2.window_kinds) == (64, ("global", "local"), (None, 64))
+    gemma = uj.ModelConfig.from_hf(config(architectures=["Gemma3ForCausalLM"], num_hidden_layers=8, head_dim=16,
+                                          sliding_window=512, rope_scaling=dict(rope_type="linear", factor=8.0)))
+    assert gemma.layer_pattern == ("local",) * 5 + ("global",) and gemma.rope_local_theta == 10_000.0
+    assert gemma.rope_scaling == uj.RopeScaling(factor=8.0, rope_type="linear") and gemma.post_norms
     with pytest.raises(ValueError, match="config.json does not exist"):
         uj.ModelConfig.from_hf(tmp_path / "nowhere")
 

@@ -14,7 +14,9 @@ from ulysses_jax.model.loss import shift_labels
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.step import (
     OptimConfig,
+    _loss_sums,
     abstract_state,
+    accumulate,
     init_state,
     make_optimizer,
     make_schedule,
@@ -99,6 +101,49 @@ def test_grad_accumulation_equals_large_batch(mesh_kw, seed):
         np.testing.assert_allclose(float(m["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
         for a, b in zip(p, p1):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_grad_accumulation_adds_in_float32(seed):
+    """bfloat16 parameters: the micro-batches' gradients are added in float32. (1) Known bfloat16 gradients whose
+    float32 sum is exact: the sum equals the float64 one (bfloat16 sums are off by up to 2**-9 of the total);
+    (2) the model's gradient of 4 micro-batches against the float32 model's gradient of the whole batch."""
+    mesh = make_mesh(fsdp=2, sp=4)
+    cfg = dataclasses.replace(CFG, param_dtype="bfloat16")
+    graphdef, state = init_state(cfg, mesh, optax.sgd(1.0), seed=0)
+    params, accum = state["params"], 4
+    rng = np.random.default_rng(seed)
+    batch = random_batch(seed, rows=8)
+
+    # (1) micro-batch m's gradient of every parameter: bfloat16 values spanning 2**-8..2**8 (exact sums in float32)
+    values = rng.choice([1, -1], accum) * 2.0 ** rng.integers(-8, 9, accum) * (1 + rng.integers(0, 128, accum) / 128)
+    batch["m"] = np.repeat(np.arange(8) % accum, SEQ).reshape(8, SEQ).astype(np.int32)
+    known = jnp.asarray(values, jnp.bfloat16)
+
+    def grad_known(p, micro):
+        g = known[micro["m"][0, 0]]
+        return (jnp.float32(0), jnp.int32(0)), jax.tree.map(lambda x: jnp.full(x.shape, g, x.dtype), p)
+
+    _, grads = jax.jit(lambda p, b: accumulate(grad_known, p, b, accum, mesh))(params, batch)
+    want = np.asarray(known, np.float64).sum()
+    for g in jax.tree.leaves(grads):
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(g), np.float32(want))
+    del batch["m"]
+
+    # (2) the model: each micro-batch's gradient is bfloat16 (the parameters'), their sum float32
+    grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+    (total, count), grads = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum, mesh))(params, batch)
+    f32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    graphdef32 = init_state(CFG, mesh, optax.sgd(1.0), seed=0)[0]
+    (total32, count32), ref = jax.jit(jax.value_and_grad(lambda p, b: _loss_sums(graphdef32, p, b), has_aux=True))(
+        f32, batch)
+    assert int(count) == int(count32) == int((batch["labels"] >= 0).sum())
+    np.testing.assert_allclose(float(total), float(total32), rtol=1e-5)
+    for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref)):
+        assert g.dtype == jnp.float32, jax.tree_util.keystr(path)
+        # each of the 4 micro-batch gradients is rounded to bfloat16 once: 4 * 2**-9 of the largest entry at most
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=4 * 2**-9 * float(jnp.abs(r).max()),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_training_reduces_loss_on_a_fixed_batch(seed):
@@ -188,16 +233,18 @@ def test_weight_decay_skips_norms_and_biases():
     assert any("embed_VD" in k for k in decayed) and any("wq_DNH" in k for k in decayed)
 
 
-@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype):
+@pytest.mark.parametrize("param_dtype, accum", [("float32", 1), ("bfloat16", 1), ("bfloat16", 2)])
+def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype, accum):
     """The step's new state has the dtypes and shardings of the state it was given, so the donated buffers alias
-    (a bfloat16 AdamW moment that came back float32 would double its memory and stop the aliasing)."""
+    (a bfloat16 AdamW moment that came back float32 would double its memory and stop the aliasing), with gradients
+    accumulated in float32 too."""
     cfg = dataclasses.replace(CFG, param_dtype=param_dtype, compute_dtype="bfloat16")
     mesh = make_mesh(fsdp=2, sp=4)
     tx = make_optimizer(OptimConfig(), 10)
     graphdef, state = init_state(cfg, mesh, tx, seed=0)
-    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state))
-    batch = random_batch(0, rows=2)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state),
+                           grad_accum=accum)
+    batch = random_batch(0, rows=2 * accum)
     before = jax.tree.leaves_with_path(state)
     compiled = step.lower(state, batch).compile()
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) // len(jax.devices())

@@ -38,6 +38,7 @@ class DataConfig:
     eval_fraction: float = 0.02  # --eval-fraction: share of documents held out, chosen by a hash of each one's text
     eval_paths: tuple[str, ...] = ()  # --eval-data: a separate validation source; the eval split is all of it
     format: DataFormat = "text"  # --data-format: sft reads .jsonl SFT records (ulysses_jax.data.sft) with their loss masks
+    sft_overlong: Literal["refuse", "drop"] = "refuse"  # --sft-overlong: an SFT record longer than a row (lengths.py)
     frame: bool = False  # frame text documents as the tokenizer folder's model was trained: [bos] + text + [eos]
     shuffle: bool = True  # shuffle documents (anew each epoch) and packed rows in training; eval never shuffles
     pack_bins: int = 16  # rows that first-fit packing fills at once: more bins, less padding, more host memory
@@ -57,6 +58,8 @@ def _check_config(cfg: DataConfig) -> None:
         raise ValueError(f"--data-field {cfg.text_field!r} must name the text field of .jsonl/.parquet data, e.g. text")
     if cfg.format not in ("text", "sft"):
         raise ValueError(f"--data-format {cfg.format!r} must be text or sft")
+    if cfg.sft_overlong not in ("refuse", "drop"):
+        raise ValueError(f"--sft-overlong {cfg.sft_overlong!r} must be refuse or drop")
     for name in ("pack_bins", "shuffle_window", "read_threads", "prefetch"):
         value, least = getattr(cfg, name), 1 if name == "pack_bins" else 0
         if not isinstance(value, int) or value < least:

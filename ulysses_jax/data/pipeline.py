@@ -18,7 +18,8 @@ Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resu
                   ``frame`` (``--init-from-hf``) a document is ``[bos] + text + [eos]`` as the folder's model was
                   trained; with ``format="sft"`` each record is rendered by ``ulysses_jax.data.sft`` into tokens and a loss
                   mask, carried through packing: a label whose mask is 0 (prompt, non-assistant turn) is ``IGNORE``.
-  pack_rows       documents cut into pieces of at most ``seq_len`` tokens, first-fit packed into rows of exactly
+  pack_rows       text documents cut into pieces of at most ``seq_len`` tokens (an SFT record never is: refused or
+                  dropped, ``lengths.py``), first-fit packed into rows of exactly
                   ``seq_len`` tokens (``grain.experimental.FirstFitPackIterDataset``), labels shifted per row.
   batch           this process's ``global_batch // process_count`` rows; ``to_global`` makes global ``[B, S]`` arrays.
 
@@ -69,17 +70,24 @@ class _Pieces(grain.experimental.FlatMapTransform):
 
     max_fan_out = 1  # not used by FlatMapIterDataset
 
-    def __init__(self, seq_len: int, max_empty_run: int | None):
-        self.seq_len, self.max_empty_run, self._empty_run = seq_len, max_empty_run, 0
+    def __init__(self, seq_len: int, max_empty_run: int | None, overlong: str = "refuse"):
+        self.seq_len, self.max_empty_run, self._empty_run, self.overlong = seq_len, max_empty_run, 0, overlong
 
     def flat_map(self, doc):
         doc = {k: np.asarray(v, np.int32) for k, v in (doc if isinstance(doc, dict) else {"tokens": doc}).items()}
         tokens = doc["tokens"]
-        self._empty_run = 0 if len(tokens) else self._empty_run + 1
+        over = "loss_mask" in doc and len(tokens) > self.seq_len  # an SFT record is never split (data/lengths.py)
+        self._empty_run = 0 if len(tokens) and not over else self._empty_run + 1
         if self.max_empty_run is not None and self._empty_run > self.max_empty_run:
             raise ValueError(
                 f"{self._empty_run} documents in a row have no tokens; check --tokenizer and --data-field"
+                + (" (or raise --seq-len: SFT records longer than it are dropped)" if over else "")
             )
+        if over:
+            if self.overlong == "drop":
+                return []
+            raise ValueError(f"an SFT record of {len(tokens)} tokens is longer than --seq-len {self.seq_len}; raise "
+                             f"--seq-len, or leave such records out with --sft-overlong drop")
         return [{k: v[i : i + self.seq_len] for k, v in doc.items()} for i in range(0, len(tokens), self.seq_len)]
 
 
@@ -105,16 +113,18 @@ def pack_rows(
     shuffle: bool = False,
     max_empty_run: int | None = None,
     masked: bool = False,
+    overlong: str = "refuse",
 ) -> grain.IterDataset:
     """1-D token arrays of any length -> rows (dicts of int32 ``[seq_len]``: see the module doc).
 
     ``masked``: documents are ``{"tokens", "loss_mask"}`` (SFT): a label counts only where its position's mask is set.
 
-    Documents longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own segment (Grain's packer
-    rejects longer ones). ``bins`` rows are filled first-fit; ``shuffle`` permutes them by ``seed``.
+    Text documents longer than ``seq_len`` are cut into ``seq_len`` pieces, each its own segment (Grain's packer
+    rejects longer ones); an SFT record longer than that raises, or with ``overlong="drop"`` is left out. ``bins``
+    rows are filled first-fit; ``shuffle`` permutes them by ``seed``.
     ``max_empty_run``: raise after that many token-less documents in a row (a repeated empty corpus never ends).
     """
-    pieces = grain.experimental.FlatMapIterDataset(docs, _Pieces(seq_len, max_empty_run))
+    pieces = grain.experimental.FlatMapIterDataset(docs, _Pieces(seq_len, max_empty_run, overlong))
     rows = grain.experimental.FirstFitPackIterDataset(
         pieces, length_struct={"tokens": seq_len, **({"loss_mask": seq_len} if masked else {})}, num_packing_bins=bins,
         seed=seed, shuffle_bins=shuffle,
@@ -196,7 +206,7 @@ class BatchIterator:
             rows = pack_rows(
                 tokens, seq_len, bins=cfg.pack_bins, seed=(seed + r) % 2**32, shuffle=train and cfg.shuffle,
                 max_empty_run=2 * per_row if train else None,  # longer: no document has a token (runs span <= 2 epochs)
-                masked=cfg.format == "sft",
+                masked=cfg.format == "sft", overlong=cfg.sft_overlong,
             )
             if window > 1:
                 rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=window, seed=(seed + r) % 2**32)

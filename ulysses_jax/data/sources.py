@@ -176,15 +176,20 @@ def _read_text_file(path: str) -> str:
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
+def _json_line(raw: bytes, where: str, flag: str):
+    """One jsonl line parsed; a syntax error names the column within the line (1-based, as editors count)."""
+    line = raw.decode("utf-8", "replace").removeprefix(BOM).rstrip("\r\n")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        at = "the end of the line" if e.pos >= len(line.rstrip()) else f"column {e.pos + 1}"
+        raise ValueError(f"{where} is not valid JSON ({e.msg} at {at}); fix it (one JSON object per line) or leave the "
+                         f"file out of {flag}") from None
+
+
 def _jsonl_text(raw: bytes, field: str, where: str, flag: str = "--data") -> str | None:
     """The text of one jsonl line (``None``: null); ``where`` ("line 3 of FILE") names it in errors."""
-    try:
-        record = json.loads(raw.decode("utf-8", "replace").removeprefix(BOM))
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{where} is not valid JSON ({e.msg} at column {e.colno}); fix it (one JSON object per line) "
-            f"or leave the file out of {flag}"
-        ) from None
+    record = _json_line(raw, where, flag)
     if not isinstance(record, dict):
         kind = "null" if record is None else _JSON_TYPES.get(type(record), type(record).__name__)
         raise ValueError(
@@ -192,6 +197,9 @@ def _jsonl_text(raw: bytes, field: str, where: str, flag: str = "--data") -> str
         )
     if field not in record:
         names = ", ".join(map(repr, list(record)[:8])) + (", ..." if len(record) > 8 else "") or "none"
+        if {"prompt", "completion"} <= set(record) or "messages" in record:
+            raise ValueError(f"{where} is an SFT record (its fields: {names}), not text under {field!r}; train on SFT "
+                             f"records with --data-format sft (and the model's folder: --init-from-hf or --tokenizer)")
         raise ValueError(f"{where} has no field {field!r} (its fields: {names}); name the text field with {FIELD_FLAG}")
     value = record[field]
     if value is not None and not isinstance(value, str):
@@ -204,11 +212,7 @@ def _jsonl_text(raw: bytes, field: str, where: str, flag: str = "--data") -> str
 
 def _sft_record(raw: bytes, where: str, flag: str = "--data") -> str:
     """An SFT line (``--data-format sft``) as canonical JSON, its document text; its shape checked, not rendered."""
-    try:
-        record = json.loads(raw.decode("utf-8", "replace").removeprefix(BOM))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where} is not valid JSON ({e.msg} at column {e.colno}); fix it (one JSON object per line) "
-                         f"or leave the file out of {flag}") from None
+    record = _json_line(raw, where, flag)
     if not isinstance(record, dict) or not ({"prompt", "completion"} <= set(record) or "messages" in record):
         shape = f"fields {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
         raise ValueError(f"{where} is not an SFT record ({shape}); write {{\"prompt\": ..., \"completion\": ...}} or "
@@ -417,6 +421,10 @@ def _check_not_empty(index: Index, paths: Sequence[str], flag: str) -> None:
         files = [i for i, f in enumerate(index.files) if f.source == s]
         if files and not sum(index.starts[i + 1] - index.starts[i] for i in files):
             empty = int(index.empty_per_file[files].sum())
+            if not empty:  # not a document at all: no bytes, or blank lines only
+                what = "is empty (0 bytes)" if not sum(index.files[i].size for i in files) else "holds only blank lines"
+                raise ValueError(f"{flag} {given} {what}: no document to train on; put documents in it, or leave it "
+                                 f"out of {flag}")
             structured = any(index.files[i].format != "text" for i in files)
             fix = (f"name the field that holds the text with {FIELD_FLAG}, or leave it out of {flag}" if structured
                    else f"leave it out of {flag}")

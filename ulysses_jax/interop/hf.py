@@ -5,7 +5,7 @@ One table, ``TABLE``, names every tensor both ways: our parameter (a path in the
 letters) and the Hugging Face tensor (its name, its dimension letters, ``"NH,D"`` meaning a ``[N*H, D]`` matrix).
 Import reshapes and transposes HF -> ours with it, export ours -> HF; nothing else knows a tensor name.
 
-  ours                          HF (LlamaForCausalLM, Qwen2/Qwen3/MistralForCausalLM)
+  ours                          HF (LlamaForCausalLM, Qwen2/Qwen3/MistralForCausalLM, Gemma3ForCausalLM)
   embed_VD [V, D]               model.embed_tokens.weight [V, D]
   blocks.attn.wq_DNH [L, D, N, H]   model.layers.{i}.self_attn.q_proj.weight [N*H, D]   (one per layer)
   blocks.attn.wo_NHD [L, N, H, D]   model.layers.{i}.self_attn.o_proj.weight [D, N*H]
@@ -60,7 +60,7 @@ class Entry:
     dims: str
     hf: str  # ``{i}``: the layer number, for parameters of the stacked block
     hf_dims: str
-    when: str | None = None  # the config property that must hold: "untied", "qkv_bias" or "qk_norm"
+    when: str | None = None  # what must hold: "untied", "qkv_bias", "qk_norm", "post_norms" or "pre_norms"
 
     @property
     def stacked(self) -> bool:
@@ -95,7 +95,11 @@ TABLE: tuple[Entry, ...] = (
     Entry("blocks.attn.q_norm.scale", "H", _L + "self_attn.q_norm.weight", "H", "qk_norm"),
     Entry("blocks.attn.k_norm.scale", "H", _L + "self_attn.k_norm.weight", "H", "qk_norm"),
     Entry("blocks.attn.wo_NHD", "NHD", _L + "self_attn.o_proj.weight", "D,NH"),
-    Entry("blocks.mlp_norm.scale", "D", _L + "post_attention_layernorm.weight", "D"),
+    # Llama family: "post_attention_layernorm" is the norm before the MLP; Gemma 3 norms after each sublayer too
+    Entry("blocks.mlp_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "pre_norms"),
+    Entry("blocks.post_attn_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "post_norms"),
+    Entry("blocks.mlp_norm.scale", "D", _L + "pre_feedforward_layernorm.weight", "D", "post_norms"),
+    Entry("blocks.post_mlp_norm.scale", "D", _L + "post_feedforward_layernorm.weight", "D", "post_norms"),
     Entry("blocks.mlp.w_gate_DF", "DF", _L + "mlp.gate_proj.weight", "F,D"),
     Entry("blocks.mlp.w_up_DF", "DF", _L + "mlp.up_proj.weight", "F,D"),
     Entry("blocks.mlp.w_down_FD", "FD", _L + "mlp.down_proj.weight", "D,F"),
@@ -106,7 +110,8 @@ TABLE: tuple[Entry, ...] = (
 
 def entries(cfg: ModelConfig) -> list[Entry]:
     """The rows of ``TABLE`` that a model with ``cfg`` has."""
-    have = {None: True, "untied": not cfg.tie_embeddings, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm}
+    have = {None: True, "untied": not cfg.tie_embeddings, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
+            "post_norms": cfg.post_norms, "pre_norms": not cfg.post_norms}
     return [e for e in TABLE if have[e.when]]
 
 

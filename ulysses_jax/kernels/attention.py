@@ -3,7 +3,8 @@
 Shapes: ``q: [B, S, H, D]``, ``k, v: [B, S, Hkv, D]`` with ``H % Hkv == 0`` (MHA when
 ``Hkv == H``, GQA when ``1 < Hkv < H``, MQA when ``Hkv == 1``); query head ``h`` reads
 KV head ``h // (H // Hkv)``. ``segment_ids: [B, S]`` integers: a token attends only to
-tokens with the same id (and, when ``causal``, not to later positions).
+tokens with the same id (and, when ``causal``, not to later positions). ``window=W``: a causal sliding window,
+query ``i`` sees keys ``i - W < j <= i`` (``kernels/window.py``); every implementation takes it.
 
 Implementations (``impl=``):
   * ``"xla"``: the reference below, plain ``jnp``; the softmax is computed in float32
@@ -31,6 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.kernels.window import check_window
+
 IMPLS = ("xla", "blockwise", "pallas", "cudnn", "auto")
 
 
@@ -55,7 +58,9 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU ``"cudnn"`` when cuDNN can
     take the request (no segment ids, float16/bfloat16, head_dim a multiple of 8 and <= 128),
     otherwise ``"pallas"``. This ranking (cuDNN ahead of our Triton-lowered kernel) follows the
-    published H100 kernel figures; ``experiments/bench_attention.py`` is the measurement that
+    published H100 kernel figures (FlashAttention-3, arXiv 2407.08608: cuDNN 539 / 516 TFLOP/s causal forward /
+    backward at head_dim 128) against our kernel's static estimate (``kernels/flash_estimate.py``: 491 / 393
+    without overlap), both in ``docs/attention.md``; ``experiments/bench_attention.py`` is the measurement that
     must confirm it on the hardware at hand.
     """
     if impl not in IMPLS:
@@ -117,6 +122,7 @@ def attention(
     scale: float | None = None,
     impl: str = "xla",
     platform: str | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring).
 
@@ -124,6 +130,7 @@ def attention(
     default device when ``q`` is traced. Inside ``shard_map`` pass it (``ulysses_attention`` passes its mesh's).
     """
     check_qkv(q, k, v, segment_ids)
+    window = check_window(window, causal=causal)
     if platform is None:
         platform = device_platform(q) if not isinstance(q, jax.core.Tracer) else jax.devices()[0].platform
     impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None,
@@ -134,29 +141,34 @@ def attention(
 
         # compiled through Triton on GPUs, Pallas interpret mode elsewhere (exact, slow)
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
-                               interpret=platform != "gpu")
+                               interpret=platform != "gpu", window=window)
     if impl == "blockwise":
         from ulysses_jax.kernels.blockwise import blockwise_attention
 
-        return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
-    if impl == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
-    return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+        return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+    if impl == "cudnn":  # (left, right) tokens: i - left <= j <= i + right
+        local = None if window is None else (window - 1, 0)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
+                                            local_window_size=local)
+    return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window)
 
 
-def attention_mask(seq_len: int, *, causal: bool, segment_ids: jax.Array | None) -> jax.Array:
+def attention_mask(seq_len: int, *, causal: bool, segment_ids: jax.Array | None,
+                   window: int | None = None) -> jax.Array:
     """Boolean ``[B or 1, 1, 1, S, S]`` mask (query, key) for the reference."""
     mask = jnp.ones((1, 1, 1, seq_len, seq_len), dtype=bool)
+    pos = jnp.arange(seq_len)
     if causal:
-        pos = jnp.arange(seq_len)
         mask = mask & (pos[:, None] >= pos[None, :])
+    if window is not None:
+        mask = mask & (pos[:, None] - pos[None, :] < window)
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, Sq, Sk]
         mask = mask & same[:, None, None]
     return mask
 
 
-def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float) -> jax.Array:
+def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float, window: int | None = None) -> jax.Array:
     """Reference attention in plain jnp; softmax in float32; GQA by grouping query heads."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -166,7 +178,7 @@ def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float) -> jax.Ar
     v_bskd = v.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     logits_bkgqs = jnp.einsum("bqkgd,bskd->bkgqs", q_bskgd, k_bskd, precision=hp) * scale
-    mask = attention_mask(s, causal=causal, segment_ids=segment_ids)
+    mask = attention_mask(s, causal=causal, segment_ids=segment_ids, window=window)
     logits_bkgqs = jnp.where(mask, logits_bkgqs, -jnp.inf)
     # Every row keeps at least its diagonal, so no row is fully masked; guard anyway.
     row_max = jnp.max(logits_bkgqs, axis=-1, keepdims=True)

@@ -19,7 +19,8 @@ Algorithm (FlashAttention-2's, written with ``lax`` loops instead of a kernel):
             FlashAttention-2's separate dQ pass, so ``P`` is recomputed once, not twice).
 Skipping (:func:`_live_blocks`): a block pair is visited only if it can hold an allowed (query, key)
 pair: causal (the KV block starts at or before the query block's last row), not all padding, and,
-with segment ids, the ``[min, max]`` id ranges of the two blocks overlap for some batch row. Each query
+with segment ids, the ``[min, max]`` id ranges of the two blocks overlap for some batch row; with a sliding
+window (``kernels/window.py``), the KV block's last key is inside the query block's first row's window. Each query
 block visits the span from its first to its last live KV block (and each KV block the span of query
 blocks), which for packed documents (ids constant along a document) is exactly the live set. Every
 visited tile also applies the elementwise mask, so skipping only drops tiles that are entirely masked:
@@ -36,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from ulysses_jax.kernels.window import check_window
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(MASK - m) underflows to 0, never NaN
 _HIGHEST = lax.Precision.HIGHEST  # float32 products everywhere (no TF32 if this ever runs on a GPU)
@@ -63,6 +66,8 @@ class _Config:
     padded_len: int
     block_q: int
     block_k: int
+    window: int | None = None  # sliding window (kernels/window.py); None: full
+    offset: int = 0  # query row i sits at position i + offset of the keys' frame (a ring pair); 0: aligned
 
     @property
     def padded(self) -> bool:
@@ -82,11 +87,13 @@ def _qk_segments(seg):
 def _live_blocks(seg, cfg: _Config) -> jax.Array:
     """Boolean ``[nq, nk]``: may query block ``i`` see anything of KV block ``j``? (see module docstring)."""
     bq, bk, n = cfg.block_q, cfg.block_k, cfg.padded_len
-    q_block = jnp.arange(n // bq)[:, None]
+    q_first = jnp.arange(n // bq)[:, None] * bq + cfg.offset  # position of each query block's first row
     k_start = jnp.arange(n // bk)[None, :] * bk
     live = jnp.broadcast_to(k_start < cfg.seq_len, (n // bq, n // bk))
     if cfg.causal:
-        live = live & (k_start <= (q_block + 1) * bq - 1)
+        live = live & (k_start <= q_first + bq - 1)
+    if cfg.window is not None:  # the block's last key inside its first row's window
+        live = live & (k_start + bk - 1 > q_first - cfg.window)
     if seg is not None:
         q_seg, k_seg = _qk_segments(seg)
         sq, sk = q_seg.reshape(q_seg.shape[0], -1, bq), k_seg.reshape(k_seg.shape[0], -1, bk)
@@ -107,7 +114,7 @@ def _span(live) -> tuple[jax.Array, jax.Array]:
 def _tile_mask(i, j, seg, cfg: _Config):
     """Allowed (query, key) pairs of tile ``(i, j)``, broadcastable to ``[B, K, G, Bq, Bk]``; None if all are."""
     bq, bk = cfg.block_q, cfg.block_k
-    q_pos = i * bq + jnp.arange(bq)[:, None]
+    q_pos = i * bq + cfg.offset + jnp.arange(bq)[:, None]
     k_pos = j * bk + jnp.arange(bk)[None, :]
     mask = None
 
@@ -116,6 +123,8 @@ def _tile_mask(i, j, seg, cfg: _Config):
 
     if cfg.causal:
         mask = q_pos >= k_pos
+    if cfg.window is not None:
+        mask = both(mask, q_pos - k_pos < cfg.window)
     if cfg.padded:
         mask = both(mask, k_pos < cfg.seq_len)
     mask = None if mask is None else mask[None, None, None]
@@ -193,11 +202,13 @@ def _fit_blocks(blocks: BlockSizes, seq_len: int) -> BlockSizes:
     return BlockSizes(min(blocks.block_q, cap), min(blocks.block_k, cap))
 
 
-def _config(seq_len: int, *, causal: bool, scale: float, block_sizes: BlockSizes | None) -> _Config:
+def _config(seq_len: int, *, causal: bool, scale: float, block_sizes: BlockSizes | None, window: int | None = None,
+            offset: int = 0) -> _Config:
     blocks = _fit_blocks(block_sizes or BlockSizes(), seq_len)
     multiple = max(blocks.block_q, blocks.block_k)
     return _Config(causal=bool(causal), scale=float(scale), seq_len=seq_len,
-                   padded_len=-(-seq_len // multiple) * multiple, block_q=blocks.block_q, block_k=blocks.block_k)
+                   padded_len=-(-seq_len // multiple) * multiple, block_q=blocks.block_q, block_k=blocks.block_k,
+                   window=window, offset=int(offset))
 
 
 def _pad_segments(segment_ids, cfg: _Config):
@@ -209,24 +220,26 @@ def _pad_segments(segment_ids, cfg: _Config):
 
 
 def visited_tiles(seq_len: int, *, causal: bool = True, segment_ids=None,
-                  block_sizes: BlockSizes | None = None) -> jax.Array:
+                  block_sizes: BlockSizes | None = None, window: int | None = None) -> jax.Array:
     """Boolean ``[nq, nk]``: the (query block, KV block) tiles the forward pass computes; the rest it skips.
 
     For inspection and tests: ``visited_tiles(...).mean()`` is the fraction of the dense work done.
     """
-    cfg = _config(seq_len, causal=causal, scale=1.0, block_sizes=block_sizes)
+    cfg = _config(seq_len, causal=causal, scale=1.0, block_sizes=block_sizes,
+                  window=check_window(window, causal=causal))
     lo, hi = _span(_live_blocks(_pad_segments(segment_ids, cfg), cfg))
     j = jnp.arange(cfg.padded_len // cfg.block_k)[None, :]
     return (lo[:, None] <= j) & (j < hi[:, None])
 
 
 def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
-                        block_sizes: BlockSizes | None = None):
+                        block_sizes: BlockSizes | None = None, window: int | None = None):
     """Exact attention computed tile by tile, skipping tiles that are entirely masked.
 
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA). segment_ids: [B, S] integers or
     None: a token attends only to tokens with the same id (packed documents), and when ``causal`` not to later
-    positions. scale defaults to 1/sqrt(D). Any S (padded to a block multiple inside, padded keys masked).
+    positions; ``window``: a causal sliding window (``kernels/window.py``). scale defaults to 1/sqrt(D). Any S
+    (padded to a block multiple inside, padded keys masked).
     Softmax and all products in float32; returns [B, S, H, D] in q.dtype, gradients in the inputs' dtypes.
     """
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
@@ -239,7 +252,8 @@ def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale
         raise ValueError(f"query heads ({h}) must be divisible by kv heads ({hkv})")
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
-    cfg = _config(s, causal=causal, scale=1.0 / math.sqrt(d) if scale is None else scale, block_sizes=block_sizes)
+    cfg = _config(s, causal=causal, scale=1.0 / math.sqrt(d) if scale is None else scale, block_sizes=block_sizes,
+                  window=check_window(window, causal=causal))
     s_pad = cfg.padded_len
 
     def prepare(x):  # [B, S, heads, D] -> float32 [B, heads, S_pad, D]
@@ -333,10 +347,10 @@ def reference(q, k, v, *, causal=True, segment_ids=None, scale=None):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _pair_inputs(q, k, v, q_seg, k_seg, *, causal: bool, scale: float):
+def _pair_inputs(q, k, v, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset=0):
     b, s, h, d = q.shape
     hkv = k.shape[2]
-    cfg = _config(s, causal=causal, scale=scale, block_sizes=None)
+    cfg = _config(s, causal=causal, scale=scale, block_sizes=None, window=window, offset=offset)
     s_pad = cfg.padded_len
 
     def prepare(x):  # [B, S, heads, D] -> float32 [B, heads, S_pad, D]
@@ -348,25 +362,29 @@ def _pair_inputs(q, k, v, q_seg, k_seg, *, causal: bool, scale: float):
     return cfg, q_t, prepare(k), prepare(v), seg, prepare
 
 
-def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float):
+def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset: int = 0):
     """The ring's local kernel contract (``ring.LocalKernel.forward``) for a (query block, KV block) pair of
     equal lengths whose causal mask, when ``causal``, is the aligned one: ``o [B, S, H, D]`` float32 and
     ``lse [B, H, S]`` float32, natural log, ``-inf`` for a row that sees no key. ``q_pos`` / ``k_pos`` are
-    not read (the ring asks ``causal`` only where they coincide)."""
+    not read (the ring asks ``causal`` only where they coincide, or differ by the static ``offset``: query row ``i``
+    at key position ``i + offset``, with a ``window``)."""
     b, s, h, d = q.shape
-    cfg, q_t, k_t, v_t, seg, _ = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale)
+    cfg, q_t, k_t, v_t, seg, _ = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale, window=window,
+                                              offset=offset)
     o, lse = _forward(q_t, k_t, v_t, seg, cfg)  # [B, K, G, S_pad, D], [B, K, G, S_pad]; +inf for empty rows
     o = jnp.swapaxes(o.reshape(b, h, cfg.padded_len, d)[:, :, :s], 1, 2)
     lse = lse.reshape(b, h, cfg.padded_len)[:, :, :s]
     return o, jnp.where(lse == jnp.inf, -jnp.inf, lse)
 
 
-def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float):
+def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float, window=None,
+                  offset: int = 0):
     """``ring.LocalKernel.backward``: float32 ``dq, dk, dv`` of one pair given the global ``lse`` and
     ``delta [B, H, S]`` (``rowsum(dO * O)`` of the global output)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
-    cfg, q_t, k_t, v_t, seg, prepare = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale)
+    cfg, q_t, k_t, v_t, seg, prepare = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale,
+                                                    window=window, offset=offset)
     pad = cfg.padded_len - s
 
     def rows(x, fill):  # [B, H, S] -> [B, K, G, S_pad]

@@ -9,8 +9,9 @@ Algorithm (Dao, "FlashAttention-2", 2023):
             through an online softmax in float32; writes ``O`` and the log-sum-exp ``L`` (base 2).
   backward  ``delta = rowsum(dO * O)`` in jnp, then two kernels that recompute ``P = exp2(S - L)``
             block by block: dK/dV (grid over KV blocks, loops over the G query heads of the KV head and
-            over query blocks, so GQA sums happen in registers) and dQ (grid over query blocks, loops
-            over KV blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
+            over query blocks, so GQA sums happen in registers; it computes S^T and dP^T, keys first, so
+            that every product can be a Hopper wgmma) and dQ (grid over query blocks, loops over KV
+            blocks). No ``[S, S]`` array exists anywhere: memory is linear in S.
 Causal: KV blocks entirely in a query block's future are skipped by the loop bounds
 (:func:`kv_block_bound`, :func:`q_block_range`). Every visited block applies the elementwise mask (an
 iota compare and a select); only blocks on the diagonal, at document edges or at the padded end
@@ -46,6 +47,7 @@ from ulysses_jax.kernels.flash_blocks import (
     launch,
     next_pow2,
 )
+from ulysses_jax.kernels.window import check_window, kv_tiles, q_tiles
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) underflows to 0, never NaN
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * log2(e)); exp2 is the cheaper GPU instruction
@@ -62,6 +64,8 @@ class Config:
     blocks: BlockSizes
     interpret: bool
     float32_out: bool = False  # O, dQ, dK, dV written in float32 (the ring's partial results), else the input dtype
+    window: int | None = None  # causal sliding window (kernels/window.py); None: full
+    offset: int = 0  # query row i sits at key position i + offset (a ring pair); 0: aligned
 
     def out_dtype(self, dtype):
         return jnp.float32 if self.float32_out else dtype
@@ -76,28 +80,31 @@ class Config:
 # ---------------------------------------------------------------------------------------------------
 
 
-def kv_block_bound(q_block, *, block_q: int, block_k: int, seq_len: int, causal: bool):
-    """Number of KV blocks query block ``q_block`` must visit: it visits ``[0, bound)``.
+def kv_block_bound(q_block, *, block_q: int, block_k: int, seq_len: int, causal: bool, window=None, offset=0):
+    """One past the last KV block query block ``q_block`` must visit (it visits ``[kv_block_start, bound)``).
 
     Causal: the last key a query block can see is its own last row, so later KV blocks are skipped.
-    KV blocks made only of padding (at or past ``seq_len``) are skipped too.
+    KV blocks made only of padding (at or past ``seq_len``) are skipped too (``window.kv_tiles``).
     """
-    num_kv_blocks = pl.cdiv(seq_len, block_k)
-    if not causal:
-        return num_kv_blocks
-    return jnp.minimum(lax.div((q_block + 1) * block_q + block_k - 1, block_k), num_kv_blocks)
+    return kv_tiles(q_block, block_q=block_q, block_k=block_k, seq_len=seq_len, causal=causal, window=window,
+                    offset=offset)[1]
 
 
-def q_block_range(kv_block, *, block_q: int, block_k: int, seq_len: int, causal: bool):
+def kv_block_start(q_block, *, block_q: int, block_k: int, seq_len: int, causal: bool, window=None, offset=0):
+    """The first KV block query block ``q_block`` visits: 0, or with a window the first inside its first row's."""
+    return kv_tiles(q_block, block_q=block_q, block_k=block_k, seq_len=seq_len, causal=causal, window=window,
+                    offset=offset)[0]
+
+
+def q_block_range(kv_block, *, block_q: int, block_k: int, seq_len: int, causal: bool, window=None, offset=0):
     """Query blocks ``[lo, hi)`` that can see KV block ``kv_block``; the dK/dV kernel visits only those.
 
-    Causal: query blocks entirely before the KV block are skipped. Query blocks made only of padding
-    are skipped (their dO is 0), and a KV block made only of padding is seen by no query block.
+    Causal: query blocks entirely before the KV block are skipped; with a window, those entirely past its last
+    key's window. Query blocks made only of padding are skipped (their dO is 0), and a KV block made only of
+    padding is seen by no query block. int32 throughout (``window.q_tiles``).
     """
-    # int32 throughout: a where() of two Python ints lowers to an i1 loop bound on Triton (non-causal)
-    lo = lax.div(kv_block * block_k, block_q) if causal else jnp.int32(0)
-    hi = jnp.where(kv_block * block_k < seq_len, jnp.int32(pl.cdiv(seq_len, block_q)), lo)
-    return lo, hi
+    return q_tiles(kv_block, block_q=block_q, block_k=block_k, seq_len=seq_len, causal=causal, window=window,
+                   offset=offset)
 
 
 def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
@@ -115,10 +122,12 @@ def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: Co
     def both(a, b):
         return b if a is None else jnp.logical_and(a, b)
 
-    q_pos = q_start + jnp.arange(block_q)
+    q_pos = q_start + cfg.offset + jnp.arange(block_q)
     k_pos = k_start + jnp.arange(block_k)
     if cfg.causal:
         mask = q_pos[:, None] >= k_pos[None, :]
+    if cfg.window is not None:
+        mask = both(mask, (q_pos[:, None] - k_pos[None, :]) < cfg.window)
     if cfg.padded:
         mask = both(mask, jnp.broadcast_to((k_pos < cfg.seq_len)[None, :], (block_q, block_k)))
     if q_seg is not None:
@@ -126,10 +135,13 @@ def _mask(q_start, k_start, q_seg, k_seg, *, block_q: int, block_k: int, cfg: Co
     return mask
 
 
-def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg):
-    """Masked base-2 logits ``[Bq, Bk]`` in float32: ``scale * log2(e) * q @ k.T``."""
-    s = _dot(q, k, trans_b=True) * (cfg.scale * LOG2_E)
+def _logits(q, k, q_start, k_start, q_seg, k_seg, *, block_q, block_k, cfg, keys_first: bool = False):
+    """Masked base-2 logits ``[Bq, Bk]`` in float32: ``scale * log2(e) * q @ k.T``; ``keys_first``: their
+    transpose ``[Bk, Bq]``, computed as ``k @ q.T`` (the dK/dV kernel's layout, see :func:`_dkv_kernel`)."""
+    s = (_dot(k, q, trans_b=True) if keys_first else _dot(q, k, trans_b=True)) * (cfg.scale * LOG2_E)
     mask = _mask(q_start, k_start, q_seg, k_seg, block_q=block_q, block_k=block_k, cfg=cfg)
+    if mask is not None and keys_first:
+        mask = mask.T
     return s if mask is None else jnp.where(mask, s, MASK_VALUE)
 
 
@@ -178,8 +190,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cf
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    hi = kv_block_bound(qi, block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal)
-    acc, m, l = lax.fori_loop(0, hi, body, init)
+    bounds = dict(block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal, window=cfg.window,
+                  offset=cfg.offset)
+    acc, m, l = lax.fori_loop(kv_block_start(qi, **bounds), kv_block_bound(qi, **bounds), body, init)
     # A row whose max never rose above MASK_VALUE saw no key at all (only padded rows with segment ids
     # can): give it O = 0 and L = +inf, so the backward's exp2(s - L) is exactly 0 for it. Written as
     # `m <= MASK` rather than `not m > MASK` so that NaN inputs still propagate NaN.
@@ -220,7 +233,7 @@ def _segments(seg) -> tuple:
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None, window: int | None = None):
     """Memory-efficient exact attention.
 
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA; KV heads are never
@@ -252,7 +265,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     if not interpret:
         check_shared_memory(blocks, d, q.dtype, segment_ids is not None)
     cfg = Config(causal=bool(causal), scale=float(1.0 / math.sqrt(d) if scale is None else scale),
-                  seq_len=s, padded_len=s_pad, group=h // k.shape[2], blocks=blocks, interpret=bool(interpret))
+                  seq_len=s, padded_len=s_pad, group=h // k.shape[2], blocks=blocks, interpret=bool(interpret),
+                  window=check_window(window, causal=causal))
 
     def pad(x):  # [B, S, heads, D] -> [B, S_pad, heads, D_pad] with zeros; padded keys are masked by length
         return x if (s_pad, d_pad) == (s, d) else jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
@@ -302,19 +316,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delt
     k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(kj * bk, bk)]
 
     def q_step(qi, carry, g):
+        # Keys first: every product here has the KV block (Bk rows) as its M dimension, the one a Hopper
+        # warpgroup MMA (wgmma) needs to be a multiple of 64; with queries first, S = Q K^T and dP = dO V^T
+        # would have only Bq rows and Triton would fall back to Ampere-style mma.sync for them.
         dk, dv = carry
         qs = pl.ds(qi * bq, bq)
         q, do = q_ref[qs, g, :], do_ref[qs, g, :]
         q_seg = None if q_seg_ref is None else q_seg_ref[qs]
-        s = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg)
-        p = jnp.exp2(s - lse_ref[g, qs][:, None])  # [Bq, Bk] probabilities, recomputed
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta_ref[g, qs][:, None])  # d(loss)/d(logits), before the softmax scale
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        s_t = _logits(q, k, qi * bq, kj * bk, q_seg, k_seg, block_q=bq, block_k=bk, cfg=cfg, keys_first=True)
+        p_t = jnp.exp2(s_t - lse_ref[g, qs][None, :])  # [Bk, Bq] probabilities (transposed), recomputed
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        dp_t = _dot(v, do, trans_b=True)  # [Bk, Bq]
+        ds_t = p_t * (dp_t - delta_ref[g, qs][None, :])  # d(loss)/d(logits)^T, before the softmax scale
+        dk = dk + _dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
-    lo, hi = q_block_range(kj, block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal)
+    lo, hi = q_block_range(kj, block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal, window=cfg.window,
+                           offset=cfg.offset)
 
     def head_step(g, carry):  # GQA: this KV head's gradient sums over its G query heads
         return lax.fori_loop(lo, hi, functools.partial(q_step, g=g), carry)
@@ -362,8 +380,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delta
         ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    hi = kv_block_bound(qi, block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal)
-    dq = lax.fori_loop(0, hi, body, jnp.zeros(q.shape, jnp.float32))
+    bounds = dict(block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal, window=cfg.window,
+                  offset=cfg.offset)
+    dq = lax.fori_loop(kv_block_start(qi, **bounds), kv_block_bound(qi, **bounds), body,
+                       jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 

@@ -40,11 +40,13 @@ class BlockSizes:
 # Tuned on the H100 target (sm_90a, ptxas via XLA's deviceless compile; see experiments/kernel_ptxas.py): per
 # (head_dim rounded up to a power of two, bytes per element) the six block sizes and per-kernel warps and
 # stages (forward, dK/dV, dQ). Chosen as the largest tiles with no register spill at any sequence length,
-# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block.
+# with and without segment ids, causal or not, MHA or GQA, and within the shared memory per block; in 16-bit types
+# every product's M is a multiple of 64 (Hopper wgmma, no mma.sync) and, at head_dim 64 and 128, each warpgroup's N
+# is >= 32. dK/dV at head_dim 128 keeps a 32-row query block: 64 rows reach 255 registers (4 bytes spilled non-causal).
 _TUNED: dict[tuple[int, int], BlockSizes] = {
-    (64, 2): BlockSizes(128, 128, 32, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
-    (128, 2): BlockSizes(128, 64, 32, 64, 128, 32, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
-    (256, 2): BlockSizes(64, 64, 16, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
+    (64, 2): BlockSizes(128, 128, 64, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
+    (128, 2): BlockSizes(128, 64, 32, 128, 128, 64, num_warps=(8, 8, 8), num_stages=(3, 3, 3)),
+    (256, 2): BlockSizes(64, 64, 16, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 2, 2)),
     (64, 4): BlockSizes(64, 32, 32, 64, 64, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
     (128, 4): BlockSizes(32, 32, 32, 32, 32, 32, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
     (256, 4): BlockSizes(32, 32, 16, 32, 32, 16, num_warps=(8, 8, 8), num_stages=(2, 1, 2)),
@@ -103,9 +105,9 @@ def shared_memory_bytes(blocks: BlockSizes, head_dim: int, dtype, *, segment_ids
         if name == "fwd":  # Q once; K, V per stage (one stage: one K and one V tile); float32 P re-laid out
             out[name] = (e * d * (bq + 2 * bk * (stages if stages > 1 else 1)) + seg * bk * stages
                          + (4 * bq * (bk + 4) if e == 4 else 0))
-        elif name == "dkv":  # K, V once; Q, dO, L, delta per stage; P^T and dS^T for the transposed products
+        elif name == "dkv":  # K, V once; Q, dO, L, delta per stage (float32: P^T and dS^T re-laid out too)
             s = max(stages, 2)
-            out[name] = e * d * (2 * bk + 2 * bq * s) + 2 * e * bq * bk + (8 + seg) * bq * s
+            out[name] = e * d * (2 * bk + 2 * bq * s) + (8 + seg) * bq * s + (2 * e * bq * bk if e == 4 else 0)
         else:  # Q, dO once; K, V per stage
             out[name] = e * d * (2 * bq + 2 * bk * stages) + seg * bk * stages
     return out

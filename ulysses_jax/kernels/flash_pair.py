@@ -25,7 +25,7 @@ from ulysses_jax.kernels.flash_blocks import (
 
 
 def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, segment_ids: bool,
-                 float32: bool = True) -> Config:
+                 float32: bool = True, window: int | None = None, offset: int = 0) -> Config:
     """The kernels' config for a ring pair: equal query and KV lengths, float32 outputs unless ``float32=False``."""
     b, s, h, d = q.shape
     if k.shape[1] != s:
@@ -37,7 +37,8 @@ def _pair_config(q, k, *, causal: bool, scale: float, interpret: bool | None, se
     if not interpret:
         check_shared_memory(blocks, d, q.dtype, segment_ids)
     return Config(causal=bool(causal), scale=float(scale), seq_len=s, padded_len=pl.cdiv(s, multiple) * multiple,
-                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=bool(float32))
+                   group=h // k.shape[2], blocks=blocks, interpret=bool(interpret), float32_out=bool(float32),
+                   window=window, offset=int(offset))
 
 
 def _pair_pad(cfg: Config, head_dim: int):
@@ -55,14 +56,15 @@ def _pair_pad(cfg: Config, head_dim: int):
 
 
 def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None,
-                 float32: bool = True):
+                 float32: bool = True, window: int | None = None, offset: int = 0):
     """One ring pair: ``o [b, s, H, D]`` float32 (``float32=False``: in q's dtype), normalised (0 for a row that sees
     no key), and ``lse [b, H, s]`` float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and
-    key positions coincide (``ring.py`` asks for it only then), so the positions themselves are not read."""
+    key positions coincide (``ring.py`` asks for it only then, or, with a ``window``, where they differ by the static
+    ``offset``), so the positions themselves are not read."""
     del q_pos, k_pos
     b, s, h, d = q.shape
     cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
-                       float32=float32)
+                       float32=float32, window=window, offset=offset)
     pad, pad_ids = _pair_pad(cfg, d)
     seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
     o, lse2 = forward(pad(q), pad(k), pad(v), seg, cfg)
@@ -71,14 +73,14 @@ def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: fl
 
 
 def pair_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float,
-                  interpret: bool | None = None, float32: bool = True):
+                  interpret: bool | None = None, float32: bool = True, window: int | None = None, offset: int = 0):
     """Gradients of one ring pair given the *global* ``lse`` (natural log, ``-inf`` for a row that sees no key
     anywhere) and ``delta = rowsum(dO * O)``, both ``[b, H, s]`` float32: float32 ``dq``, ``dk``, ``dv``
     (``float32=False``: in the inputs' dtypes)."""
     del q_pos, k_pos
     b, s, h, d = q.shape
     cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
-                       float32=float32)
+                       float32=float32, window=window, offset=offset)
     pad, pad_ids = _pair_pad(cfg, d)
     seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
     rows = ((0, 0), (0, 0), (0, cfg.padded_len - s))

@@ -14,6 +14,12 @@ Presets carry the shapes of the published checkpoints (Hugging Face ``config.jso
 | qwen3-4b     | 36     | 2560   | 32    | 8  | 128      | 9728  | 151936 | 1e6    | -          | yes  | qk-norm  |
 | qwen3-8b     | 36     | 4096   | 32    | 8  | 128      | 12288 | 151936 | 1e6    | -          | no   | qk-norm  |
 | mistral-7b   | 32     | 4096   | 32    | 8  | 128      | 14336 | 32768  | 1e6    | -          | no   | (v0.3)   |
+| gemma3-1b    | 26     | 1152   | 4     | 1  | 256      | 6912  | 262144 | 1e6    | -          | yes  | Gemma 3  |
+| gemma3-4b    | 34     | 2560   | 8     | 4  | 256      | 10240 | 262208 | 1e6    | linear x8  | yes  | Gemma 3  |
+
+Gemma 3 (text; the 4B's language model): five local layers of a sliding window (512 tokens for 1B, 1024 for 4B) to one
+global, local RoPE base 10000, norms around both sublayers with (1 + w), qk-norm, GeGLU (tanh GELU), embeddings times
+sqrt(hidden), attention scale 1/sqrt(256).
 
 ``mistral-7b`` is v0.3 (no sliding window; v0.1's 4096-token window is not modelled). ``tiny`` is a
 CPU-sized GQA model (5.2M parameters) for smoke runs. Variations: ``dataclasses.replace(cfg, ...)``, which
@@ -46,21 +52,28 @@ import dataclasses
 import jax.numpy as jnp
 
 from ulysses_jax.model import hf_config
+from ulysses_jax.model import layer_kinds
+from ulysses_jax.model.layer_kinds import check_layers
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
+ROPE_TYPES = ("llama3", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+    """RoPE frequency scaling: Llama-3 style (``rope_type: llama3`` in Hugging Face configs) or ``linear`` (every
+    frequency divided by ``factor``; Gemma 3's global layers), which reads ``factor`` only."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    rope_type: str = "llama3"
 
     def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope scaling rope_type {self.rope_type!r} is not one of {', '.join(ROPE_TYPES)}")
         if self.factor < 1:
             raise ValueError(f"rope scaling factor ({self.factor}) must be >= 1")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -104,6 +117,17 @@ class ModelConfig:
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
+    # Per-layer attention (model/layer_kinds.py): ``layer_pattern`` repeats over the layers ("global" / "local"); an
+    # empty pattern is all "local" with a sliding_window, else all "global". Local layers see sliding_window tokens.
+    sliding_window: int = 0  # tokens a local layer's query sees (itself included); 0: no local layers
+    layer_pattern: tuple[str, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE base of the local layers, unscaled (Gemma 3: 10000); 0: as the global ones
+    # Gemma 3: norms after each sublayer too, norm scales (1 + w), GeGLU, scaled embeddings
+    post_norms: bool = False
+    norm_plus_one: bool = False
+    mlp_activation: str = "silu"
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden)
+    query_pre_attn_scalar: float = 0.0  # attention scale 1/sqrt(this); 0: head_dim
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -148,6 +172,24 @@ class ModelConfig:
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")
+        if isinstance(self.layer_pattern, list):  # from JSON (run.json)
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+        check_layers(self)
+
+    @property
+    def window_kinds(self) -> tuple:
+        """The distinct attention kinds of the layers, each a window (``None``: global); see ``layer_kinds``."""
+        return layer_kinds.kinds(self)
+
+    @property
+    def kind_of_layer(self) -> tuple[int, ...]:
+        """Per layer, its index into ``window_kinds``."""
+        return layer_kinds.kind_index(self)
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention's softmax scale: 1/sqrt(query_pre_attn_scalar or head_dim)."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def param_jnp_dtype(self):
@@ -170,7 +212,7 @@ class ModelConfig:
         ``model/hf_config.py``), with ``overrides`` replaced. Unsupported settings raise ``ValueError`` naming the
         field."""
         fields = hf_config.config_fields(path)
-        if fields["rope_scaling"] is not None:
+        if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         known = {f.name for f in dataclasses.fields(cls)}
         for key in overrides:
@@ -190,6 +232,9 @@ def local_chunks(chunk: int, local_seq: int, what: str) -> int:
 
 
 _LLAMA3 = dict(rope_theta=500_000.0, rms_eps=1e-5, vocab_size=128_256, max_seq_len=131_072)
+_GEMMA3 = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, rms_eps=1e-6, head_dim=256,
+               layer_pattern=("local",) * 5 + ("global",), tie_embeddings=True, qk_norm=True, post_norms=True,
+               norm_plus_one=True, mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0)
 _QWEN = dict(rope_theta=1_000_000.0, rms_eps=1e-6)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -236,5 +281,13 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(
         name="mistral-7b", vocab_size=32_768, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768,
+    ),
+    "gemma3-1b": ModelConfig(
+        name="gemma3-1b", vocab_size=262_144, num_layers=26, hidden=1152, num_heads=4, num_kv_heads=1, mlp_dim=6912,
+        sliding_window=512, max_seq_len=32_768, **_GEMMA3,
+    ),
+    "gemma3-4b": ModelConfig(
+        name="gemma3-4b", vocab_size=262_208, num_layers=34, hidden=2560, num_heads=8, num_kv_heads=4, mlp_dim=10240,
+        sliding_window=1024, rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), max_seq_len=131_072, **_GEMMA3,
     ),
 }

@@ -10,6 +10,8 @@ for MFU):
   * attention scores: per layer, ``Q K^T`` and ``P V`` each cost ``2 * B * S^2 * N * H`` forward, so
     ``12 * L * B * S^2 * N * H`` forward + backward, halved when causal (only the unmasked half counts,
     as in FlashAttention's accounting). Packed documents are counted as one causal sequence of length S.
+    A local layer with a window of ``W < S`` tokens counts the pairs its window holds, ``S * W - W^2 / 2`` instead of
+    ``S^2 / 2`` (``attention_pairs``; the kernels skip the tiles outside the window, ``kernels/window.py``).
 
 ``flops_per_device`` divides by the number of devices: the work is split evenly across data, fsdp and sp.
 """
@@ -17,6 +19,7 @@ for MFU):
 from __future__ import annotations
 
 from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.model.layer_kinds import layer_windows
 
 # Dense bf16 peak FLOP/s (no sparsity), from the vendors' datasheets.
 PEAK_FLOPS: dict[str, float] = {
@@ -44,6 +47,7 @@ def param_count(cfg: ModelConfig) -> int:
     per_layer = layer_matmul_params(cfg) + 2 * d
     per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
     per_layer += 2 * h if cfg.qk_norm else 0
+    per_layer += 2 * d if cfg.post_norms else 0
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return cfg.num_layers * per_layer + embeddings + d
 
@@ -51,12 +55,23 @@ def param_count(cfg: ModelConfig) -> int:
 def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = True) -> float:
     """Model FLOPs of one forward + backward over ``batch`` rows of ``seq_len`` tokens (all devices)."""
     dense = 6 * matmul_params(cfg) * batch * seq_len
-    attention = 12 * cfg.num_layers * batch * seq_len**2 * cfg.num_heads * cfg.head_dim
-    return float(dense + (attention / 2 if causal else attention))
+    pairs = sum(attention_pairs(seq_len, w, causal=causal) for w in layer_windows(cfg))
+    return float(dense + 12 * batch * pairs * cfg.num_heads * cfg.head_dim)
+
+
+def attention_pairs(seq_len: int, window: int | None, *, causal: bool = True) -> float:
+    """(query, key) pairs one layer's attention counts: ``S^2``, ``S^2 / 2`` causal, ``S * W - W^2 / 2`` for a
+    window ``W < S`` (the causal half with the triangle beyond the window cut off)."""
+    if not causal:
+        return float(seq_len**2)
+    if window is None or window >= seq_len:
+        return seq_len**2 / 2
+    return seq_len * window - window**2 / 2
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
-    """Training FLOPs per token at context ``seq_len``: ``6 * P_mm + 12 * L * N * H * S (/ 2 if causal)``."""
+    """Training FLOPs per token at context ``seq_len``: ``6 * P_mm + 12 * L * N * H * S (/ 2 if causal)`` with every
+    layer global (local layers count their window's pairs instead, ``attention_pairs``)."""
     return training_flops(cfg, batch=1, seq_len=seq_len, causal=causal) / seq_len
 
 

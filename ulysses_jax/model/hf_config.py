@@ -1,9 +1,8 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig`` fields: the families read (Llama 3.x, Qwen2, Qwen3, Mistral), the
-settings refused with the field that asks for them, and the ``config.json`` written on export.
-
-This module imports nothing of the package: ``config_fields(path)`` returns plain field values (RoPE scaling as a
-dict) that ``ModelConfig.from_hf`` turns into a config, and the writer reads a config's attributes. The weights,
-which need the model, are ``interop/hf.py``.
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` fields: the families read (Llama 3.x, Qwen2, Qwen3, Mistral, with
+their sliding windows, and Gemma 3 text: ``model/gemma.py``), the settings refused with the field that asks for them,
+and the ``config.json`` written on export. This module imports nothing of the package but ``model/gemma.py``:
+``config_fields(path)`` returns plain field values (RoPE scaling as a dict) that ``ModelConfig.from_hf`` turns into a
+config, and the writer reads a config's attributes. The weights, which need the model, are ``interop/hf.py``.
 """
 
 from __future__ import annotations
@@ -11,15 +10,20 @@ from __future__ import annotations
 import json
 import pathlib
 
+from ulysses_jax.model.gemma import gemma_fields, gemma_hf_config, hf_layer_types, layer_fields
+
 ARCHITECTURES = {  # config.json "architectures" -> "model_type"
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # ModelConfig fields that config.json decides (the others, e.g. compute_dtype or remat, are training choices).
 HF_CONFIG_FIELDS = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-                    "rope_theta", "rope_scaling", "rms_eps", "tie_embeddings", "qk_norm", "qkv_bias")
+                    "rope_theta", "rope_scaling", "rms_eps", "tie_embeddings", "qk_norm", "qkv_bias", "sliding_window",
+                    "layer_pattern", "rope_local_theta", "post_norms", "norm_plus_one", "mlp_activation",
+                    "scale_embeddings", "query_pre_attn_scalar")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -35,6 +39,11 @@ def read_json(path: pathlib.Path) -> dict:
 
 
 def _architecture(raw: dict, where: pathlib.Path) -> str:
+    if raw.get("model_type") == "gemma3" or "vision_config" in raw or raw.get("architectures") == [
+            "Gemma3ForConditionalGeneration"]:
+        raise ValueError(f"{where} is a Gemma 3 vision-language model (text_config + vision_config); ulysses_jax "
+                         f"takes Gemma 3 text only and would ignore the vision tower: use a Gemma3ForCausalLM folder "
+                         f"(model_type 'gemma3_text', e.g. gemma-3-1b)")
     archs = raw.get("architectures")
     if not archs:
         archs = [a for a, t in ARCHITECTURES.items() if t == raw.get("model_type")]
@@ -93,48 +102,75 @@ def config_fields(path) -> dict:
         return raw[key]
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    if raw.get("hidden_act", "silu") != "silu":
+    layers, head_dim = need("num_hidden_layers"), raw.get("head_dim") or hidden // heads
+    if arch == "Gemma3ForCausalLM":
+        extra = gemma_fields(raw, where, layers, head_dim)
+    else:
+        extra = _window_fields(raw, where, arch, layers)
+    if arch != "Gemma3ForCausalLM" and raw.get("hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU with silu")
     if raw.get("mlp_bias"):
         _refuse(where, "mlp_bias", raw["mlp_bias"], "the MLP has no biases")
     if arch != "Qwen2ForCausalLM" and raw.get("attention_bias"):
         _refuse(where, "attention_bias", raw["attention_bias"], "attention biases, o_proj's among them")
-    if raw.get("use_sliding_window"):
-        _refuse(where, "use_sliding_window", raw["use_sliding_window"], "sliding-window attention")
-    if arch == "MistralForCausalLM" and raw.get("sliding_window", 4096) is not None:  # transformers' default: 4096
-        _refuse(where, "sliding_window", raw.get("sliding_window", 4096), "sliding-window attention; v0.3 has null")
-    if any(t != "full_attention" for t in raw.get("layer_types") or ()):
-        _refuse(where, "layer_types", sorted(set(raw["layer_types"])), "every layer must be full_attention")
-    theta, scaling = _rope(raw, where)
+    theta, scaling = _rope(raw, where) if arch != "Gemma3ForCausalLM" else (None, None)
     fields = dict(
         name=folder.resolve().name or ARCHITECTURES[arch],
-        vocab_size=need("vocab_size"), num_layers=need("num_hidden_layers"), hidden=hidden, num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=raw.get("head_dim") or hidden // heads,
+        vocab_size=need("vocab_size"), num_layers=layers, hidden=hidden, num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         mlp_dim=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         rms_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qk_norm=arch == "Qwen3ForCausalLM", qkv_bias=arch == "Qwen2ForCausalLM",
     )
+    fields.update(extra)
     if isinstance(raw.get("max_position_embeddings"), int):
         fields["max_seq_len"] = raw["max_position_embeddings"]
     return fields
 
 
 
+def _window_fields(raw: dict, where, arch: str, layers: int) -> dict:
+    """Sliding windows of the Llama-family configs: Mistral's ``sliding_window`` (every layer; transformers' default
+    4096 when absent), Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on (or ``layer_types``)."""
+    if arch == "MistralForCausalLM":
+        window = raw.get("sliding_window", 4096)
+        derived = ["full_attention" if window is None else "sliding_attention"] * layers
+        return layer_fields({**raw, "layer_types": None}, where, layers, 4096, derived)
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+            return layer_fields({**raw, "layer_types": None}, where, layers, None, None)
+        start = raw.get("max_window_layers", 28)
+        derived = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+        return layer_fields(raw, where, layers, None, derived)
+    if any(t != "full_attention" for t in raw.get("layer_types") or ()):
+        _refuse(where, "layer_types", sorted(set(raw["layer_types"])), "Llama has no sliding-window layers")
+    return {}
+
+
 def export_architecture(cfg, hint=None) -> str:
-    """The HF class that holds ``cfg``: Qwen3 (q/k norm), Qwen2 (q/k/v bias), Mistral (``hint`` or name), Llama."""
+    """The HF class that holds ``cfg``: Gemma 3 (post norms), Qwen3 (q/k norm), Qwen2 (q/k/v bias), Mistral
+    (``hint``, name, or a window on every layer), Llama."""
+    if cfg.post_norms:
+        return "Gemma3ForCausalLM"
+    mixed = cfg.sliding_window and "global" in (cfg.layer_pattern or ("local",))
+    if mixed and not (cfg.qk_norm or cfg.qkv_bias):
+        raise ValueError("a model mixing local and global layers without q/k/v bias or qk-norm has no Hugging Face "
+                         "architecture here (Mistral windows every layer); use one kind of layer, or export as Qwen")
     if cfg.qk_norm and cfg.qkv_bias:
         raise ValueError("a model with both qk_norm and qkv_bias has no Hugging Face architecture here; drop one")
     if cfg.qk_norm:
         return "Qwen3ForCausalLM"
     if cfg.qkv_bias:
         return "Qwen2ForCausalLM"
-    if hint == ["MistralForCausalLM"] or cfg.name.lower().startswith("mistral"):
+    if hint == ["MistralForCausalLM"] or cfg.name.lower().startswith("mistral") or cfg.sliding_window:
         return "MistralForCausalLM"
     return "LlamaForCausalLM"
 
 
 def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
     """The ``config.json`` of ``cfg`` as ``arch``; token ids are taken from ``source`` (the original config.json)."""
+    if arch == "Gemma3ForCausalLM":
+        return _token_ids(gemma_hf_config(cfg, dtype), source)
     sc = cfg.rope_scaling
     out = {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": cfg.vocab_size,
@@ -152,9 +188,17 @@ def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = False
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        out["use_sliding_window"] = False
+        out["use_sliding_window"] = bool(cfg.sliding_window)
+        if cfg.sliding_window:
+            types = hf_layer_types(cfg)
+            out["layer_types"] = types
+            out["max_window_layers"] = types.index("sliding_attention")
     if arch != "LlamaForCausalLM":
-        out["sliding_window"] = None
+        out["sliding_window"] = cfg.sliding_window or None
+    return _token_ids(out, source)
+
+
+def _token_ids(out: dict, source: dict | None) -> dict:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if (source or {}).get(key) is not None:
             out[key] = source[key]

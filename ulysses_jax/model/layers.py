@@ -91,13 +91,19 @@ def default_positions(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None) ->
     return document_positions(segment_ids_BS)
 
 
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies ``[H/2]`` (float64), with Llama-3 scaling when ``cfg.rope_scaling`` is set."""
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies ``[H/2]`` (float64), scaled when ``cfg.rope_scaling`` is set (Llama-3 style or linear).
+    ``local``: a local layer's, from ``rope_local_theta`` unscaled when that is set (Gemma 3)."""
     h = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h)
+    exponents = np.arange(0, h, 2, dtype=np.float64) / h
+    if local and cfg.rope_local_theta:
+        return 1.0 / cfg.rope_local_theta ** exponents
+    inv_freq = 1.0 / cfg.rope_theta ** exponents
     sc = cfg.rope_scaling
     if sc is None:
         return inv_freq
+    if sc.rope_type == "linear":
+        return inv_freq / sc.factor
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = sc.original_max_position / sc.low_freq_factor
     high_freq_wavelen = sc.original_max_position / sc.high_freq_factor
@@ -115,6 +121,17 @@ def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
 
 
+def norm_scale(scale: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A norm's float32 multiplier from its stored scale: ``1 + w`` when ``cfg.norm_plus_one`` (Gemma 3), else ``w``."""
+    scale = scale.astype(jnp.float32)
+    return 1.0 + scale if cfg.norm_plus_one else scale
+
+
+def mlp_activation(cfg: ModelConfig):
+    """The gated MLP's activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma 3's GeGLU)."""
+    return jax.nn.silu if cfg.mlp_activation == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -128,7 +145,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     def __init__(self, make: ParamMaker, dim: int, names: tuple[str, ...]):
         self.cfg, self.mesh = make.cfg, make.mesh
-        self.scale = make("norm.scale", (dim,), names, init="ones")
+        self.scale = make("norm.scale", (dim,), names, init="zeros" if make.cfg.norm_plus_one else "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, use(self.scale, self.mesh, jnp.float32), self.cfg.rms_eps)
+        return rms_norm(x, norm_scale(use(self.scale, self.mesh, jnp.float32), self.cfg), self.cfg.rms_eps)

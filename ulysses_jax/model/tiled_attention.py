@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from ulysses_jax.kernels.attention import attention, device_platform, resolve_impl
 from ulysses_jax.model.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.model.config import ModelConfig, local_chunks
-from ulysses_jax.model.layers import apply_rope, rms_norm, rope_frequencies
+from ulysses_jax.model.layers import apply_rope, norm_scale, rms_norm, rope_frequencies
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.head_layout import HeadGroups, HeadLayout, head_groups, plan_heads
 from ulysses_jax.parallel.mesh import DATA, FSDP, RING, SEQ, SP
@@ -116,18 +115,20 @@ def _over_groups(count: int, body, carry):
 # One chunk: what goes into the exchange, what comes out of it
 
 
-def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig):
+def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = False):
     """``x [b, c, D] -> (q [b, c, sp * size, H], k, v [b, c, sp * kv, H])``: normed, projected by a group's weights
-    (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated."""
-    xn = rms_norm(x_bcD, w["norm"], cfg.rms_eps)
+    (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated (``local``: with a
+    local layer's RoPE base)."""
+    xn = rms_norm(x_bcD, norm_scale(w["norm"], cfg), cfg.rms_eps)
     q = jnp.einsum("bsd,dnh->bsnh", xn, w["wq"])
     k = jnp.einsum("bsd,dkh->bskh", xn, w["wk"])
     v = jnp.einsum("bsd,dkh->bskh", xn, w["wv"])
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
-        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
-    inv_freq = rope_frequencies(cfg)
+        q = rms_norm(q, norm_scale(w["q_norm"], cfg), cfg.rms_eps)
+        k = rms_norm(k, norm_scale(w["k_norm"], cfg), cfg.rms_eps)
+    inv_freq = rope_frequencies(cfg, local=local)
     return apply_rope(q, pos_bc, inv_freq), apply_rope(k, pos_bc, inv_freq), v
 
 
@@ -247,17 +248,22 @@ class _Spec:
     impl: str  # resolved: xla, blockwise, pallas or cudnn
     platform: str
     recompute: bool  # keep no output for the backward: each group's kernel forward runs again there
+    kind: int = 0  # index into cfg.window_kinds: the layer's window and RoPE base
+
+    @property
+    def window(self) -> int | None:
+        return self.cfg.window_kinds[self.kind]
 
     @property
     def scale(self) -> float:
-        return 1.0 / math.sqrt(self.cfg.head_dim)
+        return self.cfg.attn_scale
 
     @property
     def sp(self) -> int:
         return self.groups.layout.sp
 
     def project(self, x, pos, w):
-        return project_chunk(x, pos, w, cfg=self.cfg)
+        return project_chunk(x, pos, w, cfg=self.cfg, local=self.window is not None)
 
     def out_proj(self, o, wo):
         return output_chunk(o, wo, layout=self.groups.layout)
@@ -265,21 +271,26 @@ class _Spec:
     def kernel_forward(self, q, k, v, seg):
         """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
         if self.impl == "cudnn":
-            return attention(q, k, v, causal=True, scale=self.scale, impl="cudnn", platform=self.platform), None
+            return attention(q, k, v, causal=True, scale=self.scale, impl="cudnn", platform=self.platform,
+                             window=self.window), None
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)  # token indices: only the xla kernel reads them
         o, lse = ring_kernel(self.impl, self.platform, float32=False).forward(
-            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale)
+            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale, **self.window_kw)
         return o.astype(q.dtype), lse
+
+    @property
+    def window_kw(self) -> dict:
+        return {} if self.window is None else {"window": self.window}
 
     def kernel_backward(self, q, k, v, seg, o, lse, do):
         if self.impl == "cudnn":  # no log-sum-exp to start from: its forward again
             _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, scale=self.scale, impl="cudnn",
-                                                       platform=self.platform), q, k, v)
+                                                       platform=self.platform, window=self.window), q, k, v)
             return vjp(do)
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)
         delta = jnp.einsum("bshd,bshd->bhs", o.astype(_F32), do.astype(_F32))
         grads = ring_kernel(self.impl, self.platform, float32=False).backward(
-            q, k, v, pos, pos, seg, seg, do, lse, delta, causal=True, scale=self.scale)
+            q, k, v, pos, pos, seg, seg, do, lse, delta, causal=True, scale=self.scale, **self.window_kw)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
@@ -347,7 +358,7 @@ def check_tiled_attention(chunk: int, mesh: Mesh, local_seq: int, flag: str = "a
 
 
 def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: ModelConfig, mesh: Mesh,
-                    chunk: int, head_chunk: int = 0, recompute: bool = False) -> jax.Array:
+                    chunk: int, head_chunk: int = 0, recompute: bool = False, kind: int = 0) -> jax.Array:
     """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
     the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
     device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
@@ -359,7 +370,7 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     impl = resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim,
                         has_segment_ids=segment_ids_BS is not None, platform=platform)
     groups = head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), head_chunk)
-    spec = _Spec(cfg, groups, n, impl, platform, recompute)
+    spec = _Spec(cfg, groups, n, impl, platform, recompute, kind)
     over_data = cfg.shard_params_over_data
     names = sorted(params)
     w_specs = [param_spec(PARAMS[k][0], over_data=over_data) for k in names]

@@ -10,6 +10,9 @@ Architecture (Llama 3 / Qwen 2.5 / Qwen 3 / Mistral): token embedding, ``num_lay
 rotation as in the Hugging Face checkpoints), GQA attention with optional q/k/v bias (Qwen 2.5) and
 optional per-head RMSNorm of q and k before RoPE (Qwen 3), SwiGLU MLP, final RMSNorm, and an unembedding
 that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases.
+Gemma 3 adds (``ModelConfig``): a norm after each sublayer too, norm scales ``1 + w``, GeGLU, embeddings times
+sqrt(D), and local layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch``
+per scanned layer).
 
 Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer
 per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
@@ -41,6 +44,7 @@ the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one gro
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +58,17 @@ from jax.sharding import PartitionSpec as P
 from ulysses_jax.model import host_offload
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import ModelConfig, local_chunks
-from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, default_positions, rms_norm, rope_frequencies, use
+from ulysses_jax.model.layers import (
+    ParamMaker,
+    RMSNorm,
+    apply_rope,
+    default_positions,
+    mlp_activation,
+    norm_scale,
+    rms_norm,
+    rope_frequencies,
+    use,
+)
 from ulysses_jax.model.tiled_attention import tiled_attention
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
 from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain, fsdp_axes, gather_param
@@ -81,8 +95,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(make, h, ("head_dim",))
             self.k_norm = RMSNorm(make, h, ("head_dim",))
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0):
+        """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one)."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        window = cfg.window_kinds[kind]
         q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt))
         k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt))
         v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt))
@@ -92,25 +108,27 @@ class Attention(nnx.Module):
             v_BSKH = v_BSKH + use(self.bv_KH, mesh, dt)
         if cfg.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        inv_freq = rope_frequencies(cfg)
+        inv_freq = rope_frequencies(cfg, local=window is not None)
         q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq), mesh, ("batch", "seq", "heads", "head_dim"))
         k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq), mesh, ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
         o_BSNH = ulysses_attention(
             q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
             impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
+            scale=cfg.attn_scale, window=window,
         )
         out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
 
 
-def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD):
-    h_BSF = jax.nn.silu(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
+def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu):
+    """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3)."""
+    h_BSF = act(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
     return h_BSF @ w_down_FD
 
 
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
-                 norm: tuple[jax.Array, float] | None = None):
+                 norm: tuple[jax.Array, float] | None = None, activation=jax.nn.silu):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
@@ -131,9 +149,9 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
         if scale:
             g = gather_param(scale[0], 0, over_data=over_data)
-            return chunk_map(lambda xc, ws: xc + swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3]), n, x_bsD,
-                             (wg, wu, wd, g))
-        return chunk_map(lambda xc, ws: swiglu(xc, *ws), n, x_bsD, (wg, wu, wd))
+            return chunk_map(lambda xc, ws: xc + swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3], act=activation), n,
+                             x_bsD, (wg, wu, wd, g))
+        return chunk_map(lambda xc, ws: swiglu(xc, *ws, act=activation), n, x_bsD, (wg, wu, wd))
 
     specs = (act, P(wa, None), P(wa, None), P(None, wa), *([P(wa)] if norm else []))
     # chunk_map's backward carries no varying-manual-axes types
@@ -154,17 +172,17 @@ class MLP(nnx.Module):
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
         ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
         return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
-                            over_data=cfg.shard_params_over_data,
-                            norm=(norm.scale.get_value().astype(jnp.float32), cfg.rms_eps))
+                            over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
+                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps))
 
     def __call__(self, x_BSD):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         if cfg.mlp_chunk:
             ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
             return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
-                                over_data=cfg.shard_params_over_data)
+                                over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg))
         ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
-        return constrain(swiglu(x_BSD, *ws), mesh, ("batch", "seq", "embed"))
+        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg)), mesh, ("batch", "seq", "embed"))
 
 
 def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
@@ -190,20 +208,39 @@ class Block(nnx.Module):
         self.attn = Attention(make)
         self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         self.mlp = MLP(make)
+        if make.cfg.post_norms:  # Gemma 3: each sublayer's output normed before the residual add
+            self.post_attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+            self.post_mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None):
+        """``kind``: this layer's index into ``cfg.window_kinds`` (traced under the layer scan): a ``lax.switch``
+        runs the attention sublayer of that kind; ``None`` with a single kind."""
+        cfg = self.attn.cfg
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
-        if self.attn.cfg.attn_chunk:
-            h_BSD = tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(),
-                                    cfg=self.attn.cfg, mesh=self.mesh, chunk=self.attn.cfg.attn_chunk,
-                                    head_chunk=self.attn.cfg.attn_head_chunk,
-                                    recompute=self.attn.cfg.attn_recompute)
+        branches = [functools.partial(self._attention, kind=i) for i in range(len(cfg.window_kinds))]
+        if len(branches) == 1:
+            h_BSD = branches[0](x_BSD, positions_BS, segment_ids_BS)
+        elif kind is None:
+            raise ValueError(f"this model mixes attention kinds {cfg.window_kinds}; pass the layer's kind index")
         else:
-            h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS)
+            h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
-        if self.mlp.cfg.mlp_chunk:  # the norm and the residual inside the chunks too
+        if cfg.mlp_chunk:  # the norm and the residual inside the chunks too
             return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm), self.mesh, ("batch", "seq", "embed"))
-        return constrain(h_BSD + self.mlp(self.mlp_norm(h_BSD)), self.mesh, ("batch", "seq", "embed"))
+        y_BSD = self.mlp(self.mlp_norm(h_BSD))
+        if cfg.post_norms:
+            y_BSD = self.post_mlp_norm(y_BSD)
+        return constrain(h_BSD + y_BSD, self.mesh, ("batch", "seq", "embed"))
+
+    def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int):
+        """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``."""
+        cfg = self.attn.cfg
+        if cfg.attn_chunk:
+            return tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(), cfg=cfg,
+                                   mesh=self.mesh, chunk=cfg.attn_chunk, head_chunk=cfg.attn_head_chunk,
+                                   recompute=cfg.attn_recompute, kind=kind)
+        y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind)
+        return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
 
     def attention_params(self) -> dict:
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
@@ -317,15 +354,20 @@ class Transformer(nnx.Module):
             positions_BS = default_positions(tokens_BS, segment_ids_BS)
         positions_BS = constrain(positions_BS, mesh, ("batch", "seq"))
         x_BSD = jnp.take(use(self.embed_VD, mesh, cfg.compute_jnp_dtype), tokens_BS, axis=0)
+        if cfg.scale_embeddings:  # Gemma: times sqrt(hidden), the factor rounded to the compute dtype first
+            x_BSD = x_BSD * jnp.asarray(cfg.hidden**0.5, cfg.compute_jnp_dtype)
         x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
-        graphdef, stacked = nnx.split(self.blocks)
+        graphdef, blocks = nnx.split(self.blocks)
+        # each layer's attention kind (model/layer_kinds.py) travels through the scan with its parameters
+        stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32))
 
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
+            layer_state, kind = layer_state
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
             if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
                 layer_state = host_offload.stream_in(layer_state)
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS)
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS, kind)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":

@@ -66,12 +66,14 @@ import numpy as np
 from jax import lax
 
 from ulysses_jax.kernels import blockwise, flash_pair
+from ulysses_jax.kernels.xla_pair import xla_backward, xla_forward
 from ulysses_jax.kernels.attention import check_qkv
+from ulysses_jax.kernels.window import FULL, MASKED, SKIP, block_kind, check_window
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.head_layout import HeadLayout
 
 ORDERS = ("zigzag", "contiguous")
-SKIP, FULL, DIAG = 0, 1, 2  # what a (query chunk, KV chunk) pair needs: nothing, no causal mask, the mask
+DIAG = MASKED  # a pair that needs the mask by positions (causal, and the window when there is one)
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
 
@@ -103,47 +105,60 @@ def sequence_order(order: str, seq_len: int, ring: int) -> np.ndarray:
     return zigzag_order(seq_len, ring) if order == "zigzag" else np.arange(seq_len)
 
 
-def block_kind(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool) -> int:
-    """``SKIP`` / ``FULL`` / ``DIAG`` for a (query chunk, KV chunk) pair from their global positions."""
-    if not causal:
-        return FULL
-    if k_pos.min() > q_pos.max():
-        return SKIP  # every key in every query's future
-    return FULL if k_pos.max() <= q_pos.min() else DIAG
-
-
 @functools.lru_cache(maxsize=64)
-def ring_schedule(order: str, seq_len: int, ring: int, causal: bool) -> np.ndarray:
-    """``kinds[r, src, i, j]``: what query chunk ``i`` of rank ``r`` x KV chunk ``j`` of rank ``src`` needs.
+def ring_schedule(order: str, seq_len: int, ring: int, causal: bool, window: int | None = None) -> np.ndarray:
+    """``kinds[r, src, i, j]``: what query chunk ``i`` of rank ``r`` x KV chunk ``j`` of rank ``src`` needs
+    (``window.block_kind``: with a window, pairs entirely behind it are ``SKIP`` too).
 
     Static (positions depend only on the order and the rank), so :func:`ring_attention` compiles per pair
     only the kinds that occur on some rank and picks among them by rank at run time.
     """
     n = 2 if order == "zigzag" and causal else 1  # without a causal mask the order does not matter
     pos = sequence_order(order, seq_len, ring).reshape(ring, n, -1)
-    kinds = np.array([[[[block_kind(pos[r, i], pos[src, j], causal) for j in range(n)] for i in range(n)]
+    kinds = np.array([[[[block_kind(pos[r, i], pos[src, j], causal, window) for j in range(n)] for i in range(n)]
                        for src in range(ring)] for r in range(ring)], dtype=np.int32)
     kinds.setflags(write=False)  # cached: shared by every caller
     return kinds
 
 
-def ring_work(seq_len: int, ring: int, *, order: str, causal: bool = True) -> np.ndarray:
+@functools.lru_cache(maxsize=64)
+def ring_offsets(order: str, seq_len: int, ring: int, causal: bool) -> np.ndarray:
+    """``offsets[r, src, i, j]``: first query position minus first key position of each pair (chunks are runs of
+    consecutive positions, so query row ``i`` sits at key position ``i + offset``); static like the kinds."""
+    n = 2 if order == "zigzag" and causal else 1
+    first = sequence_order(order, seq_len, ring).reshape(ring, n, -1)[:, :, 0]
+    offsets = first[:, None, :, None] - first[None, :, None, :]
+    offsets.setflags(write=False)
+    return offsets
+
+
+def active_steps(kinds: np.ndarray, direction: int) -> list[int]:
+    """The ring steps at which some rank has a pair to compute (blocks travelling ``direction``); the others are
+    skipped whole: no compute, and the KV block jumps over them in one permute."""
+    ring = kinds.shape[0]
+    ranks = np.arange(ring)
+    return [t for t in range(ring) if (kinds[ranks, (ranks - t * direction) % ring] != SKIP).any()]
+
+
+def ring_work(seq_len: int, ring: int, *, order: str, causal: bool = True, window: int | None = None) -> np.ndarray:
     """Per rank, the (query, key) token pairs the kernel computes over all steps (masked entries of ``DIAG``
     pairs included), from the schedule :func:`ring_attention` runs."""
-    kinds = ring_schedule(order, seq_len, ring, causal)
+    kinds = ring_schedule(order, seq_len, ring, causal, window)
     chunk = seq_len // ring // kinds.shape[-1]
     return (kinds != SKIP).sum(axis=(1, 2, 3)) * chunk * chunk
 
 
 def ring_permute_bytes(*, batch: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int, ring: int,
-                       segment_ids: bool) -> dict[str, tuple[int, int]]:
+                       segment_ids: bool, steps: tuple[int, int] | None = None) -> dict[str, tuple[int, int]]:
     """Per device ``{what: (count, bytes of each collective-permute)}`` of one forward and one backward
-    (``batch``, ``tokens`` and ``kv_heads`` local: ``tokens = S / R``)."""
+    (``batch``, ``tokens`` and ``kv_heads`` local: ``tokens = S / R``). ``steps``: ``(active forward steps, whether
+    the backward's last active step is not its first)`` with a window (:func:`active_steps`); default all ``R``."""
+    active, home = steps or (ring, ring > 1)
     kv = 2 * batch * tokens * kv_heads * head_dim
-    out = {"forward_kv": (ring - 1, kv * itemsize), "backward_kv": (ring - 1, kv * itemsize),
-           "backward_dkv": (ring, kv * 4)}
+    out = {"forward_kv": (active - 1, kv * itemsize), "backward_kv": (active - 1, kv * itemsize),
+           "backward_dkv": (active - 1 + int(home), kv * 4)}
     if segment_ids:
-        ids = (ring - 1, 4 * batch * tokens)
+        ids = (active - 1, 4 * batch * tokens)
         out |= {"forward_segment_ids": ids, "backward_segment_ids": ids}
     return out
 
@@ -159,54 +174,6 @@ class LocalKernel:
 
     forward: Callable
     backward: Callable
-
-
-def _mask(q_pos, k_pos, q_seg, k_seg, causal: bool):
-    """Boolean mask broadcasting to ``[b, Hkv, G, sq, sk]``, or ``None`` for no mask."""
-    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None] if causal else None
-    if q_seg is not None:
-        same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
-        mask = same if mask is None else mask & same
-    return mask
-
-
-def _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale):
-    """``q [b, sq, H, D]``, ``k [b, sk, Hkv, D]`` -> masked float32 logits ``[b, Hkv, G, sq, sk]`` and q grouped."""
-    b, sq, h, d = q.shape
-    hkv = k.shape[2]
-    q_bqkgd = q.reshape(b, sq, hkv, h // hkv, d).astype(_F32)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q_bqkgd, k.astype(_F32), precision=_HIGHEST) * scale
-    mask = _mask(q_pos, k_pos, q_seg, k_seg, causal)
-    return (s if mask is None else jnp.where(mask, s, -jnp.inf)), q_bqkgd
-
-
-def xla_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float):
-    """-> ``o [b, sq, H, D]`` float32 (0 for rows that see no key), ``lse [b, H, sq]`` float32 (-inf there)."""
-    b, sq, h, d = q.shape
-    s, _ = _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p / jnp.where(den > 0, den, 1.0), v.astype(_F32), precision=_HIGHEST)
-    lse = jnp.where(den > 0, m + jnp.log(den), -jnp.inf)  # [b, Hkv, G, sq, 1]
-    return o.reshape(b, sq, h, d), lse.reshape(b, h, sq)
-
-
-def xla_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float):
-    """Gradients of one pair given the global ``lse`` and ``delta [b, H, sq]``: float32 dq, dk, dv."""
-    b, sq, h, d = q.shape
-    hkv = k.shape[2]
-    s, q_bqkgd = _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale)
-    lse = lse.reshape(b, hkv, h // hkv, sq, 1)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0))  # masked entries: exp(-inf) = 0
-    do_bqkgd = do.reshape(b, sq, hkv, h // hkv, d).astype(_F32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", do_bqkgd, v.astype(_F32), precision=_HIGHEST)
-    ds = p * (dp - delta.reshape(b, hkv, h // hkv, sq, 1))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(_F32), precision=_HIGHEST) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds, q_bqkgd, precision=_HIGHEST) * scale
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, do_bqkgd, precision=_HIGHEST)
-    return dq.reshape(b, sq, h, d), dk, dv
 
 
 XLA_KERNEL = LocalKernel(xla_forward, xla_backward)
@@ -254,6 +221,13 @@ class _Config:
     causal: bool
     scale: float
     kernel: LocalKernel
+    window: int | None = None
+
+    def schedule(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """The static pair kinds and offsets (:func:`ring_schedule`, :func:`ring_offsets`) of this call."""
+        seq = tokens * self.ring
+        return (ring_schedule(self.order, seq, self.ring, self.causal, self.window),
+                ring_offsets(self.order, seq, self.ring, self.causal))
 
     def positions(self, tokens: int, rank) -> jax.Array:
         """Global positions ``[tokens]`` of the local tokens of ``rank`` (traced): runs of consecutive positions
@@ -268,10 +242,15 @@ class _Config:
         return lax.ppermute(x, self.axis_name, [(i, (i + direction) % self.ring) for i in range(self.ring)])
 
     def step_kinds(self, kinds: np.ndarray, t: int, direction: int) -> np.ndarray:
-        """``[R, n, n]``: each rank's pair kinds at step ``t``, when blocks travel ``direction``: it holds
-        the block of rank ``r - t * direction``."""
+        """``[R, n, n]``: each rank's pair kinds (or offsets) at step ``t``, when blocks travel ``direction``: it
+        holds the block of rank ``r - t * direction``."""
         ranks = np.arange(self.ring)
         return kinds[ranks, (ranks - t * direction) % self.ring]
+
+    def step_pairs(self, kinds, offsets, t: int, direction: int) -> np.ndarray:
+        """``[R, n, n]`` per rank and pair: ``-1`` to skip, ``0`` unmasked, ``1 + offset`` masked by positions."""
+        k, o = self.step_kinds(kinds, t, direction), self.step_kinds(offsets, t, direction)
+        return np.where(k == SKIP, -1, np.where(k == FULL, 0, 1 + o))
 
 
 def _split(x, n: int, axis: int):
@@ -286,39 +265,49 @@ def _merge(o, lse, o_b, lse_b):
     return o * w + o_b * w_b, new
 
 
-def _dispatch(kinds: np.ndarray, rank, run: Callable, carry):
-    """``run(causal, carry) -> carry`` for this rank's kind of a pair (``kinds``: per rank); ``SKIP`` returns
-    ``carry``. A kind shared by every rank is called directly; otherwise one ``lax.switch`` on the rank."""
-    branches = {SKIP: lambda c: c, FULL: functools.partial(run, False), DIAG: functools.partial(run, True)}
-    present = sorted(set(kinds.tolist()))
+def _dispatch(pairs: np.ndarray, rank, run: Callable, carry):
+    """``run(causal, offset, carry) -> carry`` for this rank's pair (``pairs``: per rank, ``Config.step_pairs``'s
+    code); a skipped pair returns ``carry``. A code shared by every rank is called directly; otherwise one
+    ``lax.switch`` on the rank over the codes that occur."""
+    def branch(code):
+        return (lambda c: c) if code < 0 else functools.partial(run, code > 0, max(code - 1, 0))
+
+    present = sorted(set(pairs.tolist()))
     if len(present) == 1:
-        return branches[present[0]](carry)
-    index = jnp.asarray([present.index(k) for k in kinds.tolist()], jnp.int32)[rank]
-    return lax.switch(index, [branches[k] for k in present], carry)
+        return branch(present[0])(carry)
+    index = jnp.asarray([present.index(k) for k in pairs.tolist()], jnp.int32)[rank]
+    return lax.switch(index, [branch(k) for k in present], carry)
+
+
+def _window_kw(cfg: _Config, causal: bool, offset: int) -> dict:
+    """The local kernel's window arguments for a pair: none for an unmasked one (or without a window)."""
+    return dict(window=cfg.window, offset=offset) if causal and cfg.window is not None else {}
 
 
 def _ring_forward(q, k, v, seg, cfg: _Config):
     tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
-    q_pos, kinds = cfg.positions(tokens, rank), ring_schedule(cfg.order, tokens * cfg.ring, cfg.ring, cfg.causal)
+    q_pos, (kinds, offsets) = cfg.positions(tokens, rank), cfg.schedule(tokens)
     n = kinds.shape[-1]  # chunks per block
     qs, q_poss, q_segs = _split(q, n, 1), _split(q_pos, n, 0), _split(seg, n, 1)
     acc = [(jnp.zeros_like(c, _F32), jnp.full_like(jnp.swapaxes(c[..., 0], 1, 2), -jnp.inf, _F32)) for c in qs]
     kv, kv_seg = jnp.stack([k, v]), seg  # [2, b, s, Hkv, D]: K and V cross in one permute
-    for t in range(cfg.ring):
-        if t < cfg.ring - 1:  # next step's block is in flight while this one is computed
-            kv_next, seg_next = cfg.rotate(kv, 1), None if seg is None else cfg.rotate(kv_seg, 1)
+    steps = active_steps(kinds, 1)  # steps no rank needs (outside every window) are skipped whole
+    for t, t_next in zip(steps, steps[1:] + [None]):
+        if t_next is not None:  # next step's block is in flight while this one is computed
+            hop = t_next - t
+            kv_next, seg_next = cfg.rotate(kv, hop), None if seg is None else cfg.rotate(kv_seg, hop)
         ks, vs = _split(kv[0], n, 1), _split(kv[1], n, 1)
         k_poss, k_segs = _split(cfg.positions(tokens, (rank - t) % cfg.ring), n, 0), _split(kv_seg, n, 1)
-        step_kinds = cfg.step_kinds(kinds, t, 1)
+        pairs = cfg.step_pairs(kinds, offsets, t, 1)
         for i in range(n):
             for j in range(n):
-                def run(causal, carry, i=i, j=j):
+                def run(causal, offset, carry, i=i, j=j):
                     o_b, lse_b = cfg.kernel.forward(qs[i], ks[j], vs[j], q_poss[i], k_poss[j], q_segs[i], k_segs[j],
-                                                    causal=causal, scale=cfg.scale)
+                                                    causal=causal, scale=cfg.scale, **_window_kw(cfg, causal, offset))
                     return _merge(*carry, o_b, lse_b)
 
-                acc[i] = _dispatch(step_kinds[:, i, j], rank, run, acc[i])
-        if t < cfg.ring - 1:  # the next send waits for this step's compute: one block in flight at a time
+                acc[i] = _dispatch(pairs[:, i, j], rank, run, acc[i])
+        if t_next is not None:  # the next send waits for this step's compute: one block in flight at a time
             acc, kv, kv_seg = lax.optimization_barrier((acc, kv_next, seg_next))
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     return out, jnp.concatenate([lse for _, lse in acc], axis=2)
@@ -337,35 +326,38 @@ def _ring_fwd(q, k, v, seg, cfg: _Config):
 def _ring_bwd(cfg: _Config, res, do):
     q, k, v, seg, out, lse = res
     tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
-    q_pos, kinds = cfg.positions(tokens, rank), ring_schedule(cfg.order, tokens * cfg.ring, cfg.ring, cfg.causal)
+    q_pos, (kinds, offsets) = cfg.positions(tokens, rank), cfg.schedule(tokens)
     n = kinds.shape[-1]  # chunks per block
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(_F32), out.astype(_F32), precision=_HIGHEST)
     qs, q_poss, q_segs, dos = _split(q, n, 1), _split(q_pos, n, 0), _split(seg, n, 1), _split(do, n, 1)
     lses, deltas = _split(lse, n, 2), _split(delta, n, 2)
     dqs = [jnp.zeros_like(c, _F32) for c in qs]
-    kv, kv_seg, dkv = jnp.stack([k, v]), seg, None
-    for t in range(cfg.ring):
-        if t < cfg.ring - 1:
-            kv_next, seg_next = cfg.rotate(kv, -1), None if seg is None else cfg.rotate(kv_seg, -1)
+    kv, kv_seg, dkv, hop = jnp.stack([k, v]), seg, None, 0
+    steps = active_steps(kinds, -1)
+    for t, t_next in zip(steps, steps[1:] + [None]):
+        if t_next is not None:
+            kv_next, seg_next = cfg.rotate(kv, t - t_next), None if seg is None else cfg.rotate(kv_seg, t - t_next)
         ks, vs = _split(kv[0], n, 1), _split(kv[1], n, 1)
         k_poss, k_segs = _split(cfg.positions(tokens, (rank + t) % cfg.ring), n, 0), _split(kv_seg, n, 1)
-        step_kinds = cfg.step_kinds(kinds, t, -1)
+        pairs = cfg.step_pairs(kinds, offsets, t, -1)
         dks, dvs = [jnp.zeros_like(c, _F32) for c in ks], [jnp.zeros_like(c, _F32) for c in vs]
         for i in range(n):
             for j in range(n):
-                def run(causal, carry, i=i, j=j):
+                def run(causal, offset, carry, i=i, j=j):
                     g = cfg.kernel.backward(qs[i], ks[j], vs[j], q_poss[i], k_poss[j], q_segs[i], k_segs[j], dos[i],
-                                            lses[i], deltas[i], causal=causal, scale=cfg.scale)
+                                            lses[i], deltas[i], causal=causal, scale=cfg.scale,
+                                            **_window_kw(cfg, causal, offset))
                     return tuple(a + b for a, b in zip(carry, g))
 
-                dqs[i], dks[j], dvs[j] = _dispatch(step_kinds[:, i, j], rank, run, (dqs[i], dks[j], dvs[j]))
+                dqs[i], dks[j], dvs[j] = _dispatch(pairs[:, i, j], rank, run, (dqs[i], dks[j], dvs[j]))
         step = jnp.stack([jnp.concatenate(dks, axis=1), jnp.concatenate(dvs, axis=1)])
-        # this block's gradient so far arrives from the next rank while this step computed its share
-        dkv = step if dkv is None else cfg.rotate(dkv, -1) + step
-        if t < cfg.ring - 1:
+        # this block's gradient so far arrives from the rank holding it next while this step computed its share
+        dkv = step if dkv is None else cfg.rotate(dkv, -hop) + step
+        if t_next is not None:
+            hop = t_next - t
             dqs, dkv, kv, kv_seg = lax.optimization_barrier((dqs, dkv, kv_next, seg_next))
-    if cfg.ring > 1:
-        dkv = cfg.rotate(dkv, -1)  # the last holder is the owner's successor: one more hop home
+    if steps[-1] % cfg.ring:
+        dkv = cfg.rotate(dkv, steps[-1])  # the last holder is rank owner - t_last: one hop home
     dq = jnp.concatenate(dqs, axis=1).astype(q.dtype)
     return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
@@ -374,13 +366,14 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=None, scale: float | None = None,
-                   order: str = "zigzag", kernel: LocalKernel = XLA_KERNEL) -> jax.Array:
+                   order: str = "zigzag", kernel: LocalKernel = XLA_KERNEL, window: int | None = None) -> jax.Array:
     """Exact attention over the sequence split on ``axis_name``; call inside ``shard_map``.
 
     Local blocks: ``q [b, s, H, D]``, ``k, v [b, s, Hkv, D]``, ``segment_ids [b, s]`` integers or ``None``,
     where ``s = S / R`` are this rank's tokens of the global sequence permuted by ``sequence_order(order,
     S, R)`` (``zigzag_order`` for ``"zigzag"``) and split contiguously over the axis. Returns the local
     output ``[b, s, H, D]`` in the input dtype, in the same permuted order. Differentiable (ring backward).
+    ``window``: a causal sliding window over the global positions; steps outside every rank's window are skipped.
     """
     check_qkv(q, k, v, segment_ids)
     ring = lax.axis_size(axis_name)
@@ -391,7 +384,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=
         raise ValueError(f"local sequence length ({s}) must be even for the zigzag order "
                          f"(the sequence divisible by 2 * {axis_name} = {2 * ring})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _ring(q, k, v, segment_ids, _Config(axis_name, ring, order, causal, scale, kernel))
+    window = check_window(window, causal=causal)
+    return _ring(q, k, v, segment_ids, _Config(axis_name, ring, order, causal, scale, kernel, window))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -401,7 +395,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=
 
 def ulysses_ring_local(q, k, v, segment_ids=None, *, sp_axis: str, ring_axis: str, layout: HeadLayout,
                        causal: bool = True, scale: float | None = None, order: str = "zigzag",
-                       kernel: LocalKernel = XLA_KERNEL) -> jax.Array:
+                       kernel: LocalKernel = XLA_KERNEL, window: int | None = None) -> jax.Array:
     """Ulysses inside an ``sp`` group, ring attention across ``ring``: the body of a ``shard_map`` over both.
 
     Local ``q [b, S/(R·P), H, D]``, ``k, v [b, S/(R·P), Hkv, D]``, ``segment_ids [b, S/(R·P)]``: the global
@@ -421,5 +415,5 @@ def ulysses_ring_local(q, k, v, segment_ids=None, *, sp_axis: str, ring_axis: st
         segment_ids = lax.all_gather(segment_ids, sp_axis, axis=1, tiled=True)  # [b, S/R]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     o = ring_attention(ql, kl_, vl, axis_name=ring_axis, causal=causal, segment_ids=segment_ids, scale=scale,
-                       order=order, kernel=kernel)
+                       order=order, kernel=kernel, window=window)
     return layout.ungather_out(heads_to_seq(o, sp_axis))

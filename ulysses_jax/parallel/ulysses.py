@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.attention import attention, check_qkv, device_platform, resolve_impl
+from ulysses_jax.kernels.window import check_window
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.parallel.ring import (
@@ -112,12 +113,14 @@ def ulysses_attention(
     scale: float | None = None,
     impl: str = "xla",
     permuted: bool = False,
+    window: int | None = None,
 ) -> jax.Array:
     """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``
     (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
 
-    Same contract as ``ulysses_jax.kernels.attention``. The batch is split over the mesh's other
-    non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
+    Same contract as ``ulysses_jax.kernels.attention`` (``window``: a causal sliding window; each device holds the
+    whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch
+    is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
     as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
     ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``, ``"pallas"``; ``"auto"``: pallas
     on GPUs, blockwise elsewhere), and
@@ -126,11 +129,12 @@ def ulysses_attention(
     shapes that do not fit.
     """
     axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name, ring_axis)
+    window = check_window(window, causal=causal)
     b, s, h, d = q.shape
     ring = ring_size(mesh, ring_axis)
     if ring > 1:
         return _ulysses_ring(q, k, v, segment_ids, mesh=mesh, axes=axes, sp_axis=axis_name, ring_axis=ring_axis,
-                             causal=causal, scale=scale, impl=impl, permuted=permuted)
+                             causal=causal, scale=scale, impl=impl, permuted=permuted, window=window)
     platform = device_platform(mesh)  # what the program is built for, not the machine it is traced on
     impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None, platform=platform)
     layout = plan_heads(h, k.shape[2], sp)
@@ -157,7 +161,8 @@ def ulysses_attention(
         ql, kl_, vl = jnp.split(qkv, [hq, hq + kl], axis=2)
         if seg is not None:
             seg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)  # [b, S]
-        o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform)
+        o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform,
+                      window=window)
         o = heads_to_seq(o, axis_name)  # [b, S/P, P*hq, D]
         return layout.ungather_out(o)
 
@@ -173,7 +178,7 @@ def ulysses_attention(
 
 
 def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_axis: str, causal: bool, scale,
-                  impl: str, permuted: bool) -> jax.Array:
+                  impl: str, permuted: bool, window: int | None = None) -> jax.Array:
     """The ``ring > 1`` branch of :func:`ulysses_attention`: one ``shard_map`` over ``(ring_axis, sp_axis)``."""
     s, h, d = q.shape[1:]
     kernel = ring_kernel(impl, device_platform(mesh))
@@ -190,7 +195,7 @@ def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_
         args.append(_place(segment_ids, NamedSharding(mesh, seg_spec)))
         in_specs.append(seg_spec)
     local = functools.partial(ulysses_ring_local, sp_axis=sp_axis, ring_axis=ring_axis, layout=layout, causal=causal,
-                              scale=scale, order="zigzag", kernel=kernel)
+                              scale=scale, order="zigzag", kernel=kernel, window=window)
     # Pallas kernels carry no varying-manual-axes annotations (as without a ring)
     out = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec,
                         check_vma=kernel not in (PALLAS_KERNEL, PALLAS_INTERPRET_KERNEL))(*args)

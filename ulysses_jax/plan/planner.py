@@ -72,6 +72,9 @@ class PlanConfig(TrainConfig):
     2 TB: 209.5 GiB), printed with the plan"""
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
+    xla_log: str | None = None
+    """file for XLA's own compiler messages (buffer assignment, rematerialization); None: a new file in the temp
+    directory, named at the end; -: show them on the terminal (ulysses_jax.plan.xla_log)"""
 
 
 @dataclasses.dataclass
@@ -252,7 +255,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         raise ValueError("plan cannot compile --offload-params for compile-only GPUs yet: their devices have no memory "
                          "kinds, so the layers' gradients cannot be typed as host memory; plan without it (train runs "
                          "it on devices with memory kinds: GPUs, and CPUs where it is tested)")
-    optim = cfg.optim.resolved(cfg.steps)  # as train resolves it for a fresh run
+    optim = cfg.optim.resolved(cfg.steps, fine_tuning=cfg.init_from_hf is not None)  # as train resolves it, fresh
     tx = optimizer_of(optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
     step, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, mesh=mesh, batch_size=batch_size,

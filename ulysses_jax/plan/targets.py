@@ -24,7 +24,8 @@ import jax
 
 HERE = pathlib.Path(__file__).parent
 PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12", "jax_cuda13_plugin", "jax_cuda12_plugin")
-INSTALL_HINT = "pip install 'ulysses-jax[aot]' (the CUDA plugin, jax[cuda13]; Linux x86_64, no GPU needed)"
+INSTALL_HINT = ("pip install 'ulysses-jax[aot]' (the CUDA plugin, jax[cuda13]; or [aot-cuda12] for jax[cuda12]; Linux "
+                "x86_64, no GPU needed)")
 
 
 @dataclasses.dataclass(frozen=True)

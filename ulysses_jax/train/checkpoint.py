@@ -53,8 +53,10 @@ class Checkpointer:
         self.directory = pathlib.Path(run_dir).absolute() / "checkpoints"
         if not create and not self.directory.is_dir():
             raise ValueError(f"no checkpoint in {self.directory}; train first or pass the --run-dir of a run")
+        # a save cut short by a kill leaves its temporary directory: the writer deletes such leftovers at start
         options = ocp.CheckpointManagerOptions(max_to_keep=keep if create else None,
-                                               enable_async_checkpointing=async_save, create=create)
+                                               enable_async_checkpointing=async_save, create=create,
+                                               cleanup_tmp_directories=create)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -86,9 +88,27 @@ class Checkpointer:
         if not params_only:
             train = {k: v for k, v in abstract_state.items() if k != "params"}
             items.update(train=ocp.args.StandardRestore(train), data=ocp.args.JsonRestore())
+        restored = self._restore(step, items)
+        if params_only:
+            return {"params": restored["params"]}, None
+        return {"params": restored["params"], **restored["train"]}, restored["data"]
+
+    def restore_master(self, step: int, abstract_params):
+        """The float32 master weights of ``step`` (``--optim.master-weights``: ``optimizer.MasterState.master``) alone,
+        laid out as ``abstract_params`` (the optimizer's moments are not read)."""
+        import jax.numpy as jnp
+
+        master = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding),
+                              abstract_params)
+        item = {"opt_state": {"master": master}}
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), item)
+        restored = self._restore(step, {"train": ocp.args.PyTreeRestore(item, restore_args, partial_restore=True)})
+        return jax.tree.map(lambda _, x: x, master, restored["train"]["opt_state"]["master"])
+
+    def _restore(self, step: int, items: dict):
         where = self.directory / str(step)
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds; we classify them
             io = _io_error(e)
             if io is not None:
@@ -103,9 +123,6 @@ class Checkpointer:
             raise ValueError(
                 f"checkpoint {where} is damaged or not from this run ({type(e).__name__}: {reason}); {fix}"
             ) from e
-        if params_only:
-            return {"params": restored["params"]}, None
-        return {"params": restored["params"], **restored["train"]}, restored["data"]
 
     def set_aside(self, after: int) -> pathlib.Path | None:
         """Move the checkpoints of steps after ``after`` to ``run_dir/checkpoints-set-aside/`` (process 0 moves)."""

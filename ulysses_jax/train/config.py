@@ -49,6 +49,9 @@ class TrainConfig:
     attn_head_chunk: int | None = None
     """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
     K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    sliding_window: int | None = None
+    """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
+    has none); None: the model's own"""
     attn_recompute: bool = False
     """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
     again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
@@ -64,14 +67,22 @@ class TrainConfig:
     data_format: DataFormat = "text"
     """text: loss on every token; sft: .jsonl {"prompt", "completion"} or {"messages"} records rendered with
     the tokenizer and chat template of the --init-from-hf (or --tokenizer) folder, loss on the answers only"""
+    sft_overlong: Literal["refuse", "drop"] = "refuse"
+    """with --data-format sft, a record longer than --seq-len (never split across rows): refuse stops before training
+    with the count and the longest; drop leaves such records out and says how many at start"""
     eval_data: Paths = ()  # a validation source; none: the documents held out of --data by --eval-fraction
     eval_fraction: float = 0.02  # share of --data documents held out for evaluation (chosen by a hash of the text)
     tokenizer: str | None = None  # a Hugging Face tokenizer.json, or its directory; None: UTF-8 bytes
     eval_every: int = 0  # evaluate every N steps (and at the last step), logged with the training metrics; 0: off
     eval_batches: int = 16  # batches per evaluation during training
+    eval_by_position: bool = False  # with --eval-every: also the eval loss in position buckets (eval_loss_pos_*)
+    eval_passkey: bool = False  # with --eval-every: also passkey accuracy at --seq-len (eval_passkey_accuracy)
+    eval_passkey_samples: int = 2  # with --eval-passkey: samples per depth (0, 0.25, 0.5, 0.75, 1)
     run_dir: str | None = None  # checkpoints, metrics, run.json; None: a new runs/<preset>-<date>-<time>
     config: str | None = None  # a YAML or TOML file of these settings (flags override it)
-    resume: bool = False  # continue the run in --run-dir from its latest checkpoint, with its recorded settings
+    resume: bool = False
+    """continue the run in --run-dir from its latest complete checkpoint, with its recorded settings (a run stopped
+    before its first checkpoint starts again from step 0)"""
     resume_from: int | None = None  # continue from this checkpoint step (later checkpoints are set aside)
     checkpoint_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM/SIGINT)
     keep_checkpoints: int = 3  # checkpoints kept (the oldest are deleted)
@@ -109,14 +120,34 @@ PRESET_AND_HF = ("--preset and --init-from-hf exclude each other (the model is t
                  "--preset")
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+def compute_settings(cfg: TrainConfig) -> dict:
+    """The ``ModelConfig`` fields the flags set: None (not set by any flag, here or in the run) keeps the model's own
+    value; a switch (``--attn-recompute``, ``--offload-params``) is always on or off, whatever the model says."""
+    return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk,
+                mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                attn_recompute=cfg.attn_recompute, param_dtype=cfg.param_dtype, offload_params=cfg.offload_params)
+
+
+def recorded_model(record: dict) -> ModelConfig:
+    """The model a run was started from, before its flags: the record's model with every field a flag sets at its
+    default (what ``--init-from-hf``'s config.json gave, read again from the record, not from the folder)."""
+    defaults = ModelConfig()
+    fields = {**record["model"], **record.get("compute", {})}
+    fields.update({k: getattr(defaults, k) for k in compute_settings(TrainConfig())})
+    return model_config_from_run({"model": fields})
+
+
+def model_config(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
-    the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check)."""
-    compute = dict(attention_impl=cfg.attention, remat=cfg.remat, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                   attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
-                   attn_recompute=cfg.attn_recompute or None, param_dtype=cfg.param_dtype,
-                   remat_every=cfg.remat_every,
-                   offload_params=cfg.offload_params or None)
+    the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check).
+
+    ``record``: the run being resumed; a run started from a Hugging Face folder takes its model from the record (the
+    folder's config.json is not read again). Presets and folders get the flags the same way: ``cfg`` holds the run's
+    settings with this invocation's flags over them (``cli.parse``), so a flag given when the run started still holds,
+    and one given now (``--no-attn-recompute``, ``--attn-chunk 0``) replaces it.
+    """
+    # the window shapes the model (a LEARNED model field, kept on resume), so it is no compute setting to reset
+    compute = {**compute_settings(cfg), "sliding_window": cfg.sliding_window}
     if cfg.attn_head_chunk and not cfg.attn_chunk:
         raise ValueError(f"--attn-head-chunk ({cfg.attn_head_chunk}) groups the heads of the tiled attention "
                          f"sublayer; add --attn-chunk (tokens per chunk of each device's sequence, e.g. 4096)")
@@ -127,10 +158,18 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)
         raise ValueError(PRESET_AND_HF)
-    model = ModelConfig.from_hf(cfg.init_from_hf, **{k: v for k, v in compute.items() if v is not None})
+    overrides = {k: v for k, v in compute.items() if v is not None}
+    if record is not None and record.get("init_from_hf"):
+        model = dataclasses.replace(recorded_model(record), **overrides)
+        what = "the run's model"
+    else:
+        model = ModelConfig.from_hf(cfg.init_from_hf, **overrides)
+        what = f"--init-from-hf {cfg.init_from_hf}"
     if vocab_size > model.vocab_size:
-        raise ValueError(f"the tokenizer has {vocab_size} tokens but --init-from-hf {cfg.init_from_hf} has a "
-                         f"vocabulary of {model.vocab_size}; use the folder's own tokenizer (leave out --tokenizer)")
+        fix = ("resume with the run's tokenizer (leave out --tokenizer)" if record is not None else
+               "use the folder's own tokenizer (leave out --tokenizer)")
+        raise ValueError(f"the tokenizer has {vocab_size} tokens but {what} has a vocabulary of {model.vocab_size}; "
+                         f"{fix}")
     return model
 
 
@@ -151,7 +190,7 @@ def model_config_from_run(record: dict, **compute) -> ModelConfig:
 def data_config(cfg: TrainConfig) -> DataConfig:
     return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
                       eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data), format=cfg.data_format,
-                      frame=cfg.init_from_hf is not None)
+                      frame=cfg.init_from_hf is not None, sft_overlong=cfg.sft_overlong)
 
 
 def default_run_dir(preset: str) -> str:

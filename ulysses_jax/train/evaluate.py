@@ -5,23 +5,30 @@ The documents are the run's eval split (its ``--eval-data``, or the documents it
 "held-out" documents may have been trained on. The mesh, batch and memory tools may differ from the run's, so a
 checkpoint trained on many devices is evaluated on few. It reads only, except for its result: one line in
 ``eval.jsonl`` and ``eval/`` scalars in TensorBoard, written into a run that has checkpoints.
+
+``--by-position`` adds the loss in position buckets (``eval_position.py``: ``eval_by_position.json`` and a PNG) and
+``--task passkey`` passkey retrieval at the asked lengths and depths (``eval_passkey.py``: ``eval_passkey.json`` and a
+heat map); ``--steps 100,200,last`` evaluates several checkpoints (one line each in the plot of positions; the passkey
+heat map is the last step's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Literal
 
 import jax
 
 from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
 from ulysses_jax.data.tokenizers import describe_tokenizer
-from ulysses_jax.train import runconfig
+from ulysses_jax.train import eval_passkey, eval_plots, eval_position, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.config import Impl, Paths, Remat, model_config_from_run
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch
 from ulysses_jax.train.metrics import log_eval
 from ulysses_jax.train.step import abstract_state, make_eval_step, state_shardings
+from ulysses_jax.train.token_scores import make_token_step
 from ulysses_jax.train.trainer import evaluate_loss
 
 
@@ -31,6 +38,17 @@ class EvalConfig:
 
     run_dir: str  # the run to evaluate
     step: int | None = None  # the checkpoint to evaluate; None: the latest
+    steps: str | None = None  # several checkpoints, comma-separated ("100,200,last"); overrides --step
+    by_position: bool = False  # also the loss in log-spaced position buckets: eval_by_position.json and a PNG
+    task: Literal["passkey"] | None = None  # passkey: retrieval accuracy by length and depth (eval_passkey.json, PNG)
+    lengths: str | None = None  # passkey sample lengths, comma-separated; None: the run's --seq-len and its halves
+    depths: str = "0,0.25,0.5,0.75,1"  # where the needle starts in the context (0: first token, 1: at the end)
+    samples: int = 5  # passkey samples per (length, depth)
+    passkey_digits: int = 5  # digits of each key
+    passkey_filler: Literal["fixed", "data"] = "fixed"  # haystack: a fixed text, or the run's held-out documents
+    seed: int = 0  # passkey keys and filler offsets
+    plot: bool = True  # draw the PNGs beside the JSON files
+    harness_task: str | None = None  # with --task passkey: also write its samples here as an lm-evaluation-harness task
     mesh: MeshConfig = MeshConfig()
     batch_size: int | None = None  # rows per batch; None: the run's, if the mesh divides it
     max_batches: int = 16  # batches to read (0: all)
@@ -56,15 +74,16 @@ def evaluate(cfg: EvalConfig) -> dict:
     run_dir = pathlib.Path(cfg.run_dir)
     record = runconfig.read_record(run_dir)
     where = runconfig.inspect(run_dir)
-    step = where.pick_step(cfg.step, none=f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir "
-                                          f"of a run")
+    if not where.steps:
+        raise ValueError(f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir of a run")
     rc = record["config"]
     tokenizer = describe_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else rc.get("tokenizer"))
     why = runconfig.tokenizer_difference(record.get("tokenizer"), tokenizer)
     if why:
         raise ValueError(f"{why}; evaluate with the run's own tokenizer (leave out --tokenizer)")
     # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
-    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None)
+    documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None,
+                     sft_overlong=rc.get("sft_overlong", "refuse"))
     if cfg.eval_data:
         data_cfg = DataConfig(paths=tuple(cfg.eval_data), eval_paths=tuple(cfg.eval_data), eval_fraction=0.0,
                               tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"), **documents)
@@ -91,16 +110,94 @@ def evaluate(cfg: EvalConfig) -> dict:
     check_parallel(model, mesh, seq_len=seq_len, batch_size=batch_size)
     if cfg.max_batches < 0 or (cfg.max_batches == 0 and jax.process_count() > 1):
         raise ValueError(f"--max-batches ({cfg.max_batches}) must be positive (0: all, on one process only)")
-    checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
-    try:
-        graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
-        state, _ = checkpointer.restore(step, target, params_only=True)
-    finally:
-        checkpointer.close()
-    eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"]))
-    result = evaluate_loss(eval_step, state["params"], data_cfg, mesh, seq_len=seq_len, batch_size=batch_size,
-                           max_batches=cfg.max_batches or None)
-    result = {"step": step, **result, "seq_len": seq_len, "batch_size": batch_size, "data": what,
-              "mesh": dict(mesh.shape), "time": runconfig.now()}
-    result["written_to"] = str(log_eval(run_dir, result))
+    steps = checkpoint_steps(cfg, where)
+    task = _passkey_setup(cfg, record, tokenizer["path"], data_cfg, seq_len) if cfg.task == "passkey" else None
+    if cfg.harness_task is not None and task is None:
+        raise ValueError(f"--harness-task {cfg.harness_task} writes the passkey samples; add --task passkey")
+    meta = {"seq_len": seq_len, "batch_size": batch_size, "data": what, "mesh": dict(mesh.shape)}
+    graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
+    eval_step = make_eval_step(graphdef, mesh, state_shardings(target["params"]))
+    token_step = make_token_step(graphdef, mesh, state_shardings(target["params"])) if cfg.by_position or task \
+        else None
+    by_step, result = [], {}
+    for step in steps:
+        checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
+        try:
+            state, _ = checkpointer.restore(step, target, params_only=True)
+        finally:
+            checkpointer.close()
+        result = evaluate_loss(eval_step, state["params"], data_cfg, mesh, seq_len=seq_len, batch_size=batch_size,
+                               max_batches=cfg.max_batches or None)
+        result = {"step": step, **result, **meta, "time": runconfig.now()}
+        result["written_to"] = str(log_eval(run_dir, result))
+        if cfg.by_position:
+            pos = eval_position.loss_by_position(token_step, state["params"], data_cfg, mesh, seq_len=seq_len,
+                                                 batch_size=batch_size, max_batches=cfg.max_batches or None)
+            by_step.append({"step": step, **pos})
+        if task is not None and step == steps[-1]:
+            result["passkey"] = eval_passkey.run_passkey(token_step, state["params"], mesh, **task, seq_len=seq_len,
+                                                         batch_size=batch_size)
+    if jax.process_index() == 0:
+        _write_extras(cfg, run_dir, result, by_step, task, meta)
+        if task is not None and cfg.harness_task is not None:
+            result["passkey"]["harness_task"] = str(_harness_task(cfg.harness_task, task, tokenizer["path"]))
     return result
+
+
+def _harness_task(folder: str, task: dict, tokenizer_path) -> pathlib.Path:
+    from ulysses_jax.data.tokenizers import make_tokenizer
+    from ulysses_jax.train import passkey
+    from ulysses_jax.train.harness_task import write_lm_eval_task
+
+    samples = [(passkey.build_sample(task["fmt"], task["filler"], length=n, depth=d, index=i, seed=task["seed"],
+                                     digits=task["digits"]), n, d)
+               for n in task["lengths"] for d in task["depths"] for i in range(task["samples"])]
+    return write_lm_eval_task(folder, samples, make_tokenizer(tokenizer_path).decode)
+
+
+def checkpoint_steps(cfg: EvalConfig, where) -> list[int]:
+    """The checkpoints to evaluate: ``--steps`` ("100,200,last"), else ``--step``, else the latest."""
+    none = f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir of a run"
+    if cfg.steps is None:
+        return [where.pick_step(cfg.step, none=none)]
+    out = []
+    for item in eval_passkey.parse_list(cfg.steps, "--steps", str):
+        if item != "last" and not item.isdigit():
+            raise ValueError(f"--steps {cfg.steps!r}: {item!r} is neither a step number nor 'last'; e.g. 100,200,last")
+        out.append(where.pick_step(None if item == "last" else int(item), none=none))
+    return sorted(set(out))
+
+
+def _passkey_setup(cfg: EvalConfig, record: dict, tokenizer_path, data_cfg, seq_len: int) -> dict:
+    """The passkey settings, checked before any checkpoint is read: ``run_passkey``'s keyword arguments."""
+    fmt, _ = eval_passkey.prompt_format(record, tokenizer_path)
+    depths = eval_passkey.parse_list(cfg.depths, "--depths", float)
+    fixed = fmt.fixed_tokens(cfg.passkey_digits) if 1 <= cfg.passkey_digits <= 18 else 0
+    lengths = eval_passkey.parse_list(cfg.lengths, "--lengths") if cfg.lengths is not None else \
+        eval_passkey.default_lengths(seq_len, fixed)
+    eval_passkey.check_settings(lengths, depths, cfg.samples, cfg.passkey_digits, seq_len)
+    for n in lengths:
+        if n < fixed:
+            raise ValueError(f"--lengths {n} is too short for a passkey sample (at least {fixed} tokens with this "
+                             f"tokenizer); choose longer lengths")
+    filler = eval_passkey.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths))
+    return dict(fmt=fmt, filler=filler, lengths=lengths, depths=depths, samples=cfg.samples, seed=cfg.seed,
+                digits=cfg.passkey_digits)
+
+
+def _write_extras(cfg: EvalConfig, run_dir: pathlib.Path, result: dict, by_step: list[dict], task, meta) -> None:
+    name = run_dir.resolve().name
+    if by_step:
+        path = eval_position.write_result(run_dir, by_step, meta)
+        result["by_position"] = {"json": str(path), "buckets": by_step[-1]["buckets"], "loss": by_step[-1]["loss"]}
+        if cfg.plot:
+            result["by_position"]["png"] = str(eval_plots.plot_by_position(
+                by_step, run_dir / "eval_by_position.png", title=f"{name}: held-out loss by position"))
+    if task is not None:
+        pk = result["passkey"]
+        out = {"step": result["step"], "results": pk["results"], "seed": cfg.seed, "digits": cfg.passkey_digits,
+               "filler": cfg.passkey_filler, "rows": pk["rows"], **meta}
+        pk["json"] = str(eval_passkey.write_result(run_dir, out))
+        if cfg.plot:
+            pk["png"] = str(eval_plots.plot_passkey(pk["results"], run_dir / "eval_passkey.png",
+                                                    title=f"{name}: passkey accuracy at step {result['step']}"))

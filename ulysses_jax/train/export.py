@@ -5,8 +5,10 @@ Everything comes from the run's record: the model (``run.json``'s ``model``), th
 ``--tokenizer``; a run on UTF-8 bytes has none). The parameters are restored onto a mesh of the local devices (8 fake
 CPU devices without an accelerator, as ``train``) and written by ``hf.to_hf``: ``config.json`` (Llama, Qwen2, Qwen3
 or Mistral, whichever holds the model) and ``generation_config.json``, safetensors shards of at most 5 GB with their
-index, gathered one tensor at a time. Nothing is written until every check has passed: a non-empty ``--out``, a run
-without checkpoints, a missing step, a model with no Hugging Face architecture, a tokenizer changed since the run.
+index, gathered one tensor at a time. A run with ``--optim.master-weights`` exported in a dtype other than its
+parameters' (``--dtype float32`` of a bfloat16 run) is written from its float32 master weights instead. Nothing is
+written until every check has passed: a non-empty ``--out``, a run without checkpoints, a missing step, a model with
+no Hugging Face architecture, a tokenizer changed since the run.
 """
 
 from __future__ import annotations
@@ -74,12 +76,19 @@ def export_run(cfg: ExportConfig) -> dict:
     arch = hf.export_architecture(model_cfg, source_config.get("architectures"))  # refuses what HF cannot hold
     mesh = build_mesh(MeshConfig(), model_cfg, record["seq_len"])
     checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
+    # with master weights, the float32 masters are the weights, the parameters their rounding: another dtype is
+    # written from the masters (float32 exactly; float16 rounded once, not twice)
+    masters = bool(runconfig.get(record["config"], "optim.master_weights")) and cfg.dtype not in (
+        None, model_cfg.param_dtype)
     try:
-        graphdef, target = abstract_state(model_cfg, mesh)  # parameters only: the optimizer state is not read
-        state, _ = checkpointer.restore(step, target, params_only=True)
+        graphdef, target = abstract_state(model_cfg, mesh)  # parameters only: the moments are not read
+        if masters:
+            params = checkpointer.restore_master(step, target["params"])
+        else:
+            params = checkpointer.restore(step, target, params_only=True)[0]["params"]
     finally:
         checkpointer.close()
-    hf.to_hf(nnx.merge(graphdef, state["params"]), out, tokenizer_from=folder, dtype=cfg.dtype)
+    hf.to_hf(nnx.merge(graphdef, params), out, tokenizer_from=folder, dtype=cfg.dtype)
     if tokenizer is not None and tokenizer.name != "tokenizer.json" and (out / "config.json").is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")  # a tokenizer file of another name goes in as HF names it
     return {"step": step, "out": str(out), "architecture": arch, "files": sorted(p.name for p in out.iterdir()),

@@ -44,16 +44,62 @@ VERSION = 1
 # TrainConfig fields that change what is learned: refused on resume when they differ from the record. Data and
 # tokenizer are compared by content (fingerprints), not here.
 LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format", "eval_fraction", "optim.lr",
-           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2")
-RECORDED_BEFORE = {"data_format": "text"}  # what a record written before a LEARNED field existed meant by it
+           "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2",
+           "optim.master_weights")
+# what a record written before a LEARNED field existed meant by it
+RECORDED_BEFORE = {"data_format": "text", "optim.master_weights": False}
 # Fields of one invocation, never inherited from a record or written into one.
 PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps", "distributed", "coordinator_address",
                   "num_processes", "process_id")
 
 
+# A setting that qualifies a memory tool, inherited from the run only while the tool stays on: a resume that switches
+# the tool off (``--attn-chunk 0``) drops the qualifiers the run gave it, unless they are given anew (then refused).
+QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk"}
+
+
 def flag(path: str) -> str:
     """``"optim.warmup_steps"`` -> ``"--optim.warmup-steps"``."""
     return "--" + path.replace("_", "-")
+
+
+def setting_paths(cls, prefix: str = "") -> set[str]:
+    """Every setting of a config dataclass, nested ones as ``"optim.lr"``."""
+    out = set()
+    for f in dataclasses.fields(cls):
+        t = typing.get_type_hints(cls)[f.name]
+        out |= setting_paths(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else {prefix + f.name}
+    return out
+
+
+def given_settings(cls, args: list[str], files: tuple[dict, ...] = ()) -> set[str]:
+    """The settings of ``cls`` that this invocation gives: in ``args`` (``--mesh.sp 8``, ``--attn-chunk=0``,
+    ``--no-attn-recompute``, ``--optim.no-master-weights``: the flags tyro makes of the fields) or in ``files``
+    (config files' contents)."""
+    known, given = setting_paths(cls), set()
+    for a in args:
+        if a.startswith("--"):
+            name = a[2:].split("=", 1)[0].replace("-", "_")
+            head, dot, last = name.rpartition(".")
+            given |= {n for n in (name, head + dot + last[3:] if last.startswith("no_") else None) if n in known}
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            path = prefix + str(k).replace("-", "_")
+            given.add(path) if not isinstance(v, dict) else walk(v, path + ".")
+
+    for f in files:
+        walk(f, "")
+    return given
+
+
+def drop_qualifiers(cfg, given: set[str]):
+    """``cfg`` (a resumed run's settings with this invocation's over them) without the ``QUALIFIES`` settings it
+    inherited for a tool that ``given`` (``given_settings``) switches off: they go back to their defaults."""
+    defaults = type(cfg)()
+    off = {k: getattr(defaults, k) for k, tool in QUALIFIES.items()
+           if tool in given and not getattr(cfg, tool) and k not in given}
+    return dataclasses.replace(cfg, **off)
 
 
 # ------------------------------------------------------------------------------------ config files
@@ -289,7 +335,12 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
         a, b = get(recorded["config"], path), get(current["config"], path)
         a = RECORDED_BEFORE.get(path) if a is None else a
         if a != b:
-            return f"{flag(path)} is {b!r} here but {a!r} in the run"
+            why_a, why_b = (r.get("defaults", {}).get(path, {}).get("why") for r in (recorded, current))
+            was = f" ({why_a})" if why_a else ""
+            if why_b:  # a value no flag gave here: say where each came from, and the flag that keeps the run's
+                return (f"{flag(path)} is {b!r} here ({why_b}) but {a!r} in the run{was}; pass {flag(path)} {a!r} to "
+                        f"keep the run's, or start a new --run-dir")
+            return f"{flag(path)} is {b!r} here but {a!r} in the run{was}"
     a, b = recorded.get("model", {}), current.get("model", {})
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -323,7 +374,9 @@ def describe_hf_folder(path: str, *, missing_ok: bool = False) -> dict | None:
     for name in HF_FOLDER_FILES:
         f = folder / name
         h.update(name.encode() + b"\0" + (f.read_bytes() if f.is_file() else b"-") + b"\0")
-    return {"path": str(folder), "fingerprint": h.hexdigest()}
+    files = {n: hashlib.blake2b((folder / n).read_bytes(), digest_size=8).hexdigest() if (folder / n).is_file()
+             else None for n in HF_FOLDER_FILES}
+    return {"path": str(folder), "fingerprint": h.hexdigest(), "files": files}
 
 
 def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
@@ -333,8 +386,14 @@ def hf_difference(recorded: dict | None, current: dict | None) -> str | None:
         return f"--init-from-hf {current['path']} is given but the run was not started from a Hugging Face folder"
     if current is None:
         return f"the run was started from --init-from-hf {recorded['path']}"
-    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its config.json, "
-            f"tokenizer_config.json, generation_config.json or chat template differ)")
+    a, b = recorded.get("files", {}), current.get("files", {})
+    changed = " and ".join(n for n in HF_FOLDER_FILES if a.get(n) != b.get(n)) if a else ""
+    if current["path"] == recorded["path"]:  # the same folder, edited: say what changed, not a flag
+        return (f"the folder's {changed or 'settings files'} changed since the run started ({current['path']}); "
+                f"restore {'it' if ' and ' not in changed else 'them'}, or start a new --run-dir")
+    return (f"--init-from-hf {current['path']} is not the run's folder {recorded['path']} (its "
+            f"{changed or 'config.json, tokenizer_config.json, generation_config.json or chat template'} "
+            f"{'differs' if changed and ' and ' not in changed else 'differ'})")
 
 
 def tokenizer_difference(recorded: dict | None, current: dict) -> str | None:
@@ -362,7 +421,8 @@ def make_record(cfg, model, mesh, batch_size: int, optim, horizon: int, replans:
     evals = [d["path"] for d in sources if d["role"] == "eval"]
     effective = dataclasses.replace(cfg, batch_size=batch_size, optim=dataclasses.replace(optim, decay_steps=horizon),
                                     data=tuple(train), eval_data=tuple(evals), tokenizer=tokenizer["path"])
-    fields = dataclasses.asdict(model)
+    # tuples (layer_pattern) as the lists run.json gives back, so a resumed run compares equal
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model).items()}
     return {
         "version": VERSION,
         "config": to_dict(effective, skip=PER_INVOCATION),
@@ -375,7 +435,8 @@ def make_record(cfg, model, mesh, batch_size: int, optim, horizon: int, replans:
         "data": sources,
         "tokenizer": tokenizer,
         "schedule": {"warmup_steps": optim.warmup_steps, "decay_steps": optim.decay_steps, "replans": replans},
-        # the optimizer-state tree differs with and without clipping: a resume must keep that choice
+        # the optimizer-state tree differs with and without clipping (and master weights, a LEARNED setting refused
+        # by its flag's name before this is compared): a resume must keep that choice
         "optimizer": "adamw+clip" if optim.clip_norm else "adamw",
     }
 

@@ -9,9 +9,10 @@ Parameters are born sharded (see ``model/layers.py``); the optimizer state is la
 
 Gradient accumulation: a global batch of ``B`` rows is cut into ``A = grad_accum`` micro-batches
 (row ``i`` goes to micro-batch ``i % A``, which keeps every micro-batch split over the batch mesh
-axes); gradients of each micro-batch's *sum* of token losses are added and divided once by the token
-count of the whole batch. So ``A`` micro-batches give the same loss and gradients as one batch of
-``B`` rows, whatever the number of valid tokens in each micro-batch.
+axes); gradients of each micro-batch's *sum* of token losses are added in float32 (whatever the parameters'
+dtype) and divided once by the token count of the whole batch. So ``A`` micro-batches give the same loss and
+gradients as one batch of ``B`` rows, whatever the number of valid tokens in each micro-batch. The float32 sum
+holds 4 bytes per parameter on the device while the micro-batches run (2 more than bfloat16 gradients).
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ BATCH_KEYS = ("tokens", "labels", "segment_ids", "positions")
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3  # peak learning rate
-    warmup_steps: int | None = None  # linear warmup from 0; None: 10% of the decay steps
+    lr: float | None = None  # peak learning rate; None: 3e-3 from scratch, 2e-5 with --init-from-hf (FINE_TUNING)
+    warmup_steps: int | None = None
+    """linear warmup from 0; None: 10% of the decay steps from scratch, 3% of them (at least 1) with --init-from-hf"""
     decay_steps: int | None = None
     """step where the cosine reaches lr * min_lr_ratio; None: --steps when the run starts. A resumed run keeps
     its schedule, even with more --steps; given on resume, the rate decays anew from where it is (no jump)."""
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio, then stays there
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    weight_decay: float | None = None  # AdamW decoupled weight decay; None: 0.1 from scratch, 0 with --init-from-hf
     clip_norm: float = 1.0  # global-norm gradient clipping (0: off)
     b1: float = 0.9  # AdamW first-moment decay
     b2: float = 0.95  # AdamW second-moment decay
@@ -57,11 +59,11 @@ class OptimConfig:
 
     def __post_init__(self):
         checks = (
-            ("lr", self.lr > 0, "> 0"),
+            ("lr", self.lr is None or self.lr > 0, "> 0"),
             ("warmup-steps", self.warmup_steps is None or self.warmup_steps >= 0, ">= 0"),
             ("decay-steps", self.decay_steps is None or self.decay_steps >= 1, ">= 1"),
             ("min-lr-ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-            ("weight-decay", self.weight_decay >= 0, ">= 0"),
+            ("weight-decay", self.weight_decay is None or self.weight_decay >= 0, ">= 0"),
             ("clip-norm", self.clip_norm >= 0, ">= 0 (0: off)"),
             ("b1", 0 <= self.b1 < 1, "in [0, 1)"),
             ("b2", 0 <= self.b2 < 1, "in [0, 1)"),
@@ -71,11 +73,50 @@ class OptimConfig:
                 value = getattr(self, name.replace("-", "_"))
                 raise ValueError(f"--optim.{name} ({value}) must be {need}")
 
-    def resolved(self, total_steps: int) -> OptimConfig:
-        """The same settings with the decay and warmup steps filled in for a run of ``total_steps``."""
-        decay = self.decay_steps if self.decay_steps is not None else total_steps
-        warmup = self.warmup_steps if self.warmup_steps is not None else round(0.1 * decay)
-        return dataclasses.replace(self, decay_steps=decay, warmup_steps=warmup)
+    def resolved(self, total_steps: int, *, fine_tuning: bool = False) -> OptimConfig:
+        """The same settings with every ``None`` filled in for a run of ``total_steps``: the from-scratch defaults, or
+        with ``fine_tuning`` (a pretrained start, ``--init-from-hf``) those of ``FINE_TUNING``."""
+        return dataclasses.replace(self, **{k: v for k, (v, _) in self.defaults(total_steps, fine_tuning).items()})
+
+    def defaults(self, total_steps: int, fine_tuning: bool = False) -> dict[str, tuple[float | int, str]]:
+        """``{field: (value, why)}`` for each setting left at ``None`` (not given), as ``resolved`` fills it in."""
+        d = FINE_TUNING if fine_tuning else SCRATCH
+        out = {}
+        decay = self.decay_steps
+        if decay is None:
+            decay = total_steps
+            out["decay_steps"] = (decay, f"--steps {total_steps}")
+        if self.warmup_steps is None:
+            warmup = max(round(d["warmup_share"] * decay), 1 if fine_tuning else 0)
+            out["warmup_steps"] = (warmup, f"{d['warmup_share']:.0%} of {decay} steps, derived from "
+                                           f"{'--steps' if self.decay_steps is None else '--optim.decay-steps'}")
+        for name in ("lr", "weight_decay"):
+            if getattr(self, name) is None:
+                out[name] = (d[name], d["why"])
+        return out
+
+
+# Defaults for settings not given (None). From scratch: this project's tiny-model recipe. Fine-tuning a pretrained
+# model (--init-from-hf): the full fine-tuning recipe of Stanford Alpaca's train command, LLaVA's and AllenAI
+# open-instruct's (Tulu 2) fine-tuning scripts: peak lr 2e-5, no weight decay, warmup over 3% of the steps; all of
+# them clip the global gradient norm at 1.0 (the Transformers Trainer's max_grad_norm), as --optim.clip-norm does.
+SCRATCH = dict(lr=3e-3, weight_decay=0.1, warmup_share=0.1, why="from-scratch default")
+FINE_TUNING = dict(lr=2e-5, weight_decay=0.0, warmup_share=0.03, why="fine-tuning default for --init-from-hf")
+
+
+def describe_optim(optim: dict, defaults: dict) -> str:
+    """The start-up line of a run's optimizer: ``optim`` as recorded (``run.json``'s ``config.optim``), each setting
+    that was not given marked with where its value came from (``defaults``: the record's ``defaults``)."""
+    def said(name: str, text: str) -> str:
+        why = defaults.get(f"optim.{name}", {}).get("why")
+        return f"{text} ({why})" if why else text
+
+    lr, warmup, wd = optim["lr"], optim["warmup_steps"], optim["weight_decay"]
+    steps = "step" if warmup == 1 else "steps"
+    return (f"AdamW, {said('lr', f'peak lr {lr:g}')}, {said('warmup_steps', f'warmup {warmup} {steps}')}, cosine to "
+            f"{optim['min_lr_ratio']:g} x lr at step {optim['decay_steps']}, "
+            f"{said('weight_decay', f'weight decay {wd:g}')}, clip-norm {optim['clip_norm']:g} (--optim.* flags "
+            f"override)")
 
 
 def make_schedule(cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
@@ -128,6 +169,7 @@ def make_optimizer(
 ) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW, as an ``optimizer.Optimizer`` (an optax transformation that names its parts,
     with master weights and host memory as ``cfg`` asks)."""
+    cfg = cfg.resolved(total_steps)  # settings not given: the from-scratch defaults (a job resolves them before)
     adamw = optax.adamw(
         make_schedule(cfg, total_steps, replans), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask
     )
@@ -230,13 +272,32 @@ def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
                          f"not summed over micro-batches; use a longer --seq-len or a larger --batch-size instead")
 
 
+def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh):
+    """``((sum of token losses, token count), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in
+    micro-batch ``i % grad_accum``), the micro-batches' gradients added in float32 whatever the parameters' dtype
+    (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``: ``((sum, count), gradients)``."""
+    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
+
+    def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
+        x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+    def body(carry, micro):
+        g_acc, s_acc, c_acc = carry
+        (s, c), g = grad_fn(params, micro)
+        return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g), s_acc + s, c_acc + c), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    return (total, count), grads
+
+
 def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
     grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
-
-    micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def step(state, batch):
         params = state["params"]
@@ -245,27 +306,20 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
         if grad_accum == 1:
             (total, count), grads = grad_fn(params, batch)
         else:
-
-            def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
-                x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
-                return jax.lax.with_sharding_constraint(x, micro_sharding)
-
-            def body(carry, micro):
-                g_acc, s_acc, c_acc = carry
-                (s, c), g = grad_fn(params, micro)
-                return (jax.tree.map(jnp.add, g_acc, g), s_acc + s, c_acc + c), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-            (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+            (total, count), grads = accumulate(grad_fn, params, batch, grad_accum, mesh)
         denom = jnp.maximum(count, 1).astype(jnp.float32)
+        if grad_accum > 1:  # float32 sums divided in float32, then in the dtype the optimizer takes (below)
+            master = isinstance(state["opt_state"], optimizer.MasterState)
+            grads = jax.tree.map(lambda g, p: (g / denom).astype(jnp.float32 if master else p.dtype), grads, params)
         if getattr(tx, "offload", False):  # divides by the count itself, part by part on the device
             new_params, opt_state, grad_norm = optimizer.streamed_update(
-                tx, grads, state["opt_state"], params, denom=denom, host_params=host_params)
+                tx, grads, state["opt_state"], params, denom=denom if grad_accum == 1 else None,
+                host_params=host_params)
         else:
             # each gradient keeps its parameter's dtype: a float32 quotient of bfloat16 gradients would make AdamW's
             # moments float32 after one step, and the new state would no longer fit the donated buffers
-            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+            if grad_accum == 1:
+                grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
             new_params, opt_state = optimizer.apply(tx, grads, state["opt_state"], params)
             grad_norm = optax.tree.norm(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])

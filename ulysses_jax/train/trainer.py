@@ -7,6 +7,8 @@ compiled.
 
 The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
 checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
+A run killed outright continues with ``--resume`` from its last complete checkpoint (``checkpoint.py``), or, killed
+before its first one was complete, starts again from step 0 with the settings of its record.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uuid
 import jax
 import numpy as np
 
+from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
 from ulysses_jax.data.pipeline import BatchIterator, eval_batches, merge_states, process_rows, to_global
 from ulysses_jax.data.tokenizers import describe_tokenizer
@@ -39,7 +42,6 @@ from ulysses_jax.train.config import (
     data_config,
     default_run_dir,
     model_config,
-    model_config_from_run,
 )
 from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
     MeshConfig,
@@ -48,9 +50,16 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
     memory_pool,
     resolve_batch,
 )
+from ulysses_jax.train.eval_loop import LoopEval
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
-from ulysses_jax.train.step import abstract_state, check_offload_params, init_state, make_eval_step, state_shardings
+from ulysses_jax.train.step import (
+    abstract_state,
+    check_offload_params,
+    init_state,
+    make_eval_step,
+    state_shardings,
+)
 
 
 def _peak(cfg_peak_tflops: float | None) -> float | None:
@@ -100,6 +109,7 @@ class Run:
     notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
     eval_step: object = None
     data_config: DataConfig | None = None
+    loop_eval: LoopEval | None = None  # --eval-by-position / --eval-passkey (eval_loop.py)
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -170,27 +180,21 @@ def setup_train(cfg: TrainConfig) -> Run:
         raise ValueError(f"--run-dir {cfg.run_dir} already holds checkpoints; pass --resume to continue that run "
                          f"or choose a new --run-dir (nothing was overwritten)")
     if resuming and not where.steps:
-        raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point --run-dir "
-                         f"at a run")
+        if cfg.resume_from is not None or not where.record:
+            raise ValueError(f"--resume: no checkpoint in {where.checkpoints}; start without --resume, or point "
+                             f"--run-dir at a run")
+        resuming = False  # the run stopped before its first checkpoint was complete: it starts again (noted below)
     recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
 
     data_cfg = data_config(cfg)
     summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
+    lengths_found = lengths.measure(data_cfg, cfg.seq_len)  # refuses an SFT record longer than a row
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
     hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
-    if resuming and (recorded or {}).get("init_from_hf"):
-        # the run's model is its record's (config.json is not read again); a changed folder is refused below
-        model = model_config_from_run(recorded, attention_impl=cfg.attention, remat=cfg.remat,
-                                      remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                                      attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
-                                      attn_recompute=cfg.attn_recompute or None)
+    model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
+    if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
-        if summary.vocab_size > model.vocab_size:
-            raise ValueError(f"the tokenizer has {summary.vocab_size} tokens but the run's model a vocabulary of "
-                             f"{model.vocab_size}; resume with the run's tokenizer (leave out --tokenizer)")
-    else:
-        model = model_config(cfg, summary.vocab_size)
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
@@ -198,21 +202,28 @@ def setup_train(cfg: TrainConfig) -> Run:
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
 
     notes: list[str] = []
-    if resuming:
+    if resuming:  # the run's settings are its record's: what its defaults chose stays recorded as chosen
         start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
+        chosen = recorded.get("defaults", {})
     else:
-        start, optim, replans = 0, cfg.optim.resolved(cfg.steps), []
+        fine_tuning = cfg.init_from_hf is not None
+        start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning), []
         horizon = optim.decay_steps
+        chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
+                  cfg.optim.defaults(cfg.steps, fine_tuning).items()}
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
-    record["init_from_hf"] = hf_folder
     fraction, source = memory_pool(cfg.memory_fraction, os.environ)  # the CLI applied it before JAX started
     record["memory_pool"] = {"fraction": fraction, "source": source}
+    # a setting given on resume is no longer the default it was
+    record["init_from_hf"], record["defaults"] = hf_folder, {
+        k: v for k, v in chosen.items() if runconfig.get(record["config"], k) == v["value"]}
     if recorded is not None:
         why = runconfig.same_run(recorded, record)
         if why and resuming:
-            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}; resume without that flag, or "
-                             f"start a new --run-dir")
+            fix = "" if why.endswith("--run-dir") else "; resume without that flag, or start a new --run-dir"
+            raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}{fix}")
         if why:
+            why = why.removesuffix(", or start a new --run-dir")  # the fix of a value no flag gave: said once below
             raise ValueError(f"--run-dir {cfg.run_dir} holds another run that saved no checkpoint ({why}); choose a "
                              f"new --run-dir, or delete that directory to start over")
     if not resuming:
@@ -243,19 +254,21 @@ def setup_train(cfg: TrainConfig) -> Run:
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
+    loop_eval = LoopEval.setup(cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]),
+                               data_cfg=data_cfg, batch_size=batch_size)
 
-    # Everything is checked: write.
-    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
-    if resuming and checkpointer.set_aside(after=start) is not None:
-        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
+    # Everything is checked: write, the record first (a run killed from here on is one that `--resume` continues).
     starts = (recorded or {}).get("starts", []) if resuming else []
     record["starts"] = starts + [{"step": start, "time": runconfig.now(), "mesh": dict(mesh.shape),
                                   "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
     record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
     if jax.process_index() == 0:
         runconfig.write_record(cfg.run_dir, record)
+    checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
+    if resuming and checkpointer.set_aside(after=start) is not None:
+        notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
-               str(summary), notes, eval_step, data_cfg)
+               f"{summary}; {lengths_found}", notes, eval_step, data_cfg, loop_eval)
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -378,6 +391,7 @@ def train_run(run: Run) -> dict:
                     ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
                                        batch_size=run.batch_size, max_batches=cfg.eval_batches)
                     record.update({f"eval_{k}": v for k, v in ev.items()})
+                    record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
                     evals.append((step + 1, ev["loss"]))
                 log.log(record)
                 losses.append(loss)

@@ -1,0 +1,103 @@
+"""Documents against the row length, counted before training: SFT records longer than ``--seq-len`` (refused, or
+dropped with ``--sft-overlong drop``) and plain-text documents cut into pieces.
+
+An SFT record is never split across rows: its later pieces would hold answers with no question. With the default
+``--sft-overlong refuse`` a record longer than ``--seq-len`` stops the run before anything is written, with the count
+and the longest record; ``drop`` leaves such records out (training and eval) and the start-up lines say how many.
+Plain-text documents longer than a row are cut into pieces of ``--seq-len`` tokens, each its own segment, as
+pretraining does; the start-up lines say how many were.
+
+Counting text documents needs their token counts; a document whose UTF-8 bytes (plus BOS and EOS) fit in a row is
+not tokenized (the others are, in parallel batches): the tokenizers read here (UTF-8 bytes, byte-level BPE, byte-fallback SentencePiece) give at most one
+token per byte, so it cannot be longer than a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from ulysses_jax.data.documents import DataConfig, document_encoder, split_documents
+from ulysses_jax.data.tokenizers import make_tokenizer
+
+Overlong = Literal["refuse", "drop"]  # --sft-overlong: what an SFT record longer than --seq-len does
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """What ``measure`` found: documents longer than ``seq_len`` among ``documents`` (all splits)."""
+
+    seq_len: int
+    sft: bool
+    documents: int
+    over: int  # SFT records dropped, or text documents cut into pieces
+    longest: int  # tokens of the longest document measured (text: of those longer than their bytes allow to skip)
+    where: str = ""  # the longest over-long document, for messages
+
+    def __str__(self) -> str:
+        if self.sft:
+            if not self.over:
+                return f"no SFT record is longer than --seq-len {self.seq_len} (the longest: {self.longest} tokens)"
+            return (f"{self.over} of {self.documents} SFT records longer than --seq-len {self.seq_len} dropped "
+                    f"(--sft-overlong drop; the longest: {self.longest} tokens, {self.where})")
+        return (f"{self.over} of {self.documents} text documents longer than --seq-len {self.seq_len} are cut into "
+                f"pieces of {self.seq_len} tokens" if self.over else
+                f"no text document is longer than --seq-len {self.seq_len}")
+
+
+def _documents(cfg: DataConfig):
+    """``(index, doc, flag)`` of every document a run may read: the training split, the held-out and ``--eval-data``."""
+    index, _ = split_documents(cfg, "train")
+    for doc in range(len(index)):
+        yield index, doc, "--data"
+    if cfg.eval_paths:
+        held, docs = split_documents(cfg, "eval")
+        for doc in docs:
+            yield held, int(doc), "--eval-data"
+
+
+def measure(cfg: DataConfig, seq_len: int) -> Lengths:
+    """Count the documents longer than ``seq_len`` tokens; an SFT record that is, under ``refuse``, raises
+    ``ValueError`` with the count, the longest and the fix (module doc)."""
+    sft = cfg.format == "sft"
+    encode = document_encoder(cfg) if sft else None
+    tok = None if sft or not cfg.tokenizer else make_tokenizer(cfg.tokenizer)
+    slack = 0 if sft else len(document_encoder(cfg)(""))  # the BOS / EOS that frame a text document
+    count = over = longest = 0
+    where, batch = "", []
+
+    def add(n: int, index, doc: int, flag: str) -> None:
+        nonlocal over, longest, where
+        over += n > seq_len
+        if n > longest:
+            longest, where = n, index.where(doc, flag)
+
+    def flush() -> None:  # text documents tokenized in parallel, a batch at a time
+        for (index, doc, flag), n in zip(batch, tok.count([index.text(d) for index, d, _ in batch])):
+            add(n + slack, index, doc, flag)
+        batch.clear()
+
+    for index, doc, flag in _documents(cfg):
+        count += 1
+        if sft:
+            add(len(encode(index.text(doc))["tokens"]), index, doc, flag)
+            continue
+        size = len(index.text(doc).encode("utf-8")) + slack
+        if tok is None:  # the tokens are the bytes
+            add(size, index, doc, flag)
+        elif size > seq_len:  # else it cannot be longer than a row (module doc)
+            batch.append((index, doc, flag))
+            if len(batch) == 64:
+                flush()
+    if batch:
+        flush()
+    if sft and over and over == count:
+        raise ValueError(f"all {count} SFT records are longer than --seq-len {seq_len} (the longest: {longest} "
+                         f"tokens, {where}); raise --seq-len")
+    found = Lengths(seq_len, sft, count, over, longest, where if longest > seq_len else "")
+    if sft and over and cfg.sft_overlong != "drop":
+        raise ValueError(
+            f"{over} of {count} SFT records are longer than --seq-len {seq_len} (the longest: {longest} tokens, "
+            f"{where}); a record is never split across rows (its later pieces would lose the prompt): raise --seq-len "
+            f"to at least {longest}, or leave such records out with --sft-overlong drop")
+    return found
