@@ -22,7 +22,8 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 from results_io import run_header, write_table  # noqa: E402  (beside this script)
 
-from ulysses_jax.plan.planner import GiB, PlanConfig, find_max_seq_len, plan  # noqa: E402
+from ulysses_jax.plan.planner import GiB, PlanConfig, plan  # noqa: E402
+from ulysses_jax.plan.search import find_max_seq_len  # noqa: E402
 from ulysses_jax.train.devices import MeshConfig  # noqa: E402
 from ulysses_jax.train.step import OptimConfig  # noqa: E402
 

@@ -94,7 +94,10 @@ def test_pulse_train_then_eval(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 and r["eval_loss"] > 0 for r in recs)
     assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit()) == [1, 2]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert json.loads((run / "run.json").read_text())["config"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["mesh"] == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}
+    assert "Memory pool: 95% of each GPU's memory (--memory-fraction default, what plan's budget assumes)" in p.stdout
+    assert record["memory_pool"]["fraction"] == 0.95 and record["config"]["memory_fraction"] is None
     e = cli("eval", "--run-dir", str(run), "--max-batches", "1")  # no other flag: everything from the run
     assert "eval at step 2: loss" in e.stdout and "the run's held-out documents" in e.stdout
     assert [r["step"] for r in records(run, "eval.jsonl")] == [2]

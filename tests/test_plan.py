@@ -1,7 +1,6 @@
 """The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
 H100s (``ulysses_jax.plan.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -17,9 +16,10 @@ from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.model.transformer import remat_policy
 from ulysses_jax.plan import hlo
 from ulysses_jax.plan.kernel_report import dump_options, kernels
-from ulysses_jax.plan.planner import PlanConfig, find_max_seq_len, plan, search_units, seq_len_unit
+from ulysses_jax.plan.planner import PlanConfig, plan
 from ulysses_jax.plan.targets import TARGETS, target_devices
 from ulysses_jax.train.devices import MeshConfig
+from ulysses_jax.train.step import OptimConfig
 
 pytestmark = pytest.mark.aot
 ROOT = pathlib.Path(__file__).parents[1]
@@ -134,29 +134,6 @@ def test_all_to_all_bytes_split_by_destination_host(per_host, network):
     assert (c.bytes, c.inter_host_bytes, c.intra_host_bytes) == (512, network, 512 - network)
 
 
-def test_search_finds_the_boundary():
-    for limit in (0, 1, 5, 6, 7, 100, 1000):
-        calls = []
-
-        def fits(n):
-            calls.append(n)
-            return n <= limit
-
-        for start in (1, 4, 6, 64, 5000):
-            assert search_units(fits, start=start, max_units=10**6) == limit, (limit, start)
-    assert search_units(lambda n: True, start=3, max_units=40) == 40
-
-
-def test_find_max_seq_len_is_the_boundary():
-    # a budget of 0.3% of an H100 (~250 MB): tiny on 8 devices fits a few units of 16K tokens (chunks of 2048)
-    cfg = PlanConfig(preset="tiny", seq_len=32768, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), attention="pallas",
-                     loss_chunk=2048, mlp_chunk=2048, budget_fraction=0.003, kernels=False)
-    best = find_max_seq_len(cfg, log=lambda *_: None)
-    unit = seq_len_unit(cfg, 8)
-    assert best.max_seq_len and best.max_seq_len % unit == 0 and best.fits and best.seq_len == best.max_seq_len
-    assert not plan(cfg, seq_len=best.max_seq_len + unit, with_kernels=False).fits
-
-
 def _cli(*args, env=None):
     env = {k: v for k, v in (env or os.environ).items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", "ulysses_jax", "plan", *args], capture_output=True, text=True,
@@ -183,6 +160,9 @@ def test_cli_plan_writes_json(tmp_path):
     (["--seq-len", "4098", "--mesh.sp", "4", "--mesh.fsdp", "2"], "--seq-len (4098) must be a positive multiple of"),
     (["--devices", "16", "--hosts", "3"], "--devices (16) must be a multiple of --hosts (3)"),
     (["--budget-fraction", "1.5"], "--budget-fraction (1.5) must be in (0, 1]"),
+    (["--budget-fraction", "0.97"], "--budget-fraction (0.97) must be at most --memory-fraction (0.95)"),
+    (["--memory-fraction", "1.2"], "--memory-fraction (1.2) must be in (0, 1)"),
+    (["--host-memory-gib", "-1"], "--host-memory-gib (-1.0) must be >= 0"),
 ])
 def test_cli_plan_bad_input(args, message):
     r = _cli("--preset", "tiny", "--no-kernels", *args)
@@ -257,83 +237,6 @@ def test_optimizer_offload_puts_the_state_in_host_memory():
     assert "in pinned host memory" in format_plan(offloaded) and "host link floor" in format_plan(offloaded)
 
 
-def test_memory_auto_picks_the_longest_context_within_the_host_budget(monkeypatch):
-    """--memory auto: a search per set of memory tools (each search is the one tested above, stubbed here); the
-    longest context whose host memory per GPU fits --host-memory-gib wins, and the plan names the train flags."""
-    import types
-
-    from ulysses_jax.plan import planner as plan_module
-
-    searched = []
-
-    def fake_search(cfg, log=print):  # host memory grows with offload, context with every tool
-        searched.append(cfg)
-        n = {("full", None, None): 2, ("full", 2, None): 4, ("offload", None, None): 8, ("offload", 2, None): 6,
-             ("offload", None, 4096): 10, ("offload", 2, 4096): 7}[cfg.remat, cfg.remat_every, cfg.attn_chunk]
-        host = {"full": 0, None: 100, 2: 50}[cfg.remat if cfg.remat == "full" else cfg.remat_every] * 2**30
-        host += 20 * 2**30 * bool(cfg.attn_chunk)
-        assert cfg.attn_head_chunk == (1 if cfg.attn_chunk else None)
-        return types.SimpleNamespace(max_seq_len=n * 512, memory={"host_bytes": host}, memory_flags=None)
-
-    monkeypatch.setattr(plan_module, "find_max_seq_len", fake_search)
-    cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False)
-    best = plan_module.auto_memory(cfg, log=lambda *_: None)
-    assert len(searched) == 6 and {c.memory for c in searched} == {"manual"}
-    assert all(c.optim.offload and c.optim.master_weights and c.param_dtype == "bfloat16"
-               for c in searched if c.remat == "offload")
-    assert best.max_seq_len == 5120 and best.memory_flags == (
-        "--remat offload --param-dtype bfloat16 --optim.master-weights --optim.offload --attn-chunk 4096 "
-        "--attn-head-chunk 1")
-    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=110), log=lambda *_: None
-                                   ).memory_flags == ("--remat offload --param-dtype bfloat16 --optim.master-weights "
-                                                      "--optim.offload")
-    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=75), log=lambda *_: None
-                                   ).memory_flags == ("--remat offload --remat-every 2 --param-dtype bfloat16 "
-                                                      "--optim.master-weights --optim.offload --attn-chunk 4096 "
-                                                      "--attn-head-chunk 1 --attn-recompute")
-    searched.clear()  # with a ring, no tiled attention
-    plan_module.auto_memory(dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ring=2)), log=lambda *_: None)
-    assert len(searched) == 4 and not any(c.attn_chunk for c in searched)
-    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=60), log=lambda *_: None
-                                   ).memory_flags == ("--remat offload --remat-every 2 --param-dtype bfloat16 "
-                                                      "--optim.master-weights --optim.offload")
-    assert plan_module.auto_memory(dataclasses.replace(cfg, host_memory_gib=0), log=lambda *_: None
-                                   ).memory_flags == "--remat full --remat-every 2"
-
-
-def test_memory_auto_for_a_length_takes_the_cheapest_tools_that_fit(monkeypatch):
-    """--memory auto without --find-max-seq-len: the sets of memory tools in order of cost, the first whose plan fits
-    --seq-len with its host memory within --host-memory-gib; none fitting is one clear error."""
-    import types
-
-    from ulysses_jax.plan import planner as plan_module
-
-    tried = []
-
-    def fake_plan(cfg, detail=True, **_):
-        tried.append(cfg)
-        fits = cfg.remat == "offload" and cfg.remat_every == 2 or bool(cfg.attn_chunk)
-        host = 0 if cfg.remat == "full" else (300 if cfg.remat_every is None else 100) * 2**30
-        return types.SimpleNamespace(fits=fits, memory={"total_bytes": 0, "host_bytes": host}, memory_flags=None)
-
-    monkeypatch.setattr(plan_module, "plan", fake_plan)
-    cfg = PlanConfig(preset="tiny", memory="auto", kernels=False)
-    best = plan_module.auto_fit(cfg, log=lambda *_: None)
-    assert best.memory_flags == "--remat offload --remat-every 2 --param-dtype bfloat16 --optim.master-weights " \
-                                "--optim.offload"
-    assert [c.remat for c in tried] == ["full", "full", "offload", "offload", "offload"]  # the last one planned again
-    assert tried[-1].remat_every == 2 and tried[-1].memory == "manual"
-    with pytest.raises(ValueError, match=r"no set of memory tools fits --seq-len 2048 on these devices within "
-                                         r"--host-memory-gib 50"):
-        plan_module.auto_fit(dataclasses.replace(cfg, host_memory_gib=50), log=lambda *_: None)
-
-
-def test_cli_memory_auto_prints_the_train_flags():
-    r = _cli("--preset", "tiny", "--no-kernels", "--memory", "auto", "--seq-len", "8192", "--batch-size", "1")
-    assert r.returncode == 0, r.stderr
-    assert "Memory tools chosen (--memory auto); train with: --remat full --seq-len 8192" in r.stdout
-
-
 def test_offload_params_is_refused_by_plan_with_the_reason():
     """Compile-only GPUs have no memory kinds, so the layers' gradients cannot be typed as host memory there: plan
     says so instead of printing a program that would keep them on the device (tests/test_gpu.py checks a real GPU)."""
@@ -404,3 +307,44 @@ def test_head_groups_shrink_the_kernels_buffers(tmp_path):
         assert f"bf16[1,{seq},{heads or 8},128]" in values
     q_bytes = seq * 8 * 128 * 2  # the whole sequence's Q of the device's 8 heads: 64 MiB
     assert temps[0] > temps[4] > temps[1] and temps[0] - temps[1] > q_bytes, temps
+
+
+TRAIN_ARGS_CASES = {
+    "plain": dict(),
+    "host optimizer": dict(remat="offload", param_dtype="bfloat16", optim=OptimConfig(master_weights=True,
+                                                                                        offload=True)),
+    "tiled attention": dict(remat="full", attn_chunk=512, attn_head_chunk=1, loss_chunk=512, mlp_chunk=512),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "host optimizer" else [pytest.mark.slow])
+                                  for c in TRAIN_ARGS_CASES])
+def test_train_args_compile_the_planned_program(case):
+    """The plan's ``train_args`` parsed by the real CLI parser, the step built from them as ``setup_train`` builds it
+    (model, mesh, batch, resolved optimizer, ``program.step_program``) on the same compile-only H100s: its optimised
+    HLO is the one ``plan`` compiled (fingerprints of the HLO without source metadata, and the text itself)."""
+    from ulysses_jax.cli import parse
+    from ulysses_jax.data.tokenizers import make_tokenizer
+    from ulysses_jax.plan.hlo import fingerprint
+    from ulysses_jax.train.config import TrainConfig, build_mesh, check_parallel, model_config, resolve_batch
+    from ulysses_jax.train.program import optimizer_of, step_program
+    from ulysses_jax.train.step import abstract_state
+
+    cfg = PlanConfig(preset="tiny", seq_len=4096, steps=7, mesh=MeshConfig(fsdp=2, sp=4), attention="pallas",
+                     kernels=False, **TRAIN_ARGS_CASES[case])
+    p = plan(cfg, detail=False)
+    train = parse(["train", *p.train_args])
+    assert type(train) is TrainConfig and train.memory_fraction == p.memory_fraction == 0.95
+    model = model_config(train, make_tokenizer(train.tokenizer).vocab_size)
+    mesh = build_mesh(train.mesh, model, train.seq_len, devices=target_devices("h100", devices=8))
+    batch_size = resolve_batch(train.batch_size, mesh, train.grad_accum)
+    check_parallel(model, mesh, seq_len=train.seq_len, batch_size=batch_size, grad_accum=train.grad_accum)
+    optim = train.optim.resolved(train.steps)
+    tx = optimizer_of(optim, train.steps)
+    graphdef, state = abstract_state(model, mesh, tx, train.seed)
+    step, batch = step_program(graphdef, state, tx, optim, steps=train.steps, mesh=mesh, batch_size=batch_size,
+                               seq_len=train.seq_len, grad_accum=train.grad_accum)
+    text = step.trace(state, batch).lower().compile().as_text()
+    assert fingerprint(text) == p.hlo_fingerprint
+    assert ("--optim.offload" in p.train_args) == (case == "host optimizer") and "--steps" in p.train_args
+    assert bool(p.notes) == (case == "host optimizer") or model.remat == "offload"

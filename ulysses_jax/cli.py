@@ -25,6 +25,7 @@ import tyro
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.train import runconfig
 from ulysses_jax.train.config import PRESET_AND_HF, TrainConfig
+from ulysses_jax.train.devices import apply_memory_pool
 from ulysses_jax.train.evaluate import EvalConfig
 from ulysses_jax.train.export import ExportConfig
 
@@ -217,10 +218,17 @@ def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.train.step import describe_optim
     from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
 
+    try:  # before JAX starts its GPU client, which reads the pool's size once
+        apply_memory_pool(cfg.memory_fraction, os.environ)
+    except ValueError as e:
+        return _error(str(e))
     run = _checked(setup_train, cfg)
     if run is None:
         return EXIT_USAGE
     cfg, m = run.cfg, run.model
+    pool = run.record["memory_pool"]
+    print(f"Memory pool: {pool['fraction']:.0%} of each GPU's memory ({pool['source']})"
+          + ("; no effect on CPU devices" if run.mesh.devices.flat[0].platform == "cpu" else ""))
     print(f"Data: {run.summary}")
     verb = f"Continuing {run.run_dir} from step {run.start_step}:" if run.start_step else "Training"
     print(
@@ -268,7 +276,7 @@ def _train(cfg: TrainConfig) -> int:
 
 def _plan(cfg, args: list[str]) -> int:
     from ulysses_jax.plan import xla_log
-    from ulysses_jax.plan.planner import run_plan
+    from ulysses_jax.plan.run import run_plan
 
     log = cfg.xla_log or xla_log.default_path()
     try:

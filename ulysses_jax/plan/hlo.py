@@ -44,6 +44,7 @@ class Collective:
     inter_host_bytes: int = 0
     async_pairs: int = 0  # start/done pairs (per execution)
     overlapped: int = 0  # pairs with compute scheduled between start and done
+    overlapped_bytes: int = 0  # the bytes of those pairs
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -227,8 +228,23 @@ def collectives(
                 between = instrs[position[ins.name] + 1 : done] if done is not None else []
                 if any(d.opcode in _COMPUTE for d in between):
                     c.overlapped += n
+                    c.overlapped_bytes += n * size
     return out
 
 
 def total_bytes(colls: dict[str, Collective]) -> int:
     return sum(c.bytes for c in colls.values())
+
+
+_METADATA = re.compile(r",?\s*metadata=\{[^{}]*\}|fingerprint_before_lhs=\"\w*\",?")
+_SOURCE_TABLES = re.compile(r"^FileNames\n.*?(?=^(?:%|ENTRY ))", re.M | re.S)
+
+
+def fingerprint(hlo_text: str) -> str:
+    """A hash of the optimised HLO without where its ops come from: the source tables (file names, functions,
+    stack frames), each op's ``metadata={...}`` and the fingerprint of the unoptimised module that includes them.
+    Those name the files of the installed package, not what runs: the hash is equal for the same program compiled
+    from the same flags by ``plan`` and by ``train``."""
+    import hashlib
+
+    return hashlib.sha256(_METADATA.sub("", _SOURCE_TABLES.sub("", hlo_text)).encode()).hexdigest()[:16]

@@ -9,21 +9,23 @@ and batch), ``output`` (new state, metrics), ``temp`` (activations, gradients, w
 written into the donated state). ``total = argument + output + temp - alias``. XLA's figure leaves out the CUDA
 context (about 0.5 GiB), NCCL's buffers, cuBLAS workspaces and allocator fragmentation, so a plan *fits* when the
 total is within ``budget_fraction`` (default 0.9) of the device's memory: 7.9 GiB of margin on an H100. JAX
-preallocates 75% of the memory by default; run with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` so that the pool
-holds the budget, leaving 5% of the device for the context and NCCL outside the pool.
+preallocates 75% of the memory by default; ``train --memory-fraction`` (default 0.95, written into the plan's
+``train_args``) makes the pool hold the budget, leaving 5% of the device for the context and NCCL outside the pool.
+The verdict is joint: ``fits`` when the device total is within that budget *and* the pinned host memory per GPU is
+within ``--host-memory-gib`` (default: 90% of the target's node's host memory over its GPUs, ``targets.py``).
 
 Of the total, ``parameters`` and ``optimizer`` are exact (the state's shards on one device); ``gradients`` is one
 parameter shard's worth, an estimate of what the step holds at the end of the backward inside ``temp``;
 ``activations`` is the rest of ``temp``. Collectives come from the GPU HLO (``ulysses_jax.plan.hlo``: the layer loop
 counted once per layer). Model FLOPs and the time they need at the device's dense bf16 peak give a *floor* of the
 step time, not a prediction; link bandwidths likewise give a floor for the collectives if nothing overlapped.
+``ulysses_jax.plan.estimate`` turns them into an *estimate* of the step time, labelled as one with its assumptions.
 Pallas kernels are listed with ptxas's registers and spills (``ulysses_jax.plan.kernel_report``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -37,20 +39,15 @@ import jax.numpy as jnp
 from ulysses_jax.data.tokenizers import make_tokenizer
 from ulysses_jax.model import flops
 from ulysses_jax.plan import hlo
+from ulysses_jax.plan.estimate import attention_kernel, step_estimate
+from ulysses_jax.plan.flags import train_args
 from ulysses_jax.plan.kernel_report import KernelInfo, dump_options, kernels
-from ulysses_jax.plan.report import GiB, format_plan, gib
-from ulysses_jax.plan.targets import GpuTarget, get_target, target_devices
+from ulysses_jax.plan.report import GiB
+from ulysses_jax.plan.targets import HOST_SHARE, GpuTarget, get_target, target_devices
 from ulysses_jax.train.config import TrainConfig, model_config
-from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch
-from ulysses_jax.train.step import (
-    BATCH_KEYS,
-    abstract_state,
-    batch_sharding,
-    check_offload_params,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
-)
+from ulysses_jax.train.devices import build_mesh, check_memory_fraction, check_parallel, resolve_batch
+from ulysses_jax.train.program import optimizer_of, step_program
+from ulysses_jax.train.step import abstract_state, check_offload_params
 from ulysses_jax.train.trainer import device_total_bytes
 
 MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M tokens)
@@ -70,7 +67,9 @@ class PlanConfig(TrainConfig):
     every 2nd layer, the tiled attention in head groups) in that order of cost and print the train flags: the first
     that fits --seq-len, or with --find-max-seq-len the one with the longest context; host memory within
     --host-memory-gib"""
-    host_memory_gib: float = 237.0  # pinned host memory per GPU that --memory auto may plan for (1.9 TB / 8)
+    host_memory_gib: float | None = None
+    """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
+    2 TB: 209.5 GiB), printed with the plan"""
     json: str | None = None  # also write the plan as JSON to this file
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
     xla_log: str | None = None
@@ -97,10 +96,26 @@ class Plan:
     max_seq_len: int | None = None
     optimizer_on_host: bool = False  # --optim.offload: the optimizer state's shard is in pinned host memory
     memory_flags: str | None = None  # --memory auto: the train flags of the memory tools it chose
+    memory_fraction: float = 0.95  # the share of the GPU JAX's pool must take (train --memory-fraction)
+    host_budget_note: str = ""  # where the host budget comes from
+    train_args: list[str] = dataclasses.field(default_factory=list)  # `ulysses-jax train` flags of this program
+    hlo_fingerprint: str = ""  # of the optimised HLO (hlo.fingerprint), what train compiles from train_args
+    notes: list[str] = dataclasses.field(default_factory=list)  # where the compile-only program differs from a GPU's
+    estimate: dict | None = None  # estimate.step_estimate: seconds per step, tokens/s per GPU, MFU, assumptions
+    alternatives: list[dict] = dataclasses.field(default_factory=list)  # --memory auto: the runners-up
+
+    @property
+    def fits_device(self) -> bool:
+        return self.memory["total_bytes"] <= self.memory["budget_bytes"]
+
+    @property
+    def fits_host(self) -> bool:
+        return self.memory["host_bytes"] <= self.memory["host_budget_bytes"]
 
     @property
     def fits(self) -> bool:
-        return self.memory["total_bytes"] <= self.memory["budget_bytes"]
+        """The verdict: within the device budget and the host budget."""
+        return self.fits_device and self.fits_host
 
     @property
     def flops_per_device(self) -> float:
@@ -134,6 +149,17 @@ class Plan:
             "per_device": self.memory,
             "breakdown": self.breakdown,
             "fits": self.fits,
+            "fits_device": self.fits_device,
+            "fits_host": self.fits_host,
+            "budget_bytes": self.memory["budget_bytes"],
+            "host_budget_bytes": self.memory["host_budget_bytes"],
+            "host_budget": self.host_budget_note,
+            "memory_fraction": self.memory_fraction,
+            "train_args": self.train_args,
+            "hlo_fingerprint": self.hlo_fingerprint,
+            "notes": self.notes,
+            "estimate": self.estimate,
+            "alternatives": self.alternatives,
             "collectives": {k: c.as_dict() for k, c in self.collectives.items()},
             "flops_per_step": self.flops_per_step,
             "flops_per_device": self.flops_per_device,
@@ -161,10 +187,28 @@ def _shard_bytes(tree) -> int:
     return total
 
 
-def _mesh(cfg: PlanConfig, model, seq_len: int):
+def budgets(cfg: PlanConfig, target: GpuTarget) -> tuple[float, int, int, str]:
+    """``(memory fraction, device budget bytes, host budget bytes per GPU, where the host budget comes from)``."""
     if not 0 < cfg.budget_fraction <= 1:
         raise ValueError(f"--budget-fraction ({cfg.budget_fraction}) must be in (0, 1], e.g. 0.9")
+    fraction = check_memory_fraction(cfg.memory_fraction)
+    if cfg.budget_fraction > fraction:
+        raise ValueError(f"--budget-fraction ({cfg.budget_fraction}) must be at most --memory-fraction ({fraction}): "
+                         f"XLA's buffers live in JAX's memory pool; lower --budget-fraction or raise --memory-fraction")
+    if cfg.host_memory_gib is None:
+        host = target.host_budget_bytes
+        note = (f"{HOST_SHARE:.0%} of the host memory of the node assumed, {target.node}, over its "
+                f"{target.gpus_per_host} GPUs (--host-memory-gib to change)")
+    elif cfg.host_memory_gib < 0:
+        raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
+    else:
+        host, note = int(cfg.host_memory_gib * GiB), "--host-memory-gib"
+    return fraction, int(cfg.budget_fraction * target.memory_bytes), host, note
+
+
+def _mesh(cfg: PlanConfig, model, seq_len: int):
     target = get_target(cfg.target)
+    budgets(cfg, target)
     devices = target_devices(target.name, devices=cfg.devices, hosts=cfg.hosts)
     try:
         mesh = build_mesh(cfg.mesh, model, seq_len, devices=devices)
@@ -211,12 +255,11 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         raise ValueError("plan cannot compile --offload-params for compile-only GPUs yet: their devices have no memory "
                          "kinds, so the layers' gradients cannot be typed as host memory; plan without it (train runs "
                          "it on devices with memory kinds: GPUs, and CPUs where it is tested)")
-    tx = make_optimizer(cfg.optim, cfg.steps)
+    optim = cfg.optim.resolved(cfg.steps, fine_tuning=cfg.init_from_hf is not None)  # as train resolves it, fresh
+    tx = optimizer_of(optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
-    step = make_train_step(graphdef, tx, make_schedule(cfg.optim, cfg.steps), mesh,
-                           jax.tree.map(lambda x: x.sharding, state), grad_accum=cfg.grad_accum)
-    batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=batch_sharding(mesh))
-             for k in BATCH_KEYS}
+    step, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, mesh=mesh, batch_size=batch_size,
+                               seq_len=seq_len, grad_accum=cfg.grad_accum)
     with_kernels = cfg.kernels if with_kernels is None else with_kernels
     t0 = time.perf_counter()
     lowered = step.trace(state, batch).lower()
@@ -225,6 +268,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         found = kernels(dump, prefix="flash_attention") if detail and with_kernels else []
         buffers = largest_buffers(dump) if detail else []
     seconds = time.perf_counter() - t0
+    fraction, budget, host_budget, host_note = budgets(cfg, target)
     mem = compiled.memory_analysis()
     total = device_total_bytes(mem)
     host = (mem.host_argument_size_in_bytes + mem.host_output_size_in_bytes + mem.host_temp_size_in_bytes
@@ -236,8 +280,9 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         "alias_bytes": mem.alias_size_in_bytes,
         "host_bytes": host,
         "total_bytes": total,
-        "budget_bytes": int(cfg.budget_fraction * target.memory_bytes),
+        "budget_bytes": budget,
         "device_bytes": target.memory_bytes,
+        "host_budget_bytes": host_budget,
     }
     params = _shard_bytes(state["params"])
     memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
@@ -251,13 +296,34 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         "activations": max(mem.temp_size_in_bytes - params, 0),
     }
     per_host = cfg.devices // cfg.hosts
-    colls = hlo.collectives(compiled.as_text(), devices_per_host=per_host, num_devices=cfg.devices)
-    return Plan(
+    text = compiled.as_text()
+    colls = hlo.collectives(text, devices_per_host=per_host, num_devices=cfg.devices)
+    p = Plan(
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
-        compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload,
+        compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
+        host_budget_note=host_note, hlo_fingerprint=hlo.fingerprint(text),
+        train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
+                              memory_fraction=fraction),
+        notes=compile_only_notes(cfg, model),
     )
+    p.estimate = step_estimate(p, model, attention_kernel(model, mesh))
+    return p
+
+
+def compile_only_notes(cfg: PlanConfig, model) -> list[str]:
+    """Where the program compiled here differs from the one a GPU runs (the compile-only target lacks it)."""
+    notes = []
+    if cfg.optim.offload:
+        notes.append("--optim.offload: on a GPU the optimizer state's shardings carry the pinned_host memory kind; the "
+                     "compile-only GPUs list no memory kinds, so JAX drops it here and XLA places that state in host "
+                     "memory from the program's host-offload annotations alone: the same buffers (host bytes above), "
+                     "but the GPU program's parameters are typed as host memory and its HLO text differs there")
+    if model.remat == "offload":
+        notes.append("--remat offload: the saved layer inputs move to host memory through XLA's host-offload "
+                     "annotations, on a GPU as here")
+    return notes
 
 
 def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: int, batch_size: int,
@@ -274,146 +340,3 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
         saved = model.num_layers // model.remat_every
         total += 2 * saved * local_tokens * model.hidden * model.compute_jnp_dtype.itemsize
     return total
-
-
-def seq_len_unit(cfg: PlanConfig, sp: int) -> int:
-    """The step of the search: sequence lengths divisible by sp, each device's part by the chunk sizes and 128."""
-    chunk = math.lcm(128, cfg.loss_chunk or 1, cfg.mlp_chunk or 1, cfg.attn_chunk or 1)
-    return sp * chunk
-
-
-def search_units(fits, *, start: int, max_units: int) -> int:
-    """The largest ``n`` in ``[0, max_units]`` with ``fits(n)``, for ``fits`` true up to a boundary and false after.
-
-    Starts at ``start``, doubles (or halves) to bracket the boundary, then bisects: about ``2 log2(answer)`` calls.
-    """
-    lo, hi = 0, max_units + 1  # lo fits (0 trivially), hi does not
-    n = min(max(start, 1), max_units)
-    if fits(n):
-        lo = n
-        while lo < max_units:
-            n = min(2 * lo, max_units)
-            if not fits(n):
-                hi = n
-                break
-            lo = n
-    else:
-        hi = n
-        while hi > 1:
-            n = hi // 2
-            if fits(n):
-                lo = n
-                break
-            hi = n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def find_max_seq_len(cfg: PlanConfig, *, log=print) -> Plan:
-    """The plan at the longest sequence length that fits (``max_seq_len`` set; 0 when even one unit does not)."""
-    _, mesh = _mesh(cfg, _model(cfg), cfg.seq_len)
-    # the mesh the search plans on: resolved once, so that an automatic --mesh.sp does not change with the length
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
-    unit = seq_len_unit(cfg, mesh.shape["ring"] * mesh.shape["sp"])  # the sequence splits over ring x sp
-
-    def fits(n_units: int) -> bool:
-        p = plan(cfg, seq_len=n_units * unit, detail=False)
-        log(f"  seq_len {n_units * unit:>11,}: {gib(p.memory['total_bytes'])} GiB per device "
-            f"({'fits' if p.fits else 'over'}; {p.compile_seconds:.0f} s to compile)")
-        return p.fits
-
-    best_units = search_units(fits, start=cfg.seq_len // unit, max_units=MAX_SEQ_LEN // unit)
-    best = plan(cfg, seq_len=max(best_units, 1) * unit)
-    best.max_seq_len = best_units * unit
-    return best
-
-
-# ------------------------------------------------------------------------------------ report
-
-
-def memory_choices(cfg: PlanConfig, num_layers: int) -> list[tuple[str, dict]]:
-    """``(train flags, PlanConfig changes)`` of each set of memory tools ``--memory auto`` tries."""
-    k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
-            default=1)
-    host = dict(param_dtype="bfloat16", optim=dataclasses.replace(cfg.optim, master_weights=True, offload=True))
-    host_flags = "--param-dtype bfloat16 --optim.master-weights --optim.offload"
-    choices = [("--remat full", dict(remat="full", remat_every=None))]
-    if k > 1:
-        choices.append((f"--remat full --remat-every {k}", dict(remat="full", remat_every=k)))
-    choices.append((f"--remat offload {host_flags}", dict(remat="offload", remat_every=None, **host)))
-    if num_layers % 2 == 0:
-        choices.append((f"--remat offload --remat-every 2 {host_flags}", dict(remat="offload", remat_every=2, **host)))
-    if cfg.mesh.ring == 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
-        c = cfg.attn_chunk or cfg.mlp_chunk or 4096
-        tiled = f"--attn-chunk {c} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
-        choices.append((f"--remat offload {host_flags} {tiled}",
-                        dict(remat="offload", remat_every=None, attn_chunk=c, attn_head_chunk=1, **host)))
-        if num_layers % 2 == 0:  # two layers' inputs on the device in a group's backward: no attention output there
-            choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute",
-                            dict(remat="offload", remat_every=2, attn_chunk=c, attn_head_chunk=1, attn_recompute=True,
-                                 **host)))
-    return choices
-
-
-def _host_budget(cfg: PlanConfig) -> float:
-    """``--host-memory-gib`` in bytes, checked."""
-    if cfg.host_memory_gib < 0:
-        raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
-    return cfg.host_memory_gib * GiB
-
-
-def auto_memory(cfg: PlanConfig, *, log=print) -> Plan:
-    """``--memory auto``: the longest context over ``memory_choices`` whose host memory per GPU fits the budget."""
-    budget = _host_budget(cfg)
-    best, results = None, []
-    for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
-        log(f"{flags}:")
-        p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log)
-        host_ok = p.memory["host_bytes"] <= budget
-        results.append((flags, p.max_seq_len, p.memory["host_bytes"], host_ok))
-        if host_ok and p.max_seq_len and (best is None or p.max_seq_len > best.max_seq_len):
-            best, best_flags = p, flags
-    log("Memory tools tried (longest context, host memory per GPU):")
-    for flags, n, host, ok in results:
-        log(f"  {n:>12,} tokens  {gib(host):>8} GiB host{'' if ok else ' (over --host-memory-gib)'}  {flags}")
-    if best is None:
-        raise ValueError("no set of memory tools fits even one unit of the sequence on these devices within "
-                         f"--host-memory-gib {cfg.host_memory_gib}; plan more devices")
-    best.memory_flags = best_flags
-    return best
-
-
-def auto_fit(cfg: PlanConfig, *, log=print) -> Plan:
-    """``--memory auto`` without ``--find-max-seq-len``: the first of ``memory_choices`` (cheapest first) that fits
-    ``--seq-len`` with its host memory per GPU within the budget."""
-    budget = _host_budget(cfg)
-    for flags, changes in memory_choices(cfg, _model(cfg).num_layers):
-        trial = dataclasses.replace(cfg, memory="manual", **changes)
-        p = plan(trial, detail=False)
-        host_ok = p.memory["host_bytes"] <= budget
-        log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
-            f"{'fits' if p.fits and host_ok else 'over'}  {flags}")
-        if p.fits and host_ok:
-            best = plan(trial)
-            best.memory_flags = flags
-            return best
-    raise ValueError(f"no set of memory tools fits --seq-len {cfg.seq_len} on these devices within --host-memory-gib "
-                     f"{cfg.host_memory_gib}; plan more devices, or find the longest that fits with --find-max-seq-len")
-
-
-def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
-    """What ``ulysses-jax plan`` does: plan (or search), print, and write the JSON if asked."""
-    if cfg.json is not None and pathlib.Path(cfg.json).is_dir():
-        raise ValueError(f"--json {cfg.json} is a directory; give a file path such as plan.json")
-    if cfg.find_max_seq_len:
-        p = auto_memory(cfg, log=log) if cfg.memory == "auto" else find_max_seq_len(cfg, log=log)
-    else:
-        p = auto_fit(cfg, log=log) if cfg.memory == "auto" else plan(cfg)
-    log(format_plan(p))
-    if cfg.json is not None:
-        path = pathlib.Path(cfg.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(p.to_json(), indent=1))
-    return p

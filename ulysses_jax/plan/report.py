@@ -1,14 +1,12 @@
-"""The text a plan prints: memory per device and host, the largest buffers, collectives, kernels and the step's
-floors.
+"""The text a plan prints: memory per device and host against both budgets, the largest buffers, collectives,
+kernels, the step's floors and its estimated time, and the train flags of the planned program.
 """
 
 from __future__ import annotations
 
+import shlex
+
 GiB = 2**30
-
-
-
-
 
 def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
@@ -36,10 +34,13 @@ def format_plan(p) -> str:
         f"  argument / output / temp / alias: {gib(m['argument_bytes'])} / {gib(m['output_bytes'])} / "
         f"{gib(m['temp_bytes'])} / {gib(m['alias_bytes'])}",
         f"  total                 {gib(m['total_bytes']):>9}   = argument + output + temp - alias",
-        f"  budget                {gib(m['budget_bytes']):>9}   = {m['budget_bytes'] / m['device_bytes']:.0%} of "
-        f"{gib(m['device_bytes'])} (margin for CUDA context, NCCL, fragmentation)",
+        f"  device budget         {gib(m['budget_bytes']):>9}   = {m['budget_bytes'] / m['device_bytes']:.0%} of "
+        f"{gib(m['device_bytes'])} (margin for CUDA context, NCCL, fragmentation), in a memory pool of "
+        f"{p.memory_fraction:.0%} (train --memory-fraction {p.memory_fraction})",
         f"  host (pinned) memory  {gib(m['host_bytes']):>9}   (per GPU)",
-        f"  verdict: {'FITS' if p.fits else 'OVER'}",
+        f"  host budget           {gib(m['host_budget_bytes']):>9}   per GPU: {p.host_budget_note}",
+        f"  verdict: {'FITS' if p.fits else 'OVER'} (device {'within' if p.fits_device else 'OVER'} budget, host "
+        f"{'within' if p.fits_host else 'OVER'} budget)",
         "",
         "Collectives per step (per device; the layer loop counted once per layer)",
     ]
@@ -59,6 +60,15 @@ def format_plan(p) -> str:
         f"step per GPU if nothing overlapped ({p.target.host_link_bytes_per_s / 1e9:.0f} GB/s; optimizer offload, "
         f"remat offload)",
     ]
+    if p.estimate is not None:
+        e = p.estimate
+        lines += [
+            f"Estimated step time (an ESTIMATE, not a measurement; no GPU has run it): {seconds(e['step_seconds'])} "
+            f"per step, {e['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU, MFU {e['mfu']:.1%}",
+            "  parts: " + ", ".join(f"{k[:-2]} {seconds(v)}" for k, v in e["parts"].items()),
+            "  assumptions:",
+        ]
+        lines += [f"    - {a}" for a in e["assumptions"]]
     if p.kernels:
         lines += ["", "Pallas kernels (ptxas -v, sm_90a)"]
         for k in p.kernels:
@@ -74,5 +84,10 @@ def format_plan(p) -> str:
     if p.memory_flags is not None:
         lines += [f"Memory tools chosen (--memory auto); train with: {p.memory_flags} --seq-len "
                   f"{p.max_seq_len if p.max_seq_len is not None else p.seq_len}"]
-    lines.append(f"(compiled in {p.compile_seconds:.1f} s)")
+    if p.notes:
+        lines += ["", "Compile-only target vs a GPU (what this program cannot hold the same way):"]
+        lines += [f"  - {n}" for n in p.notes]
+    if p.train_args:
+        lines += ["", "Train the planned program with:", f"  ulysses-jax train {shlex.join(p.train_args)}"]
+    lines.append(f"(compiled in {p.compile_seconds:.1f} s; optimised HLO fingerprint {p.hlo_fingerprint})")
     return "\n".join(lines)

@@ -39,6 +39,14 @@ class GpuTarget:
     host_link_bytes_per_s: float  # per GPU, one direction, to pinned host memory (PCIe gen5 x16, nominal)
     network_bytes_per_s: float  # per GPU, one direction, between hosts (one 400 Gb/s NIC per GPU)
     gpus_per_host: int = 8
+    host_memory_bytes: int = 2 * 10**12  # the host memory of one node (the node assumed: see ``node``)
+    node: str = ""  # the node the host budget assumes, in words
+
+    @property
+    def host_budget_bytes(self) -> int:
+        """Pinned host memory per GPU a plan may use by default: ``HOST_SHARE`` of the node's memory over its GPUs
+        (the rest for the OS, the process and the data pipeline)."""
+        return int(HOST_SHARE * self.host_memory_bytes / self.gpus_per_host)
 
     @property
     def spec_file(self) -> pathlib.Path:
@@ -49,9 +57,12 @@ class GpuTarget:
         return self.spec_file.read_text()
 
 
+HOST_SHARE = 0.9  # of a node's host memory, the share pinned buffers may take (the rest: OS, process, data loading)
 TARGETS: dict[str, GpuTarget] = {
-    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 3.35e12, 450e9, 64e9, 50e9),
-    "h200": GpuTarget("h200", "NVIDIA H200", 150_754_820_096, 989e12, 4.8e12, 450e9, 64e9, 50e9),
+    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3", 84_942_979_072, 989e12, 3.35e12, 450e9, 64e9, 50e9,
+                      node="8 x H100 SXM with 2 TB of host memory (a DGX H100)"),
+    "h200": GpuTarget("h200", "NVIDIA H200", 150_754_820_096, 989e12, 4.8e12, 450e9, 64e9, 50e9,
+                      node="8 x H200 SXM with 2 TB of host memory (a DGX H200)"),
 }
 
 

@@ -91,6 +91,9 @@ class TrainConfig:
     profile_steps: str | None = None  # "A:B": write a jax.profiler trace of steps A..B-1 to run_dir/profile
     peak_tflops: float | None = None  # per-device peak for MFU; None: known GPUs' bf16 dense peak
     progress: bool = True  # show a progress bar
+    memory_fraction: float | None = None
+    """share of each GPU's memory JAX's pool takes (sets XLA_PYTHON_CLIENT_MEM_FRACTION before JAX starts, unless the
+    environment sets it: then the environment wins); None: 0.95, what `plan`'s default budget assumes"""
     cpu_devices: int = 8  # fake CPU devices when there is no accelerator
     distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
     coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0

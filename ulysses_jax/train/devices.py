@@ -133,3 +133,47 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
         why = re.sub(r"impl='(\w+)'( or '(\w+)')?", r"--attention \1\2", why)
         why = re.sub(r"'(\w+)'", r"\1", why)
         raise ValueError(f"--attention {cfg.attention_impl}: {why}") from None
+
+
+# ------------------------------------------------------------------------------------ the GPU memory pool
+
+DEFAULT_MEMORY_FRACTION = 0.95  # what `plan`'s default budget (0.9 of the device) assumes: see memory_pool
+MEMORY_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+_set_by_us: list[str] = []  # the value this process wrote into the environment (a second in-process run may change it)
+
+
+def check_memory_fraction(fraction: float | None) -> float:
+    """``--memory-fraction`` resolved (None: ``DEFAULT_MEMORY_FRACTION``) and checked."""
+    value = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
+    if not 0 < value < 1:
+        raise ValueError(f"--memory-fraction ({value}) must be in (0, 1), e.g. {DEFAULT_MEMORY_FRACTION}: the share of "
+                         f"each GPU's memory JAX's pool takes, the rest left to the CUDA context and NCCL")
+    return value
+
+
+def memory_pool(fraction: float | None, environ: dict) -> tuple[float, str]:
+    """The share of each GPU's memory JAX's pool takes, and where it comes from.
+
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set by the user wins (it is the process-wide setting JAX reads); otherwise
+    ``--memory-fraction`` (default ``DEFAULT_MEMORY_FRACTION``, what ``plan``'s budget assumes: XLA's buffers within
+    0.9 of the device, 0.05 of the pool for fragmentation, 0.05 of the device outside the pool).
+    """
+    value = check_memory_fraction(fraction)
+    env = environ.get(MEMORY_FRACTION_ENV)
+    if env is not None and not (_set_by_us and env == _set_by_us[-1]):
+        try:
+            return float(env), f"{MEMORY_FRACTION_ENV}={env} from the environment (it overrides --memory-fraction)"
+        except ValueError:
+            raise ValueError(f"{MEMORY_FRACTION_ENV}={env!r} in the environment is not a number; unset it or set it "
+                             f"to a fraction such as {DEFAULT_MEMORY_FRACTION}") from None
+    source = "--memory-fraction" if fraction is not None else "--memory-fraction default, what plan's budget assumes"
+    return value, source
+
+
+def apply_memory_pool(fraction: float | None, environ: dict) -> tuple[float, str]:
+    """``memory_pool``, written into ``environ`` for JAX's GPU client (call before JAX starts its backends)."""
+    value, source = memory_pool(fraction, environ)
+    if source.startswith("--memory-fraction"):
+        environ[MEMORY_FRACTION_ENV] = str(value)
+        _set_by_us.append(str(value))
+    return value, source

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import signal
 import threading
@@ -42,19 +43,21 @@ from ulysses_jax.train.config import (
     default_run_dir,
     model_config,
 )
-from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
+from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
+    MeshConfig,
+    build_mesh,
+    check_parallel,
+    memory_pool,
+    resolve_batch,
+)
 from ulysses_jax.train.eval_loop import LoopEval
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
+from ulysses_jax.train.program import optimizer_of, step_program
 from ulysses_jax.train.step import (
-    BATCH_KEYS,
     abstract_state,
-    batch_sharding,
     check_offload_params,
     init_state,
     make_eval_step,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
     state_shardings,
 )
 
@@ -209,6 +212,8 @@ def setup_train(cfg: TrainConfig) -> Run:
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
                   cfg.optim.defaults(cfg.steps, fine_tuning).items()}
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
+    fraction, source = memory_pool(cfg.memory_fraction, os.environ)  # the CLI applied it before JAX started
+    record["memory_pool"] = {"fraction": fraction, "source": source}
     # a setting given on resume is no longer the default it was
     record["init_from_hf"], record["defaults"] = hf_folder, {
         k: v for k, v in chosen.items() if runconfig.get(record["config"], k) == v["value"]}
@@ -231,7 +236,7 @@ def setup_train(cfg: TrainConfig) -> Run:
 
     it = BatchIterator(data_cfg, seq_len=cfg.seq_len, global_batch=batch_size, seed=cfg.seed,
                        row_ids=process_rows(mesh, batch_size, cfg.seq_len))
-    tx = make_optimizer(optim, cfg.steps, tuple(map(tuple, replans)))
+    tx = optimizer_of(optim, cfg.steps, replans)
     if resuming:
         graphdef, target = abstract_state(model, mesh, tx, cfg.seed)
         reader = Checkpointer(cfg.run_dir, create=False)
@@ -242,11 +247,10 @@ def setup_train(cfg: TrainConfig) -> Run:
         it.set_state(data_state)
     else:
         graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh))
-    step_fn = make_train_step(graphdef, tx, make_schedule(optim, cfg.steps, tuple(map(tuple, replans))), mesh,
-                              state_shardings(state), grad_accum=cfg.grad_accum)
-    # Compiled ahead of the loop: the same program `ulysses-jax plan` compiles, so its memory figure is the plan's.
-    batch = {k: jax.ShapeDtypeStruct((batch_size, cfg.seq_len), np.int32, sharding=batch_sharding(mesh))
-             for k in BATCH_KEYS}
+    # Compiled ahead of the loop: the program `ulysses-jax plan` compiles (train/program.py), so its memory figure is
+    # the plan's.
+    step_fn, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, replans=replans, mesh=mesh,
+                                  batch_size=batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum)
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None

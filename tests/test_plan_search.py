@@ -1,0 +1,310 @@
+"""The plan's joint verdict (device and host budgets), its searches (the longest context, --memory auto), the step-time
+estimate and the memory pool `train` sets. The searches' logic runs on stand-in plans whose memory is a known
+function of the length (fast); the compiles that check it on compile-only H100s are marked aot."""
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+from ulysses_jax.model import flops
+from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.plan import estimate, search
+from ulysses_jax.plan.hlo import Collective
+from ulysses_jax.plan.planner import PlanConfig, budgets, plan
+from ulysses_jax.plan.search import memory_choices, search_units, seq_len_unit, tile_for
+from ulysses_jax.plan.targets import TARGETS
+from ulysses_jax.train import devices
+from ulysses_jax.train.devices import MeshConfig
+
+ROOT = pathlib.Path(__file__).parents[1]
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------ the length search
+
+
+@pytest.mark.parametrize("limit", [0, 1, 7, 99, 100, 101, 2_500, 123_457])
+@pytest.mark.parametrize("start", [1, 50, 10**5])
+def test_search_brackets_the_boundary_within_one_percent_in_few_compiles(limit, start):
+    """An affine usage with a fixed part (as a plan's memory): the answer fits, a length within 1% (or one unit)
+    above it was seen over the budget, and the search needs a handful of measurements, not 2 log2(answer)."""
+    calls = []
+    usage = lambda n: 0.3 + 0.7 * n / (limit + 0.5)  # noqa: E731  (30% fixed, crossing 1 just above `limit`)
+
+    def measure(n):
+        calls.append(n)
+        return usage(n)
+
+    r = search_units(measure, start=start, max_units=10**6)
+    assert r == max((n for n in calls if usage(n) <= 1), default=0)
+    assert limit - max(1, 0.01 * limit) <= r <= limit
+    assert any(usage(n) > 1 and n <= max(r + 1, r * 1.01 + 1) for n in calls)
+    assert len(calls) <= 8, calls
+
+
+def test_search_survives_a_usage_that_is_not_affine():
+    """Steps and curvature (XLA changing its mind): the bracket still closes on a fitting length, by bisection."""
+    for limit in (3, 640, 9_999):
+        measure = lambda n, lim=limit: 0.2 if n <= lim else 5.0  # noqa: E731
+        r = search_units(measure, start=1, max_units=10**5)
+        assert limit * 0.99 - 1 <= r <= limit
+        curve = lambda n, lim=limit: (n / lim) ** 3  # noqa: E731
+        assert lim * 0.99 - 1 <= search_units(curve, start=7, max_units=10**5) <= limit if (lim := limit) else True
+    assert search_units(lambda n: 0.1, start=3, max_units=40) == 40
+    calls = []  # flat at first (a fixed part that hides the growth), then linear: doubles through the flat stretch
+
+    def flat_then_linear(n):
+        calls.append(n)
+        return max(0.46, 0.0001 * n)
+
+    assert 9_900 - 100 <= search_units(flat_then_linear, start=1, max_units=10**6) <= 10_000 and len(calls) <= 20
+
+
+def _fake_plan(device_per_token: float, host_per_token: float, *, fixed: float = 10 * GiB, step_s=1.0):
+    """A stand-in for planner.plan: memory affine in the length, budgets as the real plan reads them."""
+    compiled = []
+
+    def fake(cfg, seq_len=None, detail=True, **_):
+        n = cfg.seq_len if seq_len is None else seq_len
+        compiled.append((cfg, n, detail))
+        mem = {"total_bytes": int(fixed + device_per_token * n), "host_bytes": int(host_per_token * n),
+               "budget_bytes": int(cfg.budget_fraction * TARGETS["h100"].memory_bytes),
+               "host_budget_bytes": int(cfg.host_memory_gib * GiB) if cfg.host_memory_gib is not None
+               else TARGETS["h100"].host_budget_bytes}
+        seconds = step_s(cfg, n) if callable(step_s) else step_s
+        p = types.SimpleNamespace(seq_len=n, memory=mem, compile_seconds=0.0, max_seq_len=None, memory_flags=None,
+                                  train_args=[], estimate={"step_seconds": seconds, "tokens_per_second_per_gpu": 1.0})
+        p.fits_device = mem["total_bytes"] <= mem["budget_bytes"]
+        p.fits_host = mem["host_bytes"] <= mem["host_budget_bytes"]
+        p.fits = p.fits_device and p.fits_host
+        return p
+
+    return fake, compiled
+
+
+def test_find_max_seq_len_stops_at_the_host_budget(monkeypatch):
+    """Joint verdict: a set whose device memory would allow 8M tokens but whose host memory per GPU reaches the
+    budget at about 2M stops there; the reported length fits both and was compiled."""
+    fake, compiled = _fake_plan(device_per_token=7_000, host_per_token=100_000)
+    monkeypatch.setattr(search, "plan", fake)
+    cfg = PlanConfig(preset="tiny", seq_len=8192, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), loss_chunk=4096,
+                     kernels=False)
+    best = search.find_max_seq_len(cfg, log=lambda *_: None, detail=False)
+    host_limit = TARGETS["h100"].host_budget_bytes / 100_000
+    assert best.fits and best.max_seq_len == best.seq_len
+    assert best.memory["host_bytes"] <= TARGETS["h100"].host_budget_bytes
+    assert host_limit * 0.99 - 32768 <= best.max_seq_len <= host_limit
+    assert best.max_seq_len in [n for _, n, _ in compiled] and len(compiled) <= 10
+
+
+def test_memory_auto_finds_the_longest_within_both_budgets_and_prunes(monkeypatch):
+    """--memory auto --find-max-seq-len: the sets with the tiled attention are searched first; a later set is
+    measured once at the best length so far and dropped when it does not fit there. The longest within both budgets
+    wins; the others are listed as runners-up."""
+    def memory(cfg):  # bytes per token on the device and in host memory, per set
+        device = 20_000 if cfg.remat == "full" else (4_000 if cfg.attn_chunk else 9_000)
+        host = 0 if cfg.remat == "full" else (60_000 if cfg.remat_every is None else 30_000)
+        return device, host
+
+    compiled = []
+
+    def fake(cfg, seq_len=None, detail=True, **kw):
+        d, h = memory(cfg)
+        return _fake_plan(d, h)[0](cfg, seq_len=seq_len, detail=detail, **kw)
+
+    def counted(cfg, seq_len=None, detail=True, **kw):
+        compiled.append(cfg.remat)
+        return fake(cfg, seq_len, detail, **kw)
+
+    monkeypatch.setattr(search, "plan", counted)
+    cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False, batch_size=1,
+                     mesh=MeshConfig(fsdp=1, sp=8))
+    best = search.auto_memory(cfg, log=lambda *_: None)
+    budget_host = TARGETS["h100"].host_budget_bytes
+    # host-bound at 30,000 B/token (every 2): about 7.5M tokens; the tiled set without every-2 stops at 3.7M
+    assert best.memory_flags.startswith("--remat offload --remat-every 2") and "--attn-chunk 4096" in best.memory_flags
+    assert budget_host / 30_000 * 0.99 - 32768 <= best.max_seq_len <= budget_host / 30_000
+    flags = [a["flags"] for a in best.alternatives]
+    assert len(flags) == len(memory_choices(cfg, 4)) - 1 and "--remat full --loss-chunk 4096 --mlp-chunk 4096" in flags
+    pruned = [a for a in best.alternatives if a["seq_len"] is None]
+    assert pruned and all("shorter" in a["note"] for a in pruned)
+    assert compiled.count("full") == 2  # the two remat-full sets: one compile each at the best length so far
+
+
+def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
+    """--memory auto --seq-len N: every set is compiled; among those within both budgets the lowest estimated step
+    time wins, the rest are printed as runners-up; none fitting is one clear error."""
+    def step_s(cfg, n):
+        return {"full": 2.0, "offload": 3.0}[cfg.remat] + (0.5 if cfg.attn_chunk else 0) + 0.1 * (cfg.remat_every or 1)
+
+    fake, compiled = _fake_plan(device_per_token=600_000, host_per_token=1_000, step_s=step_s)
+    monkeypatch.setattr(search, "plan", fake)
+    mesh = types.SimpleNamespace(shape={"ring": 1, "sp": 8})
+    monkeypatch.setattr(search, "_mesh", lambda cfg, model, n: (None, mesh))
+    cfg = PlanConfig(preset="tiny", seq_len=8 * 12_000, batch_size=1, memory="auto", kernels=False)
+    lines = []
+    best = search.auto_fit(cfg, log=lines.append)
+    assert best.memory_flags == "--remat full --loss-chunk 4000 --mlp-chunk 4000"  # 12,000 per device: chunks of 4000
+    assert {c.remat for c, _, d in compiled if not d} == {"full", "offload"} and compiled[-1][2]  # detail at the end
+    assert any("Runners-up" in ln for ln in lines) and len(best.alternatives) == len(compiled) - 2
+    slow = dataclasses.replace(cfg, seq_len=8 * 12_500)  # 100,000 tokens: 70 GiB on the device at best
+    monkeypatch.setattr(search, "plan", _fake_plan(device_per_token=800_000, host_per_token=0)[0])
+    with pytest.raises(ValueError, match=r"no set of memory tools fits --seq-len 100000 on these devices within the "
+                                         r"device and host budgets"):
+        search.auto_fit(slow, log=lambda *_: None)
+
+
+@pytest.mark.parametrize("local, tile", [(125_000, 3125), (5000, 2500), (3000, 3000), (917, 917), (8192, 4096),
+                                         (2 * 4099, None), (None, 4096)])
+def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
+    """Lengths that are not multiples of 4096 (1,000,000 on sp=8: 125,000 per device) and meshes whose sp does not
+    divide 4096 (sp=6 at 30,000): every chunk --memory auto applies divides each device's tokens, or the sets that need
+    one are skipped with the reason."""
+    assert tile_for(local) == tile
+    cfg = PlanConfig(preset="llama3.1-8b", kernels=False)
+    choices = memory_choices(cfg, 32, local)
+    for flags, changes, skip in choices:
+        chunks = [changes.get(k) for k in ("loss_chunk", "mlp_chunk", "attn_chunk") if changes.get(k)]
+        if skip is None:
+            assert all(local is None or local % c == 0 for c in chunks), (flags, local)
+        else:
+            assert tile is None and "attn-chunk" in flags and f"divides each device's {local:,} tokens" in skip
+    assert sum(skip is None for *_, skip in choices) == (4 if tile is None else 6)
+
+
+def test_memory_auto_keeps_the_users_chunks():
+    cfg = PlanConfig(preset="tiny", loss_chunk=1024, mlp_chunk=0, kernels=False)
+    flags, changes, _ = memory_choices(cfg, 4, 4096)[0]
+    assert flags == "--remat full" and "loss_chunk" not in changes and "mlp_chunk" not in changes
+
+
+# ------------------------------------------------------------------------------------ the estimate
+
+
+def _plan_stub(model, *, seq_len, devices, collectives=None, optimizer_on_host=False, host_transfer=0):
+    target = TARGETS["h100"]
+    fl = flops.training_flops(model, batch=1, seq_len=seq_len)
+    return types.SimpleNamespace(target=target, num_devices=devices, batch_size=1, seq_len=seq_len,
+                                 collectives=collectives or {}, optimizer_on_host=optimizer_on_host,
+                                 breakdown={"optimizer": 10 * GiB}, memory={"host_transfer_bytes": host_transfer},
+                                 flops_per_device=fl / devices)
+
+
+def test_estimate_is_the_sum_of_its_parts_by_hand():
+    """Llama-3.1-8B, 1M tokens on 8 H100s, remat full, Pallas attention, no collectives: the attention and matmul
+    seconds recomputed here from the shapes and the table's rates."""
+    model = ModelConfig.from_preset("llama3.1-8b", remat="full")
+    s, n = 2**20, 8
+    e = estimate.step_estimate(_plan_stub(model, seq_len=s, devices=n), model, "pallas")
+    fwd = 4 * 32 * s * s * 32 * 128 / 2 / n  # causal half of QK^T and PV, per device
+    rate, _ = estimate.attention_rate("pallas", 128, s)
+    assert 200e12 < rate.backward < rate.forward < 600e12  # the calibrated static estimate
+    assert math.isclose(e["parts"]["attention_s"], 2 * fwd / rate.forward + 2.5 * fwd / rate.backward)
+    per_token = 2 * (32 * flops.layer_matmul_params(model) * 4 + 128_256 * 4096 * 3)  # 3 passes + 1 recompute
+    assert math.isclose(e["parts"]["matmul_s"], per_token * s / n / estimate.MATMUL_RATE, rel_tol=1e-9)
+    assert math.isclose(e["step_seconds"], e["parts"]["compute_s"])  # nothing to overlap or expose
+    assert math.isclose(e["tokens_per_second_per_gpu"], s / n / e["step_seconds"])
+    assert math.isclose(e["mfu"], flops.training_flops(model, batch=1, seq_len=s) / n / e["step_seconds"] / 989e12)
+    assert 0.2 < e["mfu"] < 0.5 and len(e["assumptions"]) >= 4
+
+
+def test_estimate_hides_overlapped_collectives_up_to_the_compute_time():
+    model = ModelConfig.from_preset("llama3.2-1b")
+    base = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8), model, "cudnn")
+    compute = base["parts"]["compute_s"]
+    link = TARGETS["h100"].nvlink_bytes_per_s * estimate.LINK_EFFICIENCY
+    half = int(0.5 * compute * link)
+    small = Collective("all-to-all", count=1, bytes=half, intra_host_bytes=half, overlapped_bytes=half)
+    big = dataclasses.replace(small, bytes=int(3 * compute * link), intra_host_bytes=int(3 * compute * link),
+                              overlapped_bytes=int(1 * compute * link))
+    hidden = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8, collectives={"a": small}), model,
+                                    "cudnn")
+    assert math.isclose(hidden["step_seconds"], compute, rel_tol=1e-6)
+    exposed = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8, collectives={"a": big}), model,
+                                     "cudnn")
+    assert math.isclose(exposed["step_seconds"], compute + 2 * compute, rel_tol=1e-6)  # 2/3 never overlapped
+    offload = estimate.step_estimate(_plan_stub(model, seq_len=32768, devices=8, optimizer_on_host=True,
+                                                host_transfer=20 * GiB), model, "cudnn")
+    pcie = TARGETS["h100"].host_link_bytes_per_s * estimate.LINK_EFFICIENCY
+    assert math.isclose(offload["parts"]["host_optimizer_s"], 20 * GiB / pcie)  # 2 x 10 GiB of state, exposed
+
+
+# ------------------------------------------------------------------------------------ the memory pool
+
+
+def test_memory_pool_the_environment_wins_and_ours_is_recognised(monkeypatch):
+    monkeypatch.setattr(devices, "_set_by_us", [])
+    environ = {}
+    assert devices.apply_memory_pool(None, environ) == (0.95, "--memory-fraction default, what plan's budget assumes")
+    assert environ[devices.MEMORY_FRACTION_ENV] == "0.95"
+    assert devices.apply_memory_pool(0.9, environ)[0] == 0.9 and environ[devices.MEMORY_FRACTION_ENV] == "0.9"
+    user = {devices.MEMORY_FRACTION_ENV: "0.8"}
+    value, source = devices.apply_memory_pool(0.9, user)
+    assert value == 0.8 and "from the environment (it overrides --memory-fraction)" in source and user == {
+        devices.MEMORY_FRACTION_ENV: "0.8"}
+    with pytest.raises(ValueError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION='lots' in the environment is not a number"):
+        devices.memory_pool(None, {devices.MEMORY_FRACTION_ENV: "lots"})
+    with pytest.raises(ValueError, match=r"--memory-fraction \(1.0\) must be in \(0, 1\)"):
+        devices.memory_pool(1.0, {})
+
+
+# ------------------------------------------------------------------------------------ compiled (aot)
+
+
+@pytest.mark.aot
+def test_joint_verdict_in_the_json(tmp_path):
+    """A plan within the device budget whose pinned host memory is over --host-memory-gib is OVER; the JSON carries
+    both verdicts, both budgets, the memory fraction, train_args and the estimate."""
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "ulysses_jax", "plan", "--preset", "tiny", "--seq-len", "8192",
+                        "--batch-size", "1", "--mesh.sp", "8", "--remat", "offload", "--host-memory-gib", "0.001",
+                        "--no-kernels", "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "verdict: OVER (device within budget, host OVER budget)" in r.stdout
+    assert "Estimated step time (an ESTIMATE" in r.stdout and "ulysses-jax train --preset tiny" in r.stdout
+    j = json.loads(out.read_text())
+    assert j["fits"] is False and j["fits_device"] is True and j["fits_host"] is False
+    assert j["host_budget_bytes"] == int(0.001 * GiB) and j["memory_fraction"] == 0.95
+    assert j["per_device"]["host_bytes"] > j["host_budget_bytes"]
+    assert {"step_seconds", "tokens_per_second_per_gpu", "mfu", "assumptions"} <= set(j["estimate"])
+    assert "--remat" in j["train_args"] and j["train_args"][j["train_args"].index("--remat") + 1] == "offload"
+    default = budgets(PlanConfig(preset="tiny"), TARGETS["h100"])  # the node the default host budget assumes
+    assert default[2] == int(0.9 * 2e12 / 8) and "8 x H100 SXM with 2 TB of host memory" in default[3]
+
+
+@pytest.mark.aot
+def test_find_max_seq_len_is_the_boundary():
+    """A budget of 0.3% of an H100 (~250 MB): the length found fits, and one 1% (or one unit) longer does not."""
+    cfg = PlanConfig(preset="tiny", seq_len=32768, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8), attention="pallas",
+                     loss_chunk=2048, mlp_chunk=2048, budget_fraction=0.003, kernels=False)
+    best = search.find_max_seq_len(cfg, log=lambda *_: None, detail=False)
+    unit = seq_len_unit(cfg, 8)
+    assert best.max_seq_len and best.max_seq_len % unit == 0 and best.fits and best.seq_len == best.max_seq_len
+    step = unit * max(1, int(0.01 * best.max_seq_len / unit))
+    assert not plan(cfg, seq_len=best.max_seq_len + step, detail=False).fits
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_cli_memory_auto_at_a_length_no_chunk_of_4096_divides(tmp_path):
+    """The issue's crash, small: sp=8 and 8 x 3,000 tokens (3,000 per device): --memory auto picks chunks of 3000,
+    never reports a flag the user did not give, and prints the flags it chose with the runners-up."""
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "ulysses_jax", "plan", "--preset", "tiny", "--no-kernels", "--memory",
+                        "auto", "--seq-len", "24000", "--batch-size", "1", "--mesh.sp", "8", "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "must divide" not in r.stdout + r.stderr and "Runners-up" in r.stdout
+    j = json.loads(out.read_text())
+    assert j["status"] == "done" and len(j["search"]["trials"]) >= 6 and "--loss-chunk" in j["train_args"]
+    assert j["train_args"][j["train_args"].index("--loss-chunk") + 1] == "3000"

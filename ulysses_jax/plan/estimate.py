@@ -1,0 +1,158 @@
+"""An *estimate* of a planned step's time on GPUs, labelled as one with its assumptions (no GPU has timed it).
+
+Per step and per device, from the compiled plan:
+
+* attention kernels: their FLOPs (forward, the backward's 2.5x in FlashAttention's count, and the forwards run again
+  by rematerialisation or ``--attn-recompute``) at a rate per kernel and head_dim from ``ATTENTION_RATES``, the one
+  table of kernel rates (each row names its source); our Pallas kernel's rate is its static estimate
+  (``kernels/flash_estimate.py``) calibrated on the measured Triton tutorial kernel;
+* the other matmuls (projections, MLP, unembedding; again for the recomputed forward) at ``MATMUL_RATE``;
+* elementwise work (norms, RoPE, SwiGLU, residual adds) and the optimizer update as HBM traffic;
+* collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
+  schedule runs asynchronously beside compute (``hlo.Collective.overlapped_bytes``) are hidden up to the compute
+  time, the rest is exposed;
+* host transfers over PCIe at ``LINK_EFFICIENCY`` of its nominal bandwidth: the saved layer inputs of ``--remat
+  offload`` hide behind compute like the overlapped collectives; the streamed optimizer state of ``--optim.offload``
+  is exposed (the update has no matmul to hide behind).
+
+``step_seconds = compute + exposed collectives + exposed host transfers``; tokens/s per GPU and the MFU follow. The
+MFU counts model FLOPs only (``model.flops``: no recomputation), at the target's dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ulysses_jax.kernels import flash_estimate
+from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.model import flops
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRate:
+    forward: float  # FLOP/s, causal, counting the unmasked half of the scores
+    backward: float  # FLOP/s, FlashAttention's count (2.5x the forward's FLOPs)
+    source: str
+
+
+# H100 SXM, bf16, causal. Sources: the kernel table of the project's anchors (FlashAttention-3 paper and cuDNN
+# figures at seq 16K, head_dim 128) and the PTX of our kernels read on compile-only H100s (aot-gpu notes).
+ATTENTION_RATES: dict[tuple[str, int], KernelRate] = {
+    ("cudnn", 128): KernelRate(539e12, 516e12, "cuDNN fused attention, H100 bf16 hd128 seq 16K, causal fwd 539 / "
+                                               "bwd 516 TFLOP/s (FlashAttention-3 paper's cuDNN figures)"),
+    ("xla", 128): KernelRate(150e12, 150e12, "assumed, no published figure: XLA's unfused attention writes the "
+                                             "scores to memory"),
+    ("blockwise", 128): KernelRate(150e12, 150e12, "assumed, no published figure: the blockwise kernel is XLA ops"),
+}
+HEAD_DIM_FACTOR = {64: 0.85, 256: 0.9}  # assumed: FlashAttention-2/3 run below their hd128 rate at hd64 and hd256
+MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-gpu notes), 790-800 in the anchors
+LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
+ELEMENTWISE_PASSES = 16  # assumed: reads or writes of a [tokens, hidden] tensor per layer forward (norms, RoPE, SwiGLU)
+OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in float32: read parameter, gradient, 2 moments; write parameter, 2 moments
+
+
+def attention_kernel(model, mesh) -> str:
+    """The attention kernel the planned step runs (``auto`` resolved for the mesh's devices)."""
+    if mesh.shape.get("ring", 1) > 1:
+        return "pallas" if model.attention_impl == "auto" else model.attention_impl
+    return resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
+                        has_segment_ids=True, platform=device_platform(mesh))
+
+
+# Our Pallas kernel has no measured rate: its row comes from the static estimate of its compiled tiles
+# (``kernels/flash_estimate.py``: wgmma on every matmul, causal tiles skipped, softmax not overlapped), scaled by how
+# far the measured Triton fused-attention tutorial kernel (378 TFLOP/s causal forward, H100 bf16 hd128 seq 16K: the
+# anchors' kernel table) falls below the same estimate of the forward it shares with ours.
+TRITON_MEASURED_FORWARD = 378e12
+
+
+def _pallas_rate(head_dim: int, seq_len: int, peak: float) -> tuple[KernelRate, str]:
+    tutorial = flash_estimate.attention_fractions(128, causal=True, seq_len=16_384)["forward"]["no_overlap"]
+    scale = TRITON_MEASURED_FORWARD / (tutorial * peak)
+    ours = flash_estimate.attention_fractions(head_dim, causal=True, segment_ids=True, seq_len=max(seq_len, 16))
+    fwd, bwd = (ours[k]["no_overlap"] * scale * peak for k in ("forward", "backward"))
+    fractions = f"{ours['forward']['no_overlap']:.2f} / {ours['backward']['no_overlap']:.2f}"
+    source = (f"our Pallas kernel, unmeasured: the static estimate of its tiles at head_dim {head_dim}, {seq_len} "
+              f"tokens per call, packed rows (kernels/flash_estimate.py, no softmax overlap: {fractions} of peak) x "
+              f"{scale:.2f}, the measured Triton tutorial forward (378 TFLOP/s) over the same estimate of it")
+    return KernelRate(fwd, bwd, source), ""
+
+
+def attention_rate(kernel: str, head_dim: int, seq_len: int = 16_384, peak: float = 989e12
+                   ) -> tuple[KernelRate, str]:
+    """The rate of ``kernel`` at ``head_dim`` for calls of ``seq_len`` tokens: ``ATTENTION_RATES``' row (scaled from
+    hd128 where no row exists), or for ``pallas`` the static estimate calibrated as above."""
+    if kernel == "pallas":
+        return _pallas_rate(head_dim, seq_len, peak)
+    if (kernel, head_dim) in ATTENTION_RATES:
+        return ATTENTION_RATES[kernel, head_dim], ""
+    base = ATTENTION_RATES.get((kernel, 128), ATTENTION_RATES["xla", 128])
+    f = HEAD_DIM_FACTOR.get(head_dim, 0.85)
+    return KernelRate(base.forward * f, base.backward * f, base.source), f"head_dim {head_dim}: x{f} of hd128 (assumed)"
+
+
+def _recomputed_forwards(model) -> tuple[int, int]:
+    """Forwards run again in the backward: ``(of the layers' matmuls, of attention)``."""
+    layers = 1 if model.remat in ("full", "offload") else 0
+    return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
+
+
+def step_estimate(p, model, kernel: str) -> dict:
+    """``{step_seconds, tokens_per_second_per_gpu, mfu, parts, assumptions}`` of plan ``p`` (module doc)."""
+    t = p.target
+    n, tokens = p.num_devices, p.batch_size * p.seq_len
+    causal = 0.5
+    attn_fwd = 4 * model.num_layers * p.batch_size * p.seq_len**2 * model.num_heads * model.head_dim * causal / n
+    redo_mm, redo_attn = _recomputed_forwards(model)
+    ring = getattr(p, "mesh", {}).get("ring", 1)  # each kernel call sees S / ring tokens
+    rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
+    attention_s = attn_fwd * (1 + redo_attn) / rate.forward + 2.5 * attn_fwd / rate.backward
+    layer_mm = 2 * model.num_layers * flops.layer_matmul_params(model) * tokens / n
+    head_mm = 2 * model.vocab_size * model.hidden * tokens / n
+    matmul_s = (3 * (layer_mm + head_mm) + redo_mm * layer_mm) / MATMUL_RATE
+    act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
+    elementwise_s = ELEMENTWISE_PASSES * act_bytes * model.num_layers * (3 + redo_mm) / t.hbm_bytes_per_s
+    params = flops.param_count(model) / n
+    update_s = 0.0 if p.optimizer_on_host else OPTIMIZER_BYTES_PER_PARAM * params / t.hbm_bytes_per_s
+    compute_s = attention_s + matmul_s + elementwise_s + update_s
+
+    hidden_comm = exposed_comm = 0.0
+    for c in p.collectives.values():
+        seconds = (c.intra_host_bytes / t.nvlink_bytes_per_s + c.inter_host_bytes / t.network_bytes_per_s)
+        seconds /= LINK_EFFICIENCY
+        share = c.overlapped_bytes / c.bytes if c.bytes else 0.0
+        hidden_comm += seconds * share
+        exposed_comm += seconds * (1 - share)
+    pcie = t.host_link_bytes_per_s * LINK_EFFICIENCY
+    optimizer_host = 2 * p.breakdown["optimizer"] if p.optimizer_on_host else 0
+    optimizer_host_s = optimizer_host / pcie
+    activations_host_s = max(p.memory.get("host_transfer_bytes", 0) - optimizer_host, 0) / pcie
+    overlappable = hidden_comm + activations_host_s
+    exposed = exposed_comm + max(overlappable - compute_s, 0.0) + optimizer_host_s
+    step = compute_s + exposed
+    assumptions = [
+        f"attention: {kernel} at {rate.forward / 1e12:.0f} TFLOP/s forward, {rate.backward / 1e12:.0f} backward "
+        f"({rate.source}{'; ' + rate_note if rate_note else ''}); causal, packed rows counted as one sequence",
+        f"other matmuls at {MATMUL_RATE / 1e12:.0f} TFLOP/s (bf16 GEMM measured at 8192^3); "
+        f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention",
+        f"elementwise work: {ELEMENTWISE_PASSES} passes over [tokens, hidden] per layer forward at the HBM bandwidth "
+        f"({t.hbm_bytes_per_s / 1e12:.2f} TB/s); optimizer update "
+        + ("streamed from host memory (its PCIe traffic below)" if p.optimizer_on_host else
+           f"{OPTIMIZER_BYTES_PER_PARAM} B per parameter of HBM traffic"),
+        f"links at {LINK_EFFICIENCY:.0%} of nominal: NVLink {t.nvlink_bytes_per_s / 1e9:.0f}, network "
+        f"{t.network_bytes_per_s / 1e9:.0f}, PCIe {t.host_link_bytes_per_s / 1e9:.0f} GB/s per GPU; collectives the "
+        f"compiled schedule overlaps, and remat-offload transfers, hidden up to the compute time; optimizer-offload "
+        f"transfers exposed",
+        "not counted: kernel launch gaps, data loading, the first step's compile, stragglers",
+    ]
+    parts = {"attention_s": attention_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "update_s": update_s,
+             "collectives_hidden_s": hidden_comm, "collectives_exposed_s": exposed_comm,
+             "host_activations_s": activations_host_s, "host_optimizer_s": optimizer_host_s, "compute_s": compute_s}
+    return {
+        "step_seconds": step,
+        "tokens_per_second_per_gpu": tokens / step / n,
+        "mfu": p.flops_per_device / step / t.peak_flops,
+        "attention_kernel": kernel,
+        "parts": parts,
+        "assumptions": assumptions,
+    }

@@ -1,0 +1,251 @@
+"""The searches of ``ulysses-jax plan``: the longest context within both budgets (``--find-max-seq-len``) and the
+memory tools of ``--memory auto``.
+
+A plan's memory grows about linearly with the sequence length, so the length search is a secant search on the
+budget used (``usage``: the larger of device total / device budget and host bytes / host budget): two compiles
+predict the boundary, each further compile lands just below the predicted one, bisection takes over where the
+prediction leaves the bracket. It stops when the bracket is within ``RESOLUTION`` (1%) of the length found, or one
+unit (``seq_len_unit``): about 4 compiles instead of the 2 log2(answer) of a bisection to one unit. Every length it
+reports has been compiled and verified within both budgets. ``--memory auto`` starts each set of memory tools at
+the longest length found so far: a set that does not fit there cannot win and costs one compile.
+
+Each compile is reported to ``on_trial`` as it finishes (``run.py`` writes them into the JSON file), so an
+interrupted search keeps what it found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ulysses_jax.plan.planner import MAX_SEQ_LEN, Plan, PlanConfig, _mesh, _model, budgets, plan
+from ulysses_jax.plan.report import gib
+from ulysses_jax.plan.targets import get_target
+from ulysses_jax.train.devices import MeshConfig
+
+RESOLUTION = 0.01  # the length search stops when the boundary is bracketed within 1% of the length found
+TILE = 4096  # the chunk --memory auto tiles the loss, the MLP and the attention sublayer with, where it divides
+MIN_TILE = 256  # ... or the largest divisor of each device's sequence between this and TILE
+
+
+def usage(p: Plan) -> float:
+    """The budget a plan uses: the larger of device total / device budget and host bytes / host budget (<= 1: fits)."""
+    m = p.memory
+    host = m["host_bytes"] / m["host_budget_bytes"] if m["host_budget_bytes"] else (math.inf if m["host_bytes"] else 0)
+    return max(m["total_bytes"] / m["budget_bytes"], host)
+
+
+def seq_len_unit(cfg: PlanConfig, sp: int) -> int:
+    """The step of the search: sequence lengths divisible by sp, each device's part by the chunk sizes and 128."""
+    chunk = math.lcm(128, cfg.loss_chunk or 1, cfg.mlp_chunk or 1, cfg.attn_chunk or 1)
+    return sp * chunk
+
+
+def search_units(measure, *, start: int, max_units: int, resolution: float = RESOLUTION) -> int:
+    """The largest ``n`` in ``[0, max_units]`` with ``measure(n) <= 1``, to within ``resolution`` of it (and one unit),
+    for ``measure`` increasing in ``n`` (about affine): ``measure(result) <= 1`` and ``measure(m) > 1`` was seen for
+    some ``m <= max(result + 1, (1 + resolution) * result)``, unless the result is ``max_units``.
+    """
+    lo, hi = 0, max_units + 1  # lo fits (0 trivially), hi does not
+    seen: dict[int, float] = {}
+    n = min(max(start, 1), max_units)
+    while True:
+        seen[n] = u = measure(n)
+        lo, hi = (max(lo, n), hi) if u <= 1 else (lo, min(hi, n))
+        step = max(1, int(resolution * lo))
+        if hi - lo <= step or lo == max_units:
+            return lo
+        n = _next_guess(seen, lo, hi, step, max_units)
+
+
+def _next_guess(seen: dict[int, float], lo: int, hi: int, step: int, max_units: int) -> int:
+    """Where to compile next: just under the secant's boundary through the two points nearest to it, inside
+    ``(lo, hi)``; a closing probe at ``lo + step`` when that is where the boundary is; else bisect (or double)."""
+    near = sorted(seen, key=lambda k: abs(seen[k] - 1))[:2]
+    if len(near) == 2 and seen[near[0]] != seen[near[1]]:
+        (a, ua), (b, ub) = ((k, seen[k]) for k in near)
+        guess = a + (1 - ua) * (b - a) / (ub - ua)
+    else:  # one point, or a flat stretch (XLA's buffers did not grow): proportional from the longest seen, and
+        a = max(seen)  # while nothing was over the budgets, at least double, as a bracketing search would
+        guess = a / seen[a] if seen[a] > 0 else 2 * a
+        guess = max(guess, 2 * lo) if hi > max_units else guess
+    guess = math.floor(guess - step / 2)  # aim just below: a fitting length moves lo, the answer
+    if guess <= lo:
+        guess = lo + step  # the boundary is within a step of lo: close the bracket
+    if not lo < guess < hi:
+        guess = (lo + hi) // 2 if hi <= max_units else min(2 * max(lo, 1), max_units)
+    return min(max(guess, lo + 1), hi - 1, max_units)
+
+
+def find_max_seq_len(cfg: PlanConfig, *, log=print, on_trial=None, floor: int = 0, detail: bool = True) -> Plan:
+    """The plan at the longest sequence length within both budgets (``max_seq_len`` set; 0 when even one unit does
+    not fit). ``floor``: a length found by another search; when this one does not fit at it, it stops there with
+    ``max_seq_len`` None. ``detail``: compile the answer again with its largest buffers and kernels."""
+    _, mesh = _mesh(cfg, _model(cfg), cfg.seq_len)
+    # the mesh the search plans on: resolved once, so that an automatic --mesh.sp does not change with the length
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
+    unit = seq_len_unit(cfg, mesh.shape["ring"] * mesh.shape["sp"])  # the sequence splits over ring x sp
+    trials: dict[int, Plan] = {}
+
+    def measure(n_units: int) -> float:
+        if n_units in trials:  # the floor, measured before the search starts there
+            return usage(trials[n_units])
+        p = plan(cfg, seq_len=n_units * unit, detail=False)
+        trials[n_units] = p
+        log(f"  seq_len {n_units * unit:>11,}: {gib(p.memory['total_bytes'])} GiB per device, "
+            f"{gib(p.memory['host_bytes'])} GiB host ({'fits' if p.fits else 'over'}; {p.compile_seconds:.0f} s)")
+        if on_trial is not None:
+            on_trial(p)
+        return usage(p)
+
+    start_units = max(floor // unit, cfg.seq_len // unit, 1)
+    if floor >= unit and measure(start_units) > 1:  # shorter than a length found already: this set cannot win
+        best = trials[start_units]
+        best.max_seq_len = None
+        return best
+    best_units = search_units(measure, start=start_units, max_units=MAX_SEQ_LEN // unit)
+    if detail:
+        best = plan(cfg, seq_len=max(best_units, 1) * unit)
+    else:
+        best = trials.get(max(best_units, 1)) or plan(cfg, seq_len=max(best_units, 1) * unit, detail=False)
+    best.max_seq_len = best_units * unit
+    return best
+
+
+# ------------------------------------------------------------------------------------ --memory auto
+
+
+def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
+    """``prefer`` if it divides ``local_seq`` (or no length is fixed), else the largest divisor of ``local_seq``
+    between ``MIN_TILE`` and ``prefer``; None where none does."""
+    if local_seq is None or local_seq % prefer == 0:
+        return prefer
+    return next((d for d in range(min(prefer, local_seq), MIN_TILE - 1, -1) if local_seq % d == 0), None)
+
+
+def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None
+                   ) -> list[tuple[str, dict, str | None]]:
+    """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
+    tries. ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
+    (``tile_for``), and a set is skipped with the reason where none does."""
+    k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
+            default=1)
+    tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
+    tiles, tile_flags = {}, ""
+    no_tile = (f"no chunk between {MIN_TILE} and {TILE} tokens divides each device's {local_seq:,} tokens"
+               if tile is None else None)
+    for name in ("loss_chunk", "mlp_chunk"):  # the tiled loss and MLP, unless the flags set them
+        if getattr(cfg, name) is None and tile is not None:
+            tiles[name] = tile
+            tile_flags += f" --{name.replace('_', '-')} {tile}"
+    host = dict(param_dtype="bfloat16", optim=dataclasses.replace(cfg.optim, master_weights=True, offload=True))
+    host_flags = "--param-dtype bfloat16 --optim.master-weights --optim.offload"
+    choices = [(f"--remat full{tile_flags}", dict(remat="full", remat_every=None, **tiles), None)]
+    if k > 1:
+        choices.append((f"--remat full --remat-every {k}{tile_flags}", dict(remat="full", remat_every=k, **tiles),
+                        None))
+    choices.append((f"--remat offload {host_flags}{tile_flags}", dict(remat="offload", remat_every=None, **host,
+                                                                      **tiles), None))
+    if num_layers % 2 == 0:
+        choices.append((f"--remat offload --remat-every 2 {host_flags}{tile_flags}",
+                        dict(remat="offload", remat_every=2, **host, **tiles), None))
+    if cfg.mesh.ring <= 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
+        tiled = f"--attn-chunk {tile} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
+        attn = dict(attn_chunk=tile, attn_head_chunk=1, **tiles)
+        choices.append((f"--remat offload {host_flags} {tiled}{tile_flags}",
+                        dict(remat="offload", remat_every=None, **host, **attn), no_tile))
+        if num_layers % 2 == 0:  # two layers' inputs on the device in a group's backward: no attention output there
+            choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute{tile_flags}",
+                            dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), no_tile))
+    return choices
+
+
+def _summary(flags: str, p: Plan | None, *, length: int | None, note: str = "") -> dict:
+    e = (p.estimate or {}) if p is not None else {}
+    return {"flags": flags, "seq_len": length, "fits": None if p is None else p.fits,
+            "device_bytes": None if p is None else p.memory["total_bytes"],
+            "host_bytes": None if p is None else p.memory["host_bytes"],
+            "step_seconds": e.get("step_seconds"), "tokens_per_second_per_gpu": e.get("tokens_per_second_per_gpu"),
+            "note": note}
+
+
+def _choose(cfg: PlanConfig, p: Plan, flags: str, changes: dict) -> Plan:
+    """The chosen set's plan again with the detail (largest buffers, kernels), its flags and runners-up set."""
+    best = plan(dataclasses.replace(cfg, memory="manual", **changes), seq_len=p.seq_len)
+    best.max_seq_len, best.memory_flags = p.max_seq_len, flags
+    return best
+
+
+def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
+    """``--memory auto --find-max-seq-len``: the longest context within both budgets over ``memory_choices``; between
+    sets that reach the same length, the lowest estimated step time."""
+    best, results = None, []
+    choices = memory_choices(cfg, _model(cfg).num_layers)
+    for flags, changes, _ in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
+        log(f"{flags}:")
+        floor = best[0].max_seq_len if best else 0
+        p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log, on_trial=on_trial,
+                             floor=floor, detail=False)
+        if p.max_seq_len is None:
+            results.append(_summary(flags, p, length=None, note=f"over the budgets at {floor:,} (shorter)"))
+            continue
+        results.append(_summary(flags, p, length=p.max_seq_len))
+        better = best is None or p.max_seq_len > best[0].max_seq_len or (
+            p.max_seq_len == best[0].max_seq_len and p.estimate["step_seconds"] < best[0].estimate["step_seconds"])
+        if p.max_seq_len and better:
+            best = (p, flags, changes)
+    if best is None or not best[0].max_seq_len:
+        raise ValueError("no set of memory tools fits even one unit of the sequence on these devices within the "
+                         f"device and host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices "
+                         f"or raise --host-memory-gib")
+    chosen = _choose(cfg, *best)
+    chosen.alternatives = [r for r in results if r["flags"] != best[1]]
+    log_alternatives(chosen, log)
+    return chosen
+
+
+def cfg_host_budget(cfg: PlanConfig) -> int:
+    return budgets(cfg, get_target(cfg.target))[2]
+
+
+def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
+    """``--memory auto`` for ``--seq-len``: of ``memory_choices`` that fit both budgets, the one with the lowest
+    estimated step time; the others are printed as runners-up."""
+    model = _model(cfg)
+    _, mesh = _mesh(cfg, model, cfg.seq_len)
+    local = cfg.seq_len // (mesh.shape["ring"] * mesh.shape["sp"]) if cfg.seq_len % (
+        mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
+    fitting, results = [], []
+    for flags, changes, skip in memory_choices(cfg, model.num_layers, local):
+        if skip is not None:
+            log(f"  skipped: {flags}: {skip}")
+            results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
+            continue
+        p = plan(dataclasses.replace(cfg, memory="manual", **changes), detail=False)
+        if on_trial is not None:
+            on_trial(p)
+        e = p.estimate
+        log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
+            f"{'fits' if p.fits else 'over'}, estimated {e['step_seconds']:.2f} s per step  {flags}")
+        results.append(_summary(flags, p, length=cfg.seq_len))
+        if p.fits:
+            fitting.append((p, flags, changes))
+    if not fitting:
+        raise ValueError(f"no set of memory tools fits --seq-len {cfg.seq_len} on these devices within the device and "
+                         f"host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices, or find "
+                         f"the longest that fits with --find-max-seq-len")
+    p, flags, changes = min(fitting, key=lambda f: f[0].estimate["step_seconds"])
+    chosen = _choose(cfg, p, flags, changes)
+    chosen.alternatives = [r for r in results if r["flags"] != flags]
+    log_alternatives(chosen, log)
+    return chosen
+
+
+def log_alternatives(p: Plan, log) -> None:
+    log("Runners-up (--memory auto; estimated step time where they fit):")
+    for r in p.alternatives:
+        est = f"{r['step_seconds']:.2f} s/step" if r["step_seconds"] is not None and r["fits"] else "-"
+        length = f"{r['seq_len']:,}" if r["seq_len"] else "-"
+        verdict = {True: "fits", False: "over", None: ""}[r["fits"]]
+        note = f"  ({r['note']})" if r["note"] else ""
+        log(f"  {length:>12} tokens  {verdict:<4}  {est:>14}  {r['flags']}{note}")
