@@ -216,7 +216,7 @@ def main():
         if p.returncode:
             sys.exit(f"the --init-from-hf run failed:\n{p.stderr[-3000:]}")
         (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()),
-                                                    "rms_norm_eps": 1e-6}))  # edited after the run started
+                                                    "rms_norm_eps": 1e-5}))  # edited after the run started (tiny: 1e-6)
         named = {"CORRUPT": corrupt, "NOCKPT": nockpt, "HFRUN": hfrun}
         rows = []
         for what, argv in cases(d, run):
