@@ -4,7 +4,9 @@ beginning "error:", no traceback, and write nothing (no new run directory; an ex
     python experiments/bad_inputs.py [--out experiments/results/bad_inputs]
 
 Makes a small real run first (tiny preset, 2 steps, 256-token rows) so that resume, eval and checkpoint mistakes
-have a run to get wrong; then tries every case in its own process on 8 fake CPU devices.
+have a run to get wrong, a copy of it with a truncated checkpoint, a copy without checkpoints (as if killed before the
+first), and a Hugging Face folder exported from it with a one-step ``--init-from-hf`` run whose config.json is then
+edited; then tries every case in its own process on 8 fake CPU devices.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sysconfig
 import tempfile
 import time
 
+import tokenizers
 from results_io import run_header, write_table
 
 STDLIB = sysconfig.get_paths()["stdlib"]  # the built-in corpus: named as $STDLIB in the results
@@ -31,7 +34,7 @@ def cli(*args, timeout=900):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "ulysses_jax", *args], capture_output=True, text=True, env=env,
-                       timeout=timeout)
+                       check=False, timeout=timeout)
     return p, time.time() - t
 
 
@@ -43,10 +46,47 @@ def snapshot(root: pathlib.Path) -> dict:
             for f in sorted(root.rglob("*")) if f.is_file()}
 
 
+def word_tokenizer(folder: pathlib.Path) -> pathlib.Path:
+    """A word-level tokenizer.json with BOS/EOS (tokenizer_config.json) in ``folder``: what --data-format sft needs."""
+    special = ["<unk>", "<s>", "</s>"]
+    words = ["the", "sky", "is", "blue", ".", "hi", "there", "ok"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(special + words)},
+                                                           unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in special])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "add_bos_token": True}))
+    return folder
+
+
+def hf_config(folder: pathlib.Path, base: dict, **changes) -> pathlib.Path:
+    """A model folder holding only config.json: ``base`` (the exported tiny model's) with ``changes``."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**base, **changes}))
+    return folder
+
+
 def cases(d: pathlib.Path, run: pathlib.Path) -> list[tuple[str, list[str]]]:
-    """(what is wrong, argv) pairs. ``NEW`` in an argv stands for a run directory that must not appear."""
+    """(what is wrong, argv) pairs. ``NEW`` in an argv stands for a run directory that must not appear; ``CORRUPT``,
+    ``NOCKPT`` and ``HFRUN`` for the runs ``main`` prepares (watched: their files must not change)."""
     w = d / "files"
     w.mkdir()
+    tok = word_tokenizer(w / "tok")
+    base = json.loads((d / "hf" / "config.json").read_text())  # the tiny model exported as LlamaForCausalLM
+    layer_type = hf_config(w / "layer-type", base, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                           use_sliding_window=True, sliding_window=8,
+                           layer_types=["chunked_attention"] * base["num_hidden_layers"])
+    gemma_vl = hf_config(w / "gemma-vl", base, architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                         text_config={}, vision_config={})
+    softcap = hf_config(w / "softcap", base, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0)
+    short, long = {"prompt": "hi there", "completion": "ok"}, {"prompt": "the sky is blue " * 80, "completion": "."}
+    (w / "sft_long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [short] * 10 + [long] * 2))
+    (w / "sft_corrupt.jsonl").write_text(json.dumps(short) + '\n{"prompt": "the sky" "completion": "blue"}\n')
+    (w / "truncated.jsonl").write_text('{"text": "ok"}\n{"text": "the sky"\n')
+    (w / "zero.jsonl").write_text("")
     (w / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
     (w / "nofield.jsonl").write_text('{"body": "a document"}\n')
     (w / "empty.jsonl").write_text('{"text": ""}\n{"text": "   "}\n')
@@ -108,6 +148,43 @@ def cases(d: pathlib.Path, run: pathlib.Path) -> list[tuple[str, list[str]]]:
         ("plan with devices the mesh does not multiply to", ["plan", "--devices", "6", "--mesh.sp", "4",
                                                               "--mesh.fsdp", "1"]),
         ("corrupt checkpoint", ["train", "--resume", "--run-dir", "CORRUPT", "--steps", "4"]),
+        # issue 20: the memory pool, master weights on resume, plan --memory auto
+        ("memory fraction above 1", ["train", *RUN, "--memory-fraction", "1.2", "--run-dir", "NEW"]),
+        ("resume with master weights the run did not keep", ["train", "--resume", "--run-dir", str(run), "--steps",
+                                                             "4", "--optim.master-weights"]),
+        ("plan --memory auto with a negative host budget", ["plan", "--preset", "tiny", "--no-kernels", "--memory",
+                                                           "auto", "--host-memory-gib", "-1"]),
+        # issue 22: eval --by-position and the passkey task
+        ("eval --by-position at a step without a checkpoint", ["eval", "--run-dir", str(run), "--by-position",
+                                                               "--steps", "1,7"]),
+        ("passkey depth outside [0, 1]", ["eval", "--run-dir", str(run), "--task", "passkey", "--depths", "0,1.5"]),
+        ("passkey length over the run's seq_len", ["eval", "--run-dir", str(run), "--task", "passkey",
+                                                   "--lengths", "1024"]),
+        ("passkey with 0 samples", ["eval", "--run-dir", str(run), "--task", "passkey", "--samples", "0"]),
+        ("unknown eval task", ["eval", "--run-dir", str(run), "--task", "needle"]),
+        # issue 23: sliding windows and Hugging Face configs ulysses_jax cannot run
+        ("negative sliding window", ["train", *RUN, "--sliding-window", "-3", "--run-dir", "NEW"]),
+        ("sliding window 0 with local layers", ["train", "--preset", "gemma3-1b", "--sliding-window", "0",
+                                                "--run-dir", "NEW"]),
+        ("config.json with an unknown layer type", ["train", "--init-from-hf", str(layer_type), "--tokenizer",
+                                                    str(tok), "--run-dir", "NEW"]),
+        ("Gemma 3 vision-language config.json", ["train", "--init-from-hf", str(gemma_vl), "--tokenizer", str(tok),
+                                                 "--run-dir", "NEW"]),
+        ("config.json with logit soft-capping", ["train", "--init-from-hf", str(softcap), "--tokenizer", str(tok),
+                                                 "--run-dir", "NEW"]),
+        # issue 24: SFT records, hints that fit the mistake, resume refusals that say what changed
+        ("SFT records longer than --seq-len (refuse)", ["train", *RUN, "--data-format", "sft", "--data",
+                                                        str(w / "sft_long.jsonl"), "--tokenizer", str(tok),
+                                                        "--run-dir", "NEW"]),
+        ("SFT records without --data-format sft", ["train", *RUN, "--data", str(w / "sft_long.jsonl"),
+                                                   "--run-dir", "NEW"]),
+        ("corrupt JSON line in SFT data", ["train", *RUN, "--data-format", "sft", "--data",
+                                           str(w / "sft_corrupt.jsonl"), "--tokenizer", str(tok), "--run-dir", "NEW"]),
+        ("jsonl line cut short", ["train", *RUN, "--data", str(w / "truncated.jsonl"), "--run-dir", "NEW"]),
+        ("empty data file", ["train", *RUN, "--data", str(w / "zero.jsonl"), "--run-dir", "NEW"]),
+        ("restart with other --steps (derived warmup)", ["train", *RUN, "--steps", "20", "--run-dir", "NOCKPT"]),
+        ("resume after the --init-from-hf config.json was edited", ["train", "--resume", "--run-dir", "HFRUN",
+                                                                     "--steps", "2"]),
     ]
 
 
@@ -127,11 +204,25 @@ def main():
         for f in (corrupt / "checkpoints" / "2").rglob("*"):  # truncate every array file of the latest checkpoint
             if f.is_file() and f.stat().st_size > 1024:
                 f.write_bytes(f.read_bytes()[:100])
+        nockpt = d / "nockpt"  # as if killed before its first checkpoint
+        subprocess.run(["cp", "-r", str(run), str(nockpt)], check=True)
+        subprocess.run(["rm", "-r", str(nockpt / "checkpoints")], check=True)
+        hf, hfrun = d / "hf", d / "hfrun"
+        p, _ = cli("export", "--run-dir", str(run), "--out", str(hf))
+        if p.returncode:
+            sys.exit(f"the export failed:\n{p.stderr[-3000:]}")
+        word_tokenizer(hf)  # the tiny run reads UTF-8 bytes: the folder gets a tokenizer.json of its own
+        p, _ = cli("train", "--init-from-hf", str(hf), *RUN[2:], "--steps", "1", "--run-dir", str(hfrun))
+        if p.returncode:
+            sys.exit(f"the --init-from-hf run failed:\n{p.stderr[-3000:]}")
+        (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()),
+                                                    "rms_norm_eps": 1e-5}))  # edited after the run started (tiny: 1e-6)
+        named = {"CORRUPT": corrupt, "NOCKPT": nockpt, "HFRUN": hfrun}
         rows = []
         for what, argv in cases(d, run):
             new = d / f"new-{len(rows)}"
-            argv = [str(new) if a == "NEW" else str(corrupt) if a == "CORRUPT" else a for a in argv]
-            watched = corrupt if str(corrupt) in argv else run
+            watched = next((named[a] for a in argv if a in named), run)
+            argv = [str(new) if a == "NEW" else str(named[a]) if a in named else a for a in argv]
             before = snapshot(watched)
             p, secs = cli(*argv)
             err = [line for line in p.stderr.splitlines() if line.strip()]
@@ -140,7 +231,8 @@ def main():
                   and snapshot(watched) == before)
             rows.append({"case": what, "exit": p.returncode, "one line": len(errors) == 1,
                          "traceback": "Traceback" in p.stderr, "wrote": new.exists() or snapshot(watched) != before,
-                         "ok": ok, "message": (errors or err or ["(none)"])[-1].replace(str(d), "$TMPDIR").replace(STDLIB, "$STDLIB")[:200].replace("|", "/"),
+                         "ok": ok, "message": (errors or err or ["(none)"])[-1].replace(str(d), "$TMPDIR")
+                         .replace(STDLIB, "$STDLIB")[:200].replace("|", "/"),
                          "s": round(secs, 1)})
             print(json.dumps(rows[-1]), flush=True)
     os.environ["JAX_PLATFORMS"] = "cpu"
