@@ -156,6 +156,17 @@ def test_plan_over_exits_1_with_the_memory_auto_command(tmp_path, capsys):
 
 @pytest.mark.aot
 @pytest.mark.slow
+def test_plan_memory_auto_that_finds_nothing_exits_1(tmp_path, capsys):
+    """--memory auto with no set of memory tools within the budgets is a verdict (exit 1, one line), not a bad input."""
+    args = ["plan", "--preset", "tiny", "--devices", "1", "--mesh.sp", "1", "--seq-len", "512", "--no-kernels",
+            "--budget-fraction", "0.0001", "--memory", "auto", "--xla-log", str(tmp_path / "xla.log")]
+    assert main(args) == EXIT_OVER
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no set of memory tools fits --seq-len 512"), err
+
+
+@pytest.mark.aot
+@pytest.mark.slow
 def test_plan_keeps_xla_messages_in_a_log_file(tmp_path):
     """A plan larger than the device: XLA's rematerialization warning goes to the log file named, not the terminal."""
     log = tmp_path / "xla.log"

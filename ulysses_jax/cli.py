@@ -35,8 +35,8 @@ EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal with a checkpoint saved; run the same command with --resume
 EXIT_ABORTED = 130
 PLAN_EXIT = (f"Exit status: 0 the plan fits; {EXIT_OVER} it does not (verdict OVER: the `--memory auto` command to try "
-             f"is printed); {EXIT_USAGE} a user error. XLA's compiler messages go to a log file (--xla-log), named at "
-             f"the end.")
+             f"is printed; with --memory auto: no set of memory tools fits); {EXIT_USAGE} a user error. XLA's "
+             f"compiler messages go to a log file (--xla-log), named at the end.")
 DESCRIPTION = "Long-context LM training with Ulysses sequence parallelism in JAX."
 
 
@@ -277,11 +277,15 @@ def _train(cfg: TrainConfig) -> int:
 def _plan(cfg, args: list[str]) -> int:
     from ulysses_jax.plan import xla_log
     from ulysses_jax.plan.run import run_plan
+    from ulysses_jax.plan.search import NothingFits
 
     log = cfg.xla_log or xla_log.default_path()
     try:
         with xla_log.stderr_to(log):
             p = run_plan(cfg)
+    except NothingFits as e:  # --memory auto: OVER with every set of memory tools, not a mistake in the flags
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OVER
     except ValueError as e:
         return _error(str(e))
     finally:

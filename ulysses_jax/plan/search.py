@@ -28,6 +28,10 @@ TILE = 4096  # the chunk --memory auto tiles the loss, the MLP and the attention
 MIN_TILE = 256  # ... or the largest divisor of each device's sequence between this and TILE
 
 
+class NothingFits(ValueError):
+    """``--memory auto`` found no set of memory tools within the budgets: a verdict (OVER), not a bad input."""
+
+
 def usage(p: Plan) -> float:
     """The budget a plan uses: the larger of device total / device budget and host bytes / host budget (<= 1: fits)."""
     m = p.memory
@@ -195,7 +199,7 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
         if p.max_seq_len and better:
             best = (p, flags, changes)
     if best is None or not best[0].max_seq_len:
-        raise ValueError("no set of memory tools fits even one unit of the sequence on these devices within the "
+        raise NothingFits("no set of memory tools fits even one unit of the sequence on these devices within the "
                          f"device and host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices "
                          f"or raise --host-memory-gib")
     chosen = _choose(cfg, *best)
@@ -231,7 +235,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
         if p.fits:
             fitting.append((p, flags, changes))
     if not fitting:
-        raise ValueError(f"no set of memory tools fits --seq-len {cfg.seq_len} on these devices within the device and "
+        raise NothingFits(f"no set of memory tools fits --seq-len {cfg.seq_len} on these devices within the device and "
                          f"host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices, or find "
                          f"the longest that fits with --find-max-seq-len")
     p, flags, changes = min(fitting, key=lambda f: f[0].estimate["step_seconds"])
