@@ -39,9 +39,6 @@ def check_layers(cfg) -> None:
     if cfg.post_norms and cfg.attn_chunk:
         raise ValueError(f"attn_chunk ({cfg.attn_chunk}) tiles a sublayer without a post-attention norm, but this "
                          f"model has post_norms (Gemma 3); set attn_chunk to 0")
-    if cfg.post_norms and cfg.mlp_chunk:
-        raise ValueError(f"mlp_chunk ({cfg.mlp_chunk}) tiles a sublayer without a post-MLP norm, but this model has "
-                         f"post_norms (Gemma 3); set mlp_chunk to 0")
 
 
 def layer_types(cfg) -> tuple[str, ...]:
