@@ -127,6 +127,32 @@ def test_gemma_tiled_mlp_equals_plain(mesh_name, tools, seed):
     assert post and all(float(jnp.max(jnp.abs(g.get_value()))) > 0 for g in post)  # the post-norm is in the chunks
 
 
+GEMMA_ATTN_CASES = [
+    ("1dev", dict(attn_chunk=8, attention_impl="blockwise")),  # 64 tokens in 8 chunks, all heads at once
+    ("sp4", dict(attn_chunk=4, attn_head_chunk=1, attention_impl="blockwise")),  # 2 heads per device, 2 groups
+    ("fsdp2xsp4", dict(attn_chunk=4, attention_impl="xla", remat="full", mlp_chunk=4)),  # with the tiled MLP
+    ("data2xfsdp2xsp2-zero3", dict(attn_chunk=8, attn_head_chunk=2, attention_impl="pallas")),  # ZeRO-3, 2 groups
+]
+
+
+@pytest.mark.parametrize("mesh_name, tools", GEMMA_ATTN_CASES,
+                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in t.items())}" for m, t in GEMMA_ATTN_CASES])
+def test_gemma_tiled_attention_equals_plain(mesh_name, tools, seed):
+    """attn_chunk on Gemma 3: the post-attention norm applied to each chunk of the output projection inside the
+    sublayer's own backward; the logits, loss and gradients of the plain single-device model."""
+    cfg = gemma(attention_impl="xla")
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, "1dev", seed), batch)
+    tiled = run_model(build(dataclasses.replace(cfg, **tools), mesh_name, seed), batch)
+    assert_same(tiled, plain)
+
+
+def test_gemma_tiled_attention_refuses_recompute():
+    with pytest.raises(ValueError, match=r"attn_recompute keeps no attention output, which the backward of the "
+                                         r"post-attention norm \(post_norms, Gemma 3\) reads; set attn_recompute"):
+        gemma(attn_chunk=4, attn_recompute=True)
+
+
 def test_ring_mesh_equals_plain_with_mixed_layers(seed):
     """ring 2 x sp 4 (zigzag order, ring pairs outside the window skipped) against one device."""
     from test_model import TOL_GRAD, TOL_LOGITS, TOL_LOSS, S, rel_err

@@ -264,6 +264,8 @@ class Block(nnx.Module):
             found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
         if a.cfg.qk_norm:
             found.update(q_norm=a.q_norm.scale, k_norm=a.k_norm.scale)
+        if a.cfg.post_norms:
+            found.update(post_norm=self.post_attn_norm.scale)
         return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") else dt) for k, p in found.items()}
 
 
