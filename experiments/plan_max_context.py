@@ -91,7 +91,7 @@ ROWS = [
     Row("qwen3-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     Row("qwen3-8b", 8, "offload", 9_437_184, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     # Gemma 3 (29 local layers of 1,024 tokens, 5 global): the MLP whole, then tiled (its post-norm in each chunk);
-    # no tiled attention (its post-attention norm has no tiled form yet)
+    # the attention sublayer whole in these rows
     Row("gemma3-4b", 1, "offload", 131_072, optim_offload=True, mlp_chunk=0),
     Row("gemma3-4b", 8, "offload", 1_048_576, optim_offload=True, mlp_chunk=0),
     Row("gemma3-4b", 1, "offload", 360_448, optim_offload=True),
