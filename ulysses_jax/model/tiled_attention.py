@@ -398,7 +398,8 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
     device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
     attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale, ``"post_norm"``
-    Gemma 3's post-attention one: ``x + post_norm(attention(norm(x)))``; absent optional ones are left out), in the compute dtype (the norm scales in float32) and at-rest layout."""
+    Gemma 3's post-attention one: ``x + post_norm(attention(norm(x)))``; absent optional ones are left out), in the
+    compute dtype (the norm scales in float32) and at-rest layout."""
     sp = mesh.shape[SP]
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
