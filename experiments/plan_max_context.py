@@ -41,7 +41,7 @@ class Row:
     attn_chunk: int = 0  # the tiled attention sublayer (ModelConfig.attn_chunk)
     attn_head_chunk: int = 0  # its query heads per group on each device (ModelConfig.attn_head_chunk)
     attn_recompute: bool = False  # no attention output kept for the backward (ModelConfig.attn_recompute)
-    mlp_chunk: int = 4096  # the tiled MLP (0: off; Gemma 3's post-MLP norm has no tiled form yet)
+    mlp_chunk: int = 4096  # the tiled MLP (0: off)
 
     @property
     def key(self) -> str:
@@ -90,9 +90,12 @@ ROWS = [
     Row("qwen3-4b", 8, "offload", 12_582_912, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     Row("qwen3-8b", 1, "offload", 1_048_576, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
     Row("qwen3-8b", 8, "offload", 9_437_184, optim_offload=True, attn_chunk=4096, attn_head_chunk=1),
-    # Gemma 3 (29 local layers of 1,024 tokens, 5 global): no tiled attention or MLP (its post-sublayer norms)
+    # Gemma 3 (29 local layers of 1,024 tokens, 5 global): the MLP whole, then tiled (its post-norm in each chunk);
+    # the attention sublayer whole in these rows
     Row("gemma3-4b", 1, "offload", 131_072, optim_offload=True, mlp_chunk=0),
     Row("gemma3-4b", 8, "offload", 1_048_576, optim_offload=True, mlp_chunk=0),
+    Row("gemma3-4b", 1, "offload", 360_448, optim_offload=True),
+    Row("gemma3-4b", 8, "offload", 3_145_728, optim_offload=True),
 ]
 
 

@@ -99,6 +99,60 @@ def test_memory_tools_equal_plain_with_mixed_layers(mesh_name, tools, seed):
     assert_same(run_model(build(cfg, mesh_name, seed), batch), plain)
 
 
+def gemma(**overrides):
+    """Gemma 3 at CPU size: (1 + w) norms around both sublayers, qk-norm, GeGLU, scaled embeddings, linear RoPE
+    scaling on the global layers, tied; the mixed local/global layers of ``MIXED``."""
+    return shrink("gemma3-4b", num_kv_heads=2, head_dim=16, query_pre_attn_scalar=16.0, **{**MIXED, **overrides})
+
+
+GEMMA_CASES = [
+    ("1dev", dict()),  # 64 tokens in 16 chunks on one device
+    ("fsdp2xsp4", dict(remat="full")),  # FSDP, 16 local tokens in 4 chunks, each layer rematerialised
+    ("data2xfsdp2xsp2-zero3", dict()),  # replicas, ZeRO-3 (the norm scales gathered over data x fsdp x sp)
+]
+
+
+@pytest.mark.parametrize("mesh_name, tools", GEMMA_CASES, ids=[f"{m}-{'-'.join(t)}" for m, t in GEMMA_CASES])
+def test_gemma_tiled_mlp_equals_plain(mesh_name, tools, seed):
+    """mlp_chunk on Gemma 3: each chunk runs the whole sublayer x + post_norm(mlp(pre_norm(x))) with (1 + w) norms
+    and GeGLU; the logits, loss and gradients (the post-MLP norm's included) of the plain single-device model."""
+    cfg = gemma(attention_impl="xla")
+    assert cfg.post_norms and cfg.norm_plus_one and cfg.mlp_activation == "gelu_tanh"
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, "1dev", seed), batch)
+    tiled = run_model(build(dataclasses.replace(cfg, mlp_chunk=4, **tools), mesh_name, seed), batch)
+    assert_same(tiled, plain)
+    grads = dict(nnx.to_flat_state(tiled[2]))
+    post = [g for path, g in grads.items() if "post_mlp_norm" in path]
+    assert post and all(float(jnp.max(jnp.abs(g.get_value()))) > 0 for g in post)  # the post-norm is in the chunks
+
+
+GEMMA_ATTN_CASES = [
+    ("1dev", dict(attn_chunk=8, attention_impl="blockwise")),  # 64 tokens in 8 chunks, all heads at once
+    ("sp4", dict(attn_chunk=4, attn_head_chunk=1, attention_impl="blockwise")),  # 2 heads per device, 2 groups
+    ("fsdp2xsp4", dict(attn_chunk=4, attention_impl="xla", remat="full", mlp_chunk=4)),  # with the tiled MLP
+    ("data2xfsdp2xsp2-zero3", dict(attn_chunk=8, attn_head_chunk=2, attention_impl="pallas")),  # ZeRO-3, 2 groups
+]
+
+
+@pytest.mark.parametrize("mesh_name, tools", GEMMA_ATTN_CASES,
+                         ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in t.items())}" for m, t in GEMMA_ATTN_CASES])
+def test_gemma_tiled_attention_equals_plain(mesh_name, tools, seed):
+    """attn_chunk on Gemma 3: the post-attention norm applied to each chunk of the output projection inside the
+    sublayer's own backward; the logits, loss and gradients of the plain single-device model."""
+    cfg = gemma(attention_impl="xla")
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, "1dev", seed), batch)
+    tiled = run_model(build(dataclasses.replace(cfg, **tools), mesh_name, seed), batch)
+    assert_same(tiled, plain)
+
+
+def test_gemma_tiled_attention_refuses_recompute():
+    with pytest.raises(ValueError, match=r"attn_recompute keeps no attention output, which the backward of the "
+                                         r"post-attention norm \(post_norms, Gemma 3\) reads; set attn_recompute"):
+        gemma(attn_chunk=4, attn_recompute=True)
+
+
 def test_ring_mesh_equals_plain_with_mixed_layers(seed):
     """ring 2 x sp 4 (zigzag order, ring pairs outside the window skipped) against one device."""
     from test_model import TOL_GRAD, TOL_LOGITS, TOL_LOSS, S, rel_err

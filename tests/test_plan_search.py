@@ -179,6 +179,20 @@ def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
     assert sum(skip is None for *_, skip in choices) == (4 if tile is None else 6)
 
 
+def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():
+    """Gemma 3 (post_norms): every set keeps the tiled MLP and the tiled attention, and none has --attn-recompute,
+    which the post-attention norm's backward refuses; each set's model config is valid."""
+    from ulysses_jax.model.config import ModelConfig
+
+    cfg = PlanConfig(preset="gemma3-4b", kernels=False)
+    llama, gemma = memory_choices(cfg, 34, 4096), memory_choices(cfg, 34, 4096, post_norms=True)
+    assert [f for f, *_ in gemma] == [f for f, *_ in llama if "--attn-recompute" not in f] and len(gemma) < len(llama)
+    assert any("--attn-chunk" in f for f, *_ in gemma) and all("--mlp-chunk 4096" in f for f, *_ in gemma)
+    fields = ("remat", "remat_every", "mlp_chunk", "attn_chunk", "attn_head_chunk", "attn_recompute")
+    for _, changes, _ in gemma:
+        ModelConfig.from_preset("gemma3-4b", **{k: v for k, v in changes.items() if k in fields and v is not None})
+
+
 def test_memory_auto_keeps_the_users_chunks():
     cfg = PlanConfig(preset="tiny", loss_chunk=1024, mlp_chunk=0, kernels=False)
     flags, changes, _ = memory_choices(cfg, 4, 4096)[0]

@@ -36,6 +36,7 @@ The long-context memory switches (each tested for equality with the plain path):
     whole-sequence operands and gradients exist for one group only (0 = all of a device's heads at once).
   * ``attn_recompute``: with ``attn_chunk``, the tiled attention keeps no output for its backward, where each
     group's kernel forward runs again (one more attention forward per layer, one ``[S/sp, D]`` buffer less).
+    Refused with ``post_norms`` (Gemma 3), whose post-attention norm's backward reads that output.
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
   * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
     group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).

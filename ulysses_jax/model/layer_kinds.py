@@ -36,12 +36,9 @@ def check_layers(cfg) -> None:
         raise ValueError(f"mlp_activation {cfg.mlp_activation!r} is not one of 'silu', 'gelu_tanh'")
     if cfg.query_pre_attn_scalar < 0:
         raise ValueError(f"query_pre_attn_scalar ({cfg.query_pre_attn_scalar}) must be positive, or 0 for head_dim")
-    if cfg.post_norms and cfg.attn_chunk:
-        raise ValueError(f"attn_chunk ({cfg.attn_chunk}) tiles a sublayer without a post-attention norm, but this "
-                         f"model has post_norms (Gemma 3); set attn_chunk to 0")
-    if cfg.post_norms and cfg.mlp_chunk:
-        raise ValueError(f"mlp_chunk ({cfg.mlp_chunk}) tiles a sublayer without a post-MLP norm, but this model has "
-                         f"post_norms (Gemma 3); set mlp_chunk to 0")
+    if cfg.post_norms and cfg.attn_recompute:
+        raise ValueError("attn_recompute keeps no attention output, which the backward of the post-attention norm "
+                         "(post_norms, Gemma 3) reads; set attn_recompute to False")
 
 
 def layer_types(cfg) -> tuple[str, ...]:

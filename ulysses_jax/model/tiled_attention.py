@@ -35,6 +35,10 @@ projections as residuals, the memory this module exists to avoid. With several g
 one term per group in the compute dtype (as a tensor-parallel all-reduce of activation gradients does); the
 forward sums as without groups.
 
+Gemma 3 (``post_norms``): the post-attention norm is applied to each chunk of the output projection before the
+residual add; its backward first runs the chunks' projections again from ``O`` (all heads) to send the gradient
+through the norm, then the groups as above. It needs ``O``, so ``attn_recompute`` is refused with ``post_norms``.
+
 Kernels: ``xla``, ``blockwise``, ``pallas`` through ``ring.ring_kernel`` (with the log-sum-exp); ``cudnn`` has none, so
 its backward re-runs its forward (``jax.vjp``). Needs a mesh without a ring (a ring device's tokens are the ring's
 zigzag share, which these buffers do not model). Runs in ``shard_map``; parameters arrive at rest (FSDP) and are
@@ -75,6 +79,7 @@ PARAMS = {
     "bv": (("kv_heads", "head_dim"), None),
     "q_norm": (("head_dim",), None),
     "k_norm": (("head_dim",), None),
+    "post_norm": (("embed",), 0),  # Gemma 3 (post_norms): the post-attention norm's scale
 }
 _F32 = jnp.float32
 
@@ -200,17 +205,37 @@ def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
     return jax.lax.fori_loop(0, n, body, (dx, zeros_f32(w)))
 
 
-def fill_out(out_proj, n: int, sp: int, o, x, wo):
-    """``x + out_proj(heads -> sequence all-to-all of o)``, chunk by chunk: ``o [b, S, hq, H]`` (whole sequence,
-    local heads), ``x [b, s, D]`` (local tokens, the residual) -> ``[b, s, D]``."""
+def fill_out(out_proj, n: int, sp: int, o, x, wo, post=None):
+    """``x + post(out_proj(heads -> sequence all-to-all of o))``, chunk by chunk: ``o [b, S, hq, H]`` (whole
+    sequence, local heads), ``x [b, s, D]`` (local tokens, the residual) -> ``[b, s, D]``; ``post``: the
+    post-attention norm of a chunk (Gemma 3), or ``None``."""
     b, s, _ = x.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, y):
-        return put(y, chunk(x, i, c) + out_proj(heads_to_seq(_exchanged(o6, i), SP), wo).astype(x.dtype), i, c)
+        y_c = out_proj(heads_to_seq(_exchanged(o6, i), SP), wo)
+        return put(y, chunk(x, i, c) + (y_c if post is None else post(y_c)).astype(x.dtype), i, c)
 
     return jax.lax.fori_loop(0, n, body, fresh(x.shape, x.dtype, o))
+
+
+def grad_post(out_proj, post, n: int, sp: int, o, ct, wo, scale):
+    """The backward of the post-attention norm (Gemma 3), chunk by chunk: ``o [b, S, hq, H]`` (all heads), ``ct
+    [b, s, D]`` -> (the gradient of the output projection's result ``[b, s, D]``, ``scale``'s gradient in float32);
+    each chunk's projection recomputed from its exchange of ``o``."""
+    b, s, _ = ct.shape
+    c = s // n
+    o6 = o.reshape(b, sp, n, c, *o.shape[2:])
+
+    def body(i, carry):
+        dy, acc = carry
+        y_c = out_proj(heads_to_seq(_exchanged(o6, i), SP), wo)
+        _, vjp = jax.vjp(post, y_c, scale)
+        dy_c, dscale = vjp(chunk(ct, i, c).astype(y_c.dtype))
+        return put(dy, dy_c, i, c), acc + dscale.astype(_F32)
+
+    return jax.lax.fori_loop(0, n, body, (fresh(ct.shape, wo.dtype, ct), jnp.zeros(scale.shape, _F32)))
 
 
 def grad_out(n: int, sp: int, o, ct, wo):
@@ -268,6 +293,10 @@ class _Spec:
     def out_proj(self, o, wo):
         return output_chunk(o, wo, layout=self.groups.layout)
 
+    def post(self, y, scale):
+        """The post-attention norm of a chunk ``y [b, c, D]`` (Gemma 3; ``scale`` at rest, float32)."""
+        return rms_norm(y, norm_scale(scale, self.cfg), self.cfg.rms_eps)
+
     def kernel_forward(self, q, k, v, seg):
         """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
         if self.impl == "cudnn":
@@ -314,13 +343,17 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
         return o, lse if lse is None else jax.lax.dynamic_update_slice_in_dim(lse, lse_t[None], t, axis=0)
 
     o, lse = _over_groups(groups.count, group, (o, lse))
-    return fill_out(spec.out_proj, n, sp, o, x, w["wo"]), (x, pos, seg, w, None if spec.recompute else o, lse)
+    post = (lambda y: spec.post(y, w["post_norm"])) if "post_norm" in w else None
+    return fill_out(spec.out_proj, n, sp, o, x, w["wo"], post), (x, pos, seg, w, None if spec.recompute else o, lse)
 
 
 def _sublayer_bwd(spec: _Spec, res, ct):
     x, pos, seg, w, o, lse = res
     groups, sp, n = spec.groups, spec.sp, spec.n
     w32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _F32), w)
+    ct_out, dpost = ct, None  # the gradient of the output projection's result; with a post-norm, through it
+    if "post_norm" in w:  # needs every head's output: refused with attn_recompute (layer_kinds.check_layers)
+        ct_out, dpost = grad_post(spec.out_proj, spec.post, n, sp, o, ct, w["wo"], w["post_norm"])
 
     def group(t, carry):
         dx, dw = carry
@@ -331,7 +364,7 @@ def _sublayer_bwd(spec: _Spec, res, ct):
         else:
             o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
             lse_t = None if lse is None else lse[t]
-        do, dwo = grad_out(n, sp, o_t, ct, wg["wo"])
+        do, dwo = grad_out(n, sp, o_t, ct_out, wg["wo"])
         grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do)
         w_in = {name: a for name, a in wg.items() if name != "wo"}
         dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads, dx)
@@ -339,6 +372,8 @@ def _sublayer_bwd(spec: _Spec, res, ct):
         return dx, sum_f32(dw, dw_t)
 
     dx, dw = _over_groups(groups.count, group, (ct, zeros_f32(w)))
+    if dpost is not None:
+        dw = {**dw, "post_norm": dw["post_norm"] + dpost}
     return dx, None, None, cast_like(dw, w)
 
 
@@ -362,8 +397,9 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
     the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
     device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
-    attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale; absent
-    optional ones are left out), in the compute dtype (the norm scales in float32) and at-rest layout."""
+    attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale, ``"post_norm"``
+    Gemma 3's post-attention one: ``x + post_norm(attention(norm(x)))``; absent optional ones are left out), in the
+    compute dtype (the norm scales in float32) and at-rest layout."""
     sp = mesh.shape[SP]
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)

@@ -128,7 +128,8 @@ def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu):
 
 
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
-                 norm: tuple[jax.Array, float] | None = None, activation=jax.nn.silu):
+                 norm: tuple[jax.Array, float] | None = None, post_norm: jax.Array | None = None,
+                 activation=jax.nn.silu):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
@@ -138,25 +139,34 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     recomputed in the backward).
 
     ``norm=(scale, eps)``: the whole sublayer ``x + swiglu(rms_norm(x))`` per chunk (``scale`` at rest), so that
-    neither the normed input nor its gradient exists for the whole local sequence.
+    neither the normed input nor its gradient exists for the whole local sequence. ``post_norm`` (a scale at rest, with
+    ``norm``; Gemma 3): ``x + rms_norm(swiglu(rms_norm(x)), post_norm)`` per chunk, the MLP's output normed before the
+    residual add as in the plain block.
     """
+    if post_norm is not None and norm is None:
+        raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
     wa = fsdp_axes(over_data)
     act = P((DATA, FSDP), SEQ, None)
+
+    scales = ([norm[0]] if norm else []) + ([post_norm] if post_norm is not None else [])  # at rest
+
+    def sublayer(xc, ws):  # one chunk: x + [post_norm](mlp(norm(x)))
+        y = swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3], act=activation)
+        return xc + (rms_norm(y, ws[4], norm[1]) if post_norm is not None else y)
 
     def local(x_bsD, wg, wu, wd, *scale):
         wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
         wd = gather_param(wd, 1, over_data=over_data)
         n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
         if scale:
-            g = gather_param(scale[0], 0, over_data=over_data)
-            return chunk_map(lambda xc, ws: xc + swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3], act=activation), n,
-                             x_bsD, (wg, wu, wd, g))
+            gs = tuple(gather_param(g, 0, over_data=over_data) for g in scale)
+            return chunk_map(sublayer, n, x_bsD, (wg, wu, wd, *gs))
         return chunk_map(lambda xc, ws: swiglu(xc, *ws, act=activation), n, x_bsD, (wg, wu, wd))
 
-    specs = (act, P(wa, None), P(wa, None), P(None, wa), *([P(wa)] if norm else []))
+    specs = (act, P(wa, None), P(wa, None), P(None, wa), *[P(wa)] * len(scales))
     # chunk_map's backward carries no varying-manual-axes types
     fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
-    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *([norm[0]] if norm else []))
+    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *scales)
 
 
 class MLP(nnx.Module):
@@ -167,13 +177,15 @@ class MLP(nnx.Module):
         self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
         self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
 
-    def residual_tiled(self, x_BSD, norm: RMSNorm):
-        """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``)."""
+    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None):
+        """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
+        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``."""
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
         ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
+        post = None if post_norm is None else norm_scale(post_norm.scale.get_value(), cfg)
         return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
                             over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
-                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps))
+                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post)
 
     def __call__(self, x_BSD):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
@@ -225,8 +237,9 @@ class Block(nnx.Module):
         else:
             h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
-        if cfg.mlp_chunk:  # the norm and the residual inside the chunks too
-            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm), self.mesh, ("batch", "seq", "embed"))
+        if cfg.mlp_chunk:  # the norms and the residual inside the chunks too
+            post = self.post_mlp_norm if cfg.post_norms else None
+            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post), self.mesh, ("batch", "seq", "embed"))
         y_BSD = self.mlp(self.mlp_norm(h_BSD))
         if cfg.post_norms:
             y_BSD = self.post_mlp_norm(y_BSD)
@@ -251,6 +264,8 @@ class Block(nnx.Module):
             found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
         if a.cfg.qk_norm:
             found.update(q_norm=a.q_norm.scale, k_norm=a.k_norm.scale)
+        if a.cfg.post_norms:
+            found.update(post_norm=self.post_attn_norm.scale)
         return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") else dt) for k, p in found.items()}
 
 

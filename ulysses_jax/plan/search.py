@@ -127,11 +127,12 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
     return next((d for d in range(min(prefer, local_seq), MIN_TILE - 1, -1) if local_seq % d == 0), None)
 
 
-def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None
+def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False
                    ) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
     tries. ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
-    (``tile_for``), and a set is skipped with the reason where none does."""
+    (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
+    ``attn_recompute``, which such a model refuses."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
             default=1)
     tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
@@ -158,7 +159,8 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
         attn = dict(attn_chunk=tile, attn_head_chunk=1, **tiles)
         choices.append((f"--remat offload {host_flags} {tiled}{tile_flags}",
                         dict(remat="offload", remat_every=None, **host, **attn), no_tile))
-        if num_layers % 2 == 0:  # two layers' inputs on the device in a group's backward: no attention output there
+        if num_layers % 2 == 0 and not post_norms:  # two layers' inputs on the device in a group's backward: no
+            # attention output there (refused with post_norms: the post-attention norm's backward reads it)
             choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute{tile_flags}",
                             dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), no_tile))
     return choices
@@ -184,7 +186,8 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     """``--memory auto --find-max-seq-len``: the longest context within both budgets over ``memory_choices``; between
     sets that reach the same length, the lowest estimated step time."""
     best, results = None, []
-    choices = memory_choices(cfg, _model(cfg).num_layers)
+    model = _model(cfg)
+    choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms)
     for flags, changes, _ in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
         log(f"{flags}:")
         floor = best[0].max_seq_len if best else 0
@@ -220,7 +223,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     local = cfg.seq_len // (mesh.shape["ring"] * mesh.shape["sp"]) if cfg.seq_len % (
         mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
     fitting, results = [], []
-    for flags, changes, skip in memory_choices(cfg, model.num_layers, local):
+    for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
