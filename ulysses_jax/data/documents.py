@@ -37,7 +37,7 @@ class DataConfig:
     text_field: str = "text"  # --data-field: the text's key in .jsonl lines and column in .parquet files
     eval_fraction: float = 0.02  # --eval-fraction: share of documents held out, chosen by a hash of each one's text
     eval_paths: tuple[str, ...] = ()  # --eval-data: a separate validation source; the eval split is all of it
-    format: DataFormat = "text"  # --data-format: sft reads .jsonl SFT records (ulysses_jax.data.sft) with their loss masks
+    format: DataFormat = "text"  # --data-format: sft reads .jsonl SFT records (data/sft.py) with their loss masks
     sft_overlong: Literal["refuse", "drop"] = "refuse"  # --sft-overlong: an SFT record longer than a row (lengths.py)
     frame: bool = False  # frame text documents as the tokenizer folder's model was trained: [bos] + text + [eos]
     shuffle: bool = True  # shuffle documents (anew each epoch) and packed rows in training; eval never shuffles

@@ -2,7 +2,7 @@
 
 Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resumed run continues exactly):
   sources         ``--data`` files and directories (``.txt/.md/.py`` one document each, ``.jsonl`` lines, ``.parquet``
-                  rows; see ``ulysses_jax.data.sources`` for the formats), or by default the Python standard library's own
+                  rows; see ``sources.py`` for the formats), or by default the Python standard library's own
                   source files (nothing to download). ``validate_sources`` reads and checks them all once, streaming,
                   before anything is written; its index holds numpy arrays, never a Python object per document.
   split           a document is held out for eval when a 64-bit hash of its *text* falls below ``eval_fraction``: the
@@ -16,7 +16,7 @@ Pipeline (each step a Grain dataset, so the iterator state is Grain's and a resu
                   Packed rows are shuffled again in a window (``shuffle_window`` rows over the whole batch).
   tokenize        UTF-8 bytes (vocab 256) or a Hugging Face ``tokenizer.json``; runs in Grain's reader threads. With
                   ``frame`` (``--init-from-hf``) a document is ``[bos] + text + [eos]`` as the folder's model was
-                  trained; with ``format="sft"`` each record is rendered by ``ulysses_jax.data.sft`` into tokens and a loss
+                  trained; with ``format="sft"`` each record is rendered by ``sft.py`` into tokens and a loss
                   mask, carried through packing: a label whose mask is 0 (prompt, non-assistant turn) is ``IGNORE``.
   pack_rows       text documents cut into pieces of at most ``seq_len`` tokens (an SFT record never is: refused or
                   dropped, ``lengths.py``), first-fit packed into rows of exactly

@@ -14,8 +14,8 @@ Gemma 3 adds (``ModelConfig``): a norm after each sublayer too, norm scales ``1 
 sqrt(D), and local layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch``
 per scanned layer).
 
-Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer
-per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
+Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted
+initializer per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
 random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
 (constrained to their compute layout) where they are used; activations are constrained to batch over
 ``("data", "fsdp")`` and sequence over ``("ring", "sp")``.

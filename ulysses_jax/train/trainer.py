@@ -1,4 +1,4 @@
-"""The training job: setup and the loop (its settings are ``config.py``, the step ``step.py``, ``eval`` ``evaluate.py``).
+"""The training job: setup and the loop (settings: ``config.py``; the step: ``step.py``; eval: ``evaluate.py``).
 
 ``train(TrainConfig(...))`` is what ``ulysses-jax train`` runs (the CLI flags are generated from the dataclass).
 Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError``
