@@ -322,3 +322,19 @@ def test_cli_memory_auto_at_a_length_no_chunk_of_4096_divides(tmp_path):
     j = json.loads(out.read_text())
     assert j["status"] == "done" and len(j["search"]["trials"]) >= 6 and "--loss-chunk" in j["train_args"]
     assert j["train_args"][j["train_args"].index("--loss-chunk") + 1] == "3000"
+
+
+def test_estimate_counts_only_the_window_of_local_layers():
+    """Gemma 3 (5 local layers of 512 tokens to 1 global) at 128K: the attention seconds are those of the window's
+    pairs (model.flops.attention_pairs), far below what every layer global would cost."""
+    from ulysses_jax.model.layer_kinds import layer_windows
+
+    model = ModelConfig.from_preset("gemma3-1b")
+    s, n = 131072, 8
+    e = estimate.step_estimate(_plan_stub(model, seq_len=s, devices=n), model, "cudnn")
+    pairs = sum(flops.attention_pairs(s, w) for w in layer_windows(model))
+    assert pairs < model.num_layers * s * s / 2 / 4  # most layers see a window, not the whole sequence
+    fwd = 4 * pairs * model.num_heads * model.head_dim / n
+    rate, _ = estimate.attention_rate("cudnn", model.head_dim)
+    redo = estimate._recomputed_forwards(model)[1]
+    assert math.isclose(e["parts"]["attention_s"], fwd * (1 + redo) / rate.forward + 2.5 * fwd / rate.backward)

@@ -26,6 +26,7 @@ import dataclasses
 from ulysses_jax.kernels import flash_estimate
 from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.model import flops
+from ulysses_jax.model.layer_kinds import layer_windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,9 @@ def step_estimate(p, model, kernel: str) -> dict:
     """``{step_seconds, tokens_per_second_per_gpu, mfu, parts, assumptions}`` of plan ``p`` (module doc)."""
     t = p.target
     n, tokens = p.num_devices, p.batch_size * p.seq_len
-    causal = 0.5
-    attn_fwd = 4 * model.num_layers * p.batch_size * p.seq_len**2 * model.num_heads * model.head_dim * causal / n
+    # causal pairs per layer; a local layer counts its window's (model.flops.attention_pairs)
+    pairs = sum(flops.attention_pairs(p.seq_len, w) for w in layer_windows(model))
+    attn_fwd = 4 * p.batch_size * pairs * model.num_heads * model.head_dim / n
     redo_mm, redo_attn = _recomputed_forwards(model)
     ring = getattr(p, "mesh", {}).get("ring", 1)  # each kernel call sees S / ring tokens
     rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
