@@ -66,10 +66,13 @@ def _next_guess(seen: dict[int, float], lo: int, hi: int, step: int, max_units: 
     """Where to compile next: just under the secant's boundary through the two points nearest to it, inside
     ``(lo, hi)``; a closing probe at ``lo + step`` when that is where the boundary is; else bisect (or double)."""
     near = sorted(seen, key=lambda k: abs(seen[k] - 1))[:2]
-    if len(near) == 2 and seen[near[0]] != seen[near[1]]:
+    guess = None
+    if len(near) == 2:
         (a, ua), (b, ub) = ((k, seen[k]) for k in near)
-        guess = a + (1 - ua) * (b - a) / (ub - ua)
-    else:  # one point, or a flat stretch (XLA's buffers did not grow): proportional from the longest seen, and
+        if (ub - ua) * (b - a) > 0:  # usage grows with the length: the secant points at the boundary
+            guess = a + (1 - ua) * (b - a) / (ub - ua)
+    if guess is None:  # one point, a flat stretch, or usage that fell as the length grew (XLA chose other buffers at
+        # a short length: a secant sloping down would crawl one step at a time): proportional from the longest seen, and
         a = max(seen)  # while nothing was over the budgets, at least double, as a bracketing search would
         guess = a / seen[a] if seen[a] > 0 else 2 * a
         guess = max(guess, 2 * lo) if hi > max_units else guess
