@@ -57,14 +57,17 @@ def shift_labels(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None = None) 
     return labels_BS
 
 
-def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(sum of ``logsumexp(logits) - logits[label]`` over valid tokens, number of valid tokens)."""
+def token_losses(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
+    """``logsumexp(logits) - logits[label]`` per position in float32; 0 where the label is negative."""
     logits_BSV = logits_BSV.astype(jnp.float32)
-    valid_BS = labels_BS >= 0
     lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
     label_logit_BS = jnp.take_along_axis(logits_BSV, jnp.maximum(labels_BS, 0)[..., None], axis=-1)[..., 0]
-    total = jnp.sum(jnp.where(valid_BS, lse_BS - label_logit_BS, 0.0))
-    return total, jnp.sum(valid_BS, dtype=jnp.int32)
+    return jnp.where(labels_BS >= 0, lse_BS - label_logit_BS, 0.0)
+
+
+def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum of ``logsumexp(logits) - logits[label]`` over valid tokens, number of valid tokens)."""
+    return jnp.sum(token_losses(logits_BSV, labels_BS)), jnp.sum(labels_BS >= 0, dtype=jnp.int32)
 
 
 def tiled_cross_entropy_sum(

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.model.config import local_chunks
+from ulysses_jax.model.loss import token_losses
 from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
 from ulysses_jax.train.step import batch_sharding
@@ -25,13 +26,8 @@ from ulysses_jax.train.step import batch_sharding
 def greedy_scores(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(``logsumexp(logits) - logits[label]``, ``argmax(logits) == label``) per position; 0 and False where the
     label is negative."""
-    logits_BSV = logits_BSV.astype(jnp.float32)
-    valid_BS = labels_BS >= 0
-    safe_BS = jnp.maximum(labels_BS, 0)
-    label_logit_BS = jnp.take_along_axis(logits_BSV, safe_BS[..., None], axis=-1)[..., 0]
-    loss_BS = jnp.where(valid_BS, jax.nn.logsumexp(logits_BSV, axis=-1) - label_logit_BS, 0.0)
-    hit_BS = valid_BS & (jnp.argmax(logits_BSV, axis=-1) == safe_BS)
-    return loss_BS, hit_BS
+    hit_BS = (labels_BS >= 0) & (jnp.argmax(logits_BSV, axis=-1) == jnp.maximum(labels_BS, 0))
+    return token_losses(logits_BSV, labels_BS), hit_BS
 
 
 def tiled_greedy_scores(h_BSD: jax.Array, w_VD: jax.Array, labels_BS: jax.Array, *, mesh: Mesh, chunk: int,
