@@ -190,24 +190,15 @@ def test_remat_full_keeps_one_copy_of_the_saved_layer_inputs(tmp_path):
     """remat=full saves each layer's input, stacked [L, B, S/sp, D]; the backward must read that stack as it is,
     not a transposed [D, L, B, S/sp] copy (27 GiB for Llama-3.1-8B at 884K tokens on 8 H100s)."""
     from ulysses_jax.plan.planner import largest_buffers
-    from ulysses_jax.train.step import (
-        BATCH_KEYS,
-        OptimConfig,
-        abstract_state,
-        batch_sharding,
-        make_optimizer,
-        make_schedule,
-        make_train_step,
-        state_shardings,
-    )
+    from ulysses_jax.train.program import optimizer_of, step_program
+    from ulysses_jax.train.step import OptimConfig, abstract_state
 
     cfg = ModelConfig.from_preset("tiny", remat="full", attention_impl="pallas", loss_chunk=4096, mlp_chunk=4096)
     mesh = h100_mesh(sp=8)
-    tx = make_optimizer(OptimConfig(), 10)
+    tx = optimizer_of(OptimConfig(), 10)
     graphdef, state = abstract_state(cfg, mesh, tx)
-    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state))
     seq = 8 * 4096
-    batch = {k: jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+    step, batch = step_program(graphdef, state, tx, OptimConfig(), steps=10, mesh=mesh, batch_size=1, seq_len=seq)
     step.trace(state, batch).lower().compile(compiler_options=dump_options(tmp_path))
     values = " ".join(shapes for _, shapes in largest_buffers(tmp_path, n=10**6))
     layers, local, d = cfg.num_layers, seq // 8, cfg.hidden
