@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-gpu train venv clean
+.PHONY: test test-slow test-gpu gpu-wheels train venv clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ test-slow: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -c "import jax, sys; sys.exit(0 if jax.default_backend() == 'gpu' else 'make test-gpu: JAX sees no GPU (backend ' + jax.default_backend() + '); install the gpu extra on a GPU machine')"
 	$(PY) -m pytest -m "gpu" $(PYTEST_ARGS)
+
+# For a lent GPU machine that reaches no registry: the wheels of the project's dependencies its image lacks (Python
+# 3.12, manylinux x86-64) into .whl/, which experiments/gpu/first_contact.sh installs there.
+gpu-wheels: $(STAMP)
+	$(PY) experiments/gpu/wheels.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import os
 import pathlib
 import shlex
 import subprocess
@@ -12,6 +13,9 @@ import sys
 
 
 def git_head() -> str:
+    """The checkout's commit; ``ULYSSES_JAX_COMMIT`` where the tree travelled without its git folder (a lent GPU)."""
+    if os.environ.get("ULYSSES_JAX_COMMIT"):
+        return os.environ["ULYSSES_JAX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10,
                               cwd=pathlib.Path(__file__).parent).stdout.strip()

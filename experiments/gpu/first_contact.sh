@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The one command for a lent GPU (one H100 or H200; its image: Python 3.12, jax 0.11.x with the CUDA 13 plugin,
+# flax, optax, orbax, chex; no registry). Runs against this checkout on PYTHONPATH, no venv built there:
+#   1. versions, the project's requirement ranges against what is installed, nvidia-smi
+#   2. experiments/probe_cudnn_packed.py: packed rows on cuDNN against the float32 reference, and timed
+#   3. the GPU tests (pytest -m gpu)
+#   4. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128)
+#   5. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens)
+# Each step has its own time limit (8 minutes at most in all) and its log; a failing step does not stop the others.
+# Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
+#
+# Before the call, here: `make gpu-wheels` (the project's dependencies the image lacks, into .whl/), then carry .whl.
+#   bash experiments/gpu/first_contact.sh              # on the GPU machine
+#   PYTHON=.venv/bin/python bash experiments/gpu/first_contact.sh --dry-run   # CPU dry run: same steps, tiny sizes
+set -u
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+BASE=${OUT:-$ROOT/runs/gpu_first_contact}
+RES=$BASE/results
+rm -rf "$RES" && mkdir -p "$RES"
+export PYTHONUNBUFFERED=1
+export ULYSSES_JAX_COMMIT=${ULYSSES_JAX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+if [ $DRY = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ulysses_site \
+    .whl/*.whl > "$RES/pip.log" 2>&1 || { echo "first_contact: installing .whl failed (see $RES/pip.log)"; exit 1; }
+  export PYTHONPATH=/tmp/ulysses_site
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+if [ $DRY = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  CPU_FLAG=(--allow-cpu)
+  QUICK=(--quick)
+  ATT_ARGS=(--allow-cpu --quick)
+else
+  CPU_FLAG=()
+  QUICK=()
+  ATT_ARGS=(--seq-lens 8192,32768 --head-dims 128 --iters 5)
+fi
+
+SUMMARY=$RES/summary.txt
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to NAME.log, one summary line
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$RES/$name.log" 2>&1
+  local rc=$?
+  local note=""
+  [ $rc = 124 ] || [ $rc = 137 ] && note=" (stopped at its ${limit}s limit)"
+  echo "$name: exit $rc in $((SECONDS - t0)) s$note" | tee -a "$SUMMARY"
+}
+
+echo "commit $ULYSSES_JAX_COMMIT, $(date -u '+%Y-%m-%d %H:%M UTC')" | tee "$SUMMARY"
+step env 60 "$PY" - <<'EOF'
+import importlib.metadata as md, pathlib, re, sys, tomllib
+from packaging.requirements import Requirement
+print("python", sys.version.split()[0])
+reqs = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["dependencies"]
+for r in map(Requirement, reqs):
+    try:
+        v = md.version(r.name)
+        print(f"{r.name} {v}" + ("" if r.specifier.contains(v, prereleases=True) else f"  OUTSIDE {r.specifier}"))
+    except md.PackageNotFoundError:
+        print(f"{r.name} MISSING")
+import jax
+print("backend", jax.default_backend(), [d.device_kind for d in jax.devices()])
+try:
+    from jax._src.lib import cuda_versions
+    print("cudnn", cuda_versions.cudnn_get_version() if cuda_versions else None)
+except Exception as e:
+    print("cudnn version unknown:", e)
+EOF
+nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
+step probe_cudnn_packed 110 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
+step test_gpu 160 "$PY" -m pytest -p no:cacheprovider -m gpu -rA tests/test_gpu.py tests/test_flash_attention.py
+step bench_attention 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
+step bench_train 80 "$PY" experiments/bench_train.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
+
+tar czf "$BASE/results.tgz" -C "$RES" .
+echo "== last lines of each log =="
+for f in "$RES"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
+echo "== summary =="
+cat "$SUMMARY"
