@@ -66,6 +66,8 @@ for r in map(Requirement, reqs):
     except md.PackageNotFoundError:
         print(f"{r.name} MISSING")
 import jax
+import jax.experimental.compute_on as co
+print("jax.experimental.compute_on:", [n for n in dir(co) if not n.startswith("_")])
 print("backend", jax.default_backend(), [d.device_kind for d in jax.devices()])
 try:
     from jax._src.lib import cuda_versions

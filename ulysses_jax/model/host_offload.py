@@ -12,7 +12,11 @@ moves is ``train/optimizer.py``.
 from __future__ import annotations
 
 import jax
-from jax.experimental.compute_on import compute_on2
+
+try:  # jax 0.10 exports it; jax 0.11.2 (the CUDA image of 2026-11) keeps it only in its private module
+    from jax.experimental.compute_on import compute_on2
+except ImportError:
+    from jax._src.compute_on import compute_on2
 
 HOST = "pinned_host"
 STACKED = "blocks"  # parameters under this name carry the stacked layers on their leading axis
