@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import jax
 
-try:  # jax 0.10 exports it; jax 0.11.2 (the CUDA image of 2026-11) keeps it only in its private module
+try:
     from jax.experimental.compute_on import compute_on2
-except ImportError:
-    from jax._src.compute_on import compute_on2
+except ImportError:  # jax 0.11.2 (the lent GPUs' image, 2026-11) has no compute_on2: moves by device_put alone
+    compute_on2 = None
 
 HOST = "pinned_host"
 STACKED = "blocks"  # parameters under this name carry the stacked layers on their leading axis
 
-_to_device = compute_on2(lambda x: x, compute_type="device", out_memory_spaces=jax.memory.Space.Device)
-_to_host = compute_on2(lambda x: x, compute_type="device", out_memory_spaces=jax.memory.Space.Host)
+if compute_on2 is not None:
+    _to_device = compute_on2(lambda x: x, compute_type="device", out_memory_spaces=jax.memory.Space.Device)
+    _to_host = compute_on2(lambda x: x, compute_type="device", out_memory_spaces=jax.memory.Space.Host)
+else:  # right on devices with memory kinds (real GPUs); compile-only GPUs then get no host-offload annotation
+    def _to_device(x):
+        return jax.device_put(x, jax.memory.Space.Device)
+
+    def _to_host(x):
+        return jax.device_put(x, jax.memory.Space.Host)
 
 
 def to_device(tree):
