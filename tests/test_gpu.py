@@ -1,5 +1,5 @@
-"""GPU-only checks (``make test-gpu`` on a machine with a GPU): cuDNN and our compiled kernel at long
-lengths, and a few training steps with ``attention="auto"``. Skipped everywhere else."""
+"""GPU-only checks (``make test-gpu`` on a machine with a GPU): cuDNN (packed rows too) and our compiled kernel at
+long lengths, and a few training steps with ``attention="auto"``. Skipped everywhere else."""
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +74,56 @@ def test_each_kernel_matches_the_float32_reference(d, causal, segments, hkv, see
         assert err < TOL_BF16, (KERNEL_OF[name], name, err)
 
 
-def test_auto_picks_cudnn_without_segments_and_pallas_with():
+def test_auto_picks_cudnn_with_and_without_segments():
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False) == "cudnn"
-    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True) == "pallas"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True) == "cudnn"
+
+
+def packed_segments(rng, rows, s, docs, pad, ones=0):
+    """Segment ids as the packer writes them: per row ``docs + row`` documents of random lengths (the first ``ones``
+    of length 1), then ``pad`` padding tokens (id 0)."""
+    out = np.zeros((rows, s), np.int32)
+    for r in range(rows):
+        n = docs + r
+        cuts = np.sort(rng.choice(np.arange(ones + 1, s - pad), size=n - 1 - ones, replace=False))
+        bounds = np.concatenate([np.arange(ones + 1), cuts, [s - pad]])
+        for j in range(n):
+            out[r, bounds[j]:bounds[j + 1]] = j + 1
+    return out
+
+
+@pytest.mark.parametrize("rows,h,hkv,d,docs,pad,ones,causal,window", [
+    (3, 8, 8, 128, 12, 300, 0, True, None),
+    (2, 8, 2, 128, 10, 0, 3, True, None),
+    (2, 4, 1, 128, 1, 0, 0, True, None),
+    (2, 8, 2, 128, 6, 100, 0, True, 512),
+    (2, 8, 4, 64, 5, 64, 0, True, None),
+    (2, 8, 2, 128, 5, 64, 0, False, None),
+], ids=["many-docs-pad-mha", "len1-docs-gqa", "one-doc-mqa", "window-gqa-pad", "hd64-pad", "full-gqa-pad"])
+def test_packed_cudnn_matches_the_float32_reference(rows, h, hkv, d, docs, pad, ones, causal, window, seed):
+    """Packed rows on cuDNN (segment ids turned into ragged offsets, kernels/cudnn_packed.py) against the float32
+    reference: several rows with different document counts (cudnn-frontend #737 mis-addressed ragged offsets across
+    rows), documents of length 1, padding, GQA/MQA, a window. Output and dQ at real tokens; dK and dV everywhere
+    (zero at padding: cuDNN left them unwritten with GQA until the inputs were masked)."""
+    rng = np.random.default_rng(seed)
+    s = 4096
+    q, k, v, do = inputs(seed, s, h=h, hkv=hkv, d=d, b=rows)
+    seg_np = packed_segments(rng, rows, s, docs, pad, ones)
+    seg, real = jnp.asarray(seg_np), (seg_np != 0)[..., None, None]
+    do = jnp.where(real, do, 0)
+
+    def run(impl, *xs):
+        f = lambda q, k, v: attention(q, k, v, causal=causal, segment_ids=seg, impl=impl, window=window)  # noqa: E731
+        out, vjp = jax.vjp(f, *xs)
+        return [out, *vjp(do.astype(out.dtype))]
+
+    got = jax.jit(lambda *x: run("cudnn", *x))(q, k, v)
+    want = jax.jit(lambda *x: run("xla", *x))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if name in ("out", "dq"):
+            g, w = g * real, w * real
+        assert rel_err(g, w) < TOL_BF16, (name, rel_err(g, w))
 
 
 def test_ulysses_on_one_gpu_matches_local(seed):

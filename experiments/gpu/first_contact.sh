@@ -6,6 +6,8 @@
 #   3. the GPU tests (pytest -m gpu)
 #   4. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128)
 #   5. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens)
+# STEPS (default "env probe tests attention train") picks steps; PYTEST_K narrows the GPU tests (pytest -k);
+# TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
 # Each step has its own time limit (8 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
 #
@@ -42,9 +44,11 @@ else
 fi
 
 SUMMARY=$RES/summary.txt
+STEPS=${STEPS:-env probe tests attention train}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to NAME.log, one summary line
   local name=$1 limit=$2
   shift 2
+  case " $STEPS " in *" ${name%%_*} "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout -k 10 "$limit" "$@" > "$RES/$name.log" 2>&1
   local rc=$?
@@ -76,10 +80,14 @@ except Exception as e:
     print("cudnn version unknown:", e)
 EOF
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
-step probe_cudnn_packed 110 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
-step test_gpu 160 "$PY" -m pytest -p no:cacheprovider -m gpu -rA tests/test_gpu.py tests/test_flash_attention.py
-step bench_attention 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
-step bench_train 80 "$PY" experiments/bench_train.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
+step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
+step tests_gpu 160 "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
+  tests/test_flash_attention.py
+step attention_bench 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
+for attn in ${TRAIN_ATTENTION:-auto}; do
+  step train_bench_$attn 80 "$PY" experiments/bench_train.py --attention "$attn" --out-dir "$RES" "${CPU_FLAG[@]}" \
+    "${QUICK[@]}"
+done
 
 tar czf "$BASE/results.tgz" -C "$RES" .
 echo "== last lines of each log =="

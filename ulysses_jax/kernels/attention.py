@@ -79,8 +79,6 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
 def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str) -> str | None:
     if platform != "gpu":
         return f"cuDNN needs a GPU but the devices' platform is {platform!r}"
-    if has_segment_ids:
-        return "cuDNN attention takes no segment ids (packed documents would attend across boundaries)"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN attention needs float16 or bfloat16 inputs, got {jnp.dtype(dtype)}"
     if head_dim % 8 or head_dim > 128:
@@ -146,6 +144,10 @@ def attention(
         from ulysses_jax.kernels.blockwise import blockwise_attention
 
         return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+    if impl == "cudnn" and segment_ids is not None:  # packed rows: cuDNN's ragged layout (Hopper and later)
+        from ulysses_jax.kernels.cudnn_packed import cudnn_packed_attention
+
+        return cudnn_packed_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window)
     if impl == "cudnn":  # (left, right) tokens: i - left <= j <= i + right
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
