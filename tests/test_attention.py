@@ -72,7 +72,7 @@ def test_invalid_inputs(shapes, kwargs, match):
         ("auto", "float32", 32, True, "cpu", "blockwise"),
         ("blockwise", "bfloat16", 64, True, "gpu", "blockwise"),
         ("auto", "bfloat16", 128, False, "gpu", "cudnn"),
-        ("auto", "bfloat16", 128, True, "gpu", "pallas"),  # packed documents: cuDNN has no segment ids
+        ("auto", "bfloat16", 128, True, "gpu", "cudnn"),  # packed documents: cuDNN's ragged layout
         ("auto", "float32", 128, False, "gpu", "pallas"),
         ("auto", "bfloat16", 256, False, "gpu", "pallas"),
         ("pallas", "float32", 64, True, "cpu", "pallas"),
@@ -88,7 +88,6 @@ def test_resolve_impl(impl, dtype, d, seg, backend, want):
     "dtype, seg, backend, match",
     [
         ("bfloat16", False, "cpu", r"cuDNN needs a GPU but the devices' platform is 'cpu'"),
-        ("bfloat16", True, "gpu", r"cuDNN attention takes no segment ids"),
         ("float32", False, "gpu", r"cuDNN attention needs float16 or bfloat16 inputs, got float32"),
     ],
 )

@@ -35,7 +35,7 @@ def test_targets_are_gpus_and_decisions_follow_the_mesh():
     assert device_platform(mesh) == "gpu" and mesh.devices.flat[0].device_kind == TARGETS["h100"].device_kind
     assert jax.default_backend() == "cpu"  # the machine we sit on
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False, platform="gpu") == "cudnn"
-    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True, platform="gpu") == "pallas"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True, platform="gpu") == "cudnn"
     assert not mesh.devices.flat[0].addressable_memories()  # compile-only GPUs list no memory kinds...
     assert remat_policy("offload", mesh) is not None  # ...yet the offload compiles for them (tiny plan below)
 

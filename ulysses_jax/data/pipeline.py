@@ -325,6 +325,29 @@ def eval_batches(
     return gen()
 
 
+def documents_per_row(segment_ids: np.ndarray) -> np.ndarray:
+    """How many documents each row of ``segment_ids [B, S]`` holds (a document starts where the id changes, padding
+    ``0`` starts none)."""
+    seg = np.asarray(segment_ids)
+    prev = np.concatenate([np.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
+    starts = (seg != 0) & ((np.arange(seg.shape[1]) == 0) | (seg != prev))
+    return starts.sum(axis=1)
+
+
+def check_documents_per_row(batch: dict[str, np.ndarray], limit: int) -> None:
+    """Raise ``ValueError`` (one sentence: the count, the bound, the fix) when a row holds more than ``limit``
+    documents, or, with ``limit == 1``, a document that does not start the row: what cuDNN's packed attention was
+    compiled for (``kernels/cudnn_packed.py``) cannot describe it."""
+    seg = batch["segment_ids"]
+    counts = documents_per_row(seg)
+    worst = int(counts.max(initial=0))
+    late = limit == 1 and bool(np.any((counts == 1) & (np.asarray(seg)[:, 0] == 0)))
+    if worst > limit or late:
+        what = f"a row holds {worst} documents" if worst > limit else "a row's document starts after padding"
+        raise ValueError(f"{what}, more than --attn-max-documents {limit} lets cuDNN's packed attention describe; "
+                         f"raise --attn-max-documents (its workspace grows with it) or use --attention pallas")
+
+
 def process_rows(mesh: jax.sharding.Mesh, global_batch: int, seq_len: int) -> tuple[int, ...]:
     """The rows of the global ``[global_batch, seq_len]`` batch that this process's devices hold (whole rows, or parts
     of their sequence when a ring or sp group spans hosts): the rows it must read."""

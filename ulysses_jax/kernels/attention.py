@@ -20,8 +20,9 @@ Implementations (``impl=``):
     the reference does, on any platform; the fast exact path on CPUs (``make train`` in well under
     half the reference's time), memory linear in the sequence length.
   * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only,
-    float16/bfloat16 only, head_dim a multiple of 8 up to 128; it has no segment ids, so
-    a call with ``segment_ids`` is refused (never silently unmasked).
+    float16/bfloat16 only, head_dim a multiple of 8 up to 128. With ``segment_ids`` (packed documents), cuDNN's
+    packed layout instead (``kernels/cudnn_packed.py``: segment ids turned into per-row document lengths and
+    offsets inside the program; Hopper or later; at most ``max_documents`` documents a row).
   * ``"auto"``: resolved per call by ``resolve_impl`` (rule in its docstring).
 """
 
@@ -55,13 +56,11 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     device's, which is right only for a local call outside any mesh.
 
     ``"auto"``: on CPU (and any non-GPU platform) ``"blockwise"`` (exact, and faster there than the ``"xla"``
-    reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU ``"cudnn"`` when cuDNN can
-    take the request (no segment ids, float16/bfloat16, head_dim a multiple of 8 and <= 128),
-    otherwise ``"pallas"``. This ranking (cuDNN ahead of our Triton-lowered kernel) follows the
-    published H100 kernel figures (FlashAttention-3, arXiv 2407.08608: cuDNN 539 / 516 TFLOP/s causal forward /
-    backward at head_dim 128) against our kernel's static estimate (``kernels/flash_estimate.py``: 491 / 393
-    without overlap), both in ``docs/attention.md``; ``experiments/bench_attention.py`` is the measurement that
-    must confirm it on the hardware at hand.
+    reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU
+    ``"cudnn"`` when cuDNN can take the request (packed rows included: float16/bfloat16, head_dim a multiple of 8 and
+    <= 128), otherwise ``"pallas"``. Measured on an H100 (``experiments/results/gpu_h100_20261126``): cuDNN runs
+    causal attention at 609 / 527 TFLOP/s forward / backward against our kernel's 398 / 338 (S = 32K, head_dim 128),
+    and llama3.2-1b trains 1.76x faster at 32K tokens on cuDNN's packed path than on our kernel.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
@@ -121,9 +120,13 @@ def attention(
     impl: str = "xla",
     platform: str | None = None,
     window: int | None = None,
+    max_documents: int | None = None,
 ) -> jax.Array:
     """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring).
 
+    ``max_documents``: with ``impl="cudnn"`` and ``segment_ids``, the static bound M on documents per row of cuDNN's
+    packed layout (``kernels/cudnn_packed.py``; None or 0: by the sequence length, ``default_max_documents``); other
+    implementations ignore it.
     ``platform``: where the call runs (``"gpu"``, ``"cpu"``); ``None``: the platform of ``q``'s devices, or of the
     default device when ``q`` is traced. Inside ``shard_map`` pass it (``ulysses_attention`` passes its mesh's).
     """
@@ -147,7 +150,8 @@ def attention(
     if impl == "cudnn" and segment_ids is not None:  # packed rows: cuDNN's ragged layout (Hopper and later)
         from ulysses_jax.kernels.cudnn_packed import cudnn_packed_attention
 
-        return cudnn_packed_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window)
+        return cudnn_packed_attention(q, k, v, segment_ids, causal=causal, scale=scale, window=window,
+                                      max_segments=max_documents, platform=platform)
     if impl == "cudnn":  # (left, right) tokens: i - left <= j <= i + right
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",

@@ -18,6 +18,8 @@ it, and the caller refuses such a batch (a wrong mask is never silent).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -74,27 +76,81 @@ def ragged_mask(seqlen: jax.Array, offsets: jax.Array, seq_len: int, *, causal: 
     return same[:, None, None]
 
 
-MAX_DOCUMENTS = 16  # the default bound M on documents per row; cuDNN's softmax statistics are [B * M, H, S] float32
+MAX_DOCUMENTS = 16  # the most documents per row the default bound allows (short rows)
+DOCUMENT_TOKENS = 16 * 32768  # the default bound keeps M x S at most this: 16 at 32K, 4 at 128K, 1 from 512K
 
 
-def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, max_segments: int = MAX_DOCUMENTS,
-                           window: int | None = None) -> jax.Array:
+def default_max_documents(seq_len: int) -> int:
+    """The bound M on documents per row when none is given (``attn_max_documents = 0``): 16 for rows up to 32K
+    tokens, then fewer as rows grow (the workspace grows with M x S; long rows hold long documents), 1 from 512K."""
+    return max(1, min(MAX_DOCUMENTS, DOCUMENT_TOKENS // max(int(seq_len), 1)))
+
+
+def resolve_max_documents(max_documents: int | None, seq_len: int) -> int:
+    """``max_documents`` itself, or the default for ``seq_len`` when it is None or 0."""
+    return default_max_documents(seq_len) if not max_documents else int(max_documents)
+
+
+def packed_workspace_bytes(batch: int, seq_len: int, heads: int, head_dim: int, max_documents: int) -> int:
+    """The temporary memory cuDNN's packed forward+backward takes beyond XLA's buffers, which a compile for a
+    compile-only GPU does not show (its workspace reads 0 bytes there): two float32 ``[B * M, S, H, D]`` buffers,
+    fitted to an H100 (cuDNN 9.19, S = 32768, H = 32, D = 128: 8.31 GiB at M = 8, 32.50 GiB at M = 32, 1.01 GiB
+    unpacked; experiments/results/gpu_h100_20261126). ``M = 1`` takes cuDNN's padding mask instead: no more than an
+    unpacked call, counted as 0 here."""
+    if max_documents <= 1:
+        return 0
+    return 2 * 4 * batch * max_documents * seq_len * heads * head_dim
+
+
+@contextlib.contextmanager
+def _target_capability(platform: str):
+    """jax's Python-side checks ask the local backend for the compute capability, so on a machine without a GPU they
+    refuse the packed layout even when compiling for a compile-only H100. There, answer for the target instead:
+    the compile-only targets (``ulysses_jax.plan.targets``: H100, H200) are compute capability 9.0."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    if platform != "gpu" or jax.default_backend() == "gpu":
+        yield
+        return
+    local = cudnn_fa.check_compute_capability
+    cudnn_fa.check_compute_capability = lambda c: tuple(int(x) for x in c.split(".")) <= (9, 0)
+    try:
+        yield
+    finally:
+        cudnn_fa.check_compute_capability = local
+
+
+def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, max_segments: int | None = None,
+                           window: int | None = None, platform: str = "gpu") -> jax.Array:
     """cuDNN flash attention over packed rows, ``[B, S, H, D]`` layout (GQA: fewer K/V heads). GPU (Hopper+) only.
 
-    Q, K and V are zeroed at padding before the call, so the gradients there are exactly zero: measured on an H100
-    (cuDNN 9.19, jax 0.11.2, 2026-11-26), cuDNN's packed backward leaves dK / dV at tokens outside every document
-    unwritten with GQA (relative errors 0.4-0.8 against the reference until masked). A row with more than
-    ``max_segments`` documents makes the whole output NaN (the training loop stops on a non-finite loss; the data
-    path refuses such a batch first with the count and the flag to raise).
+    ``max_segments`` (M) bounds the documents of a row (None or 0: ``default_max_documents(S)``). ``M = 1``: one document from the row's start, then padding,
+    through cuDNN's padding mask (no packed workspace); ``M > 1``: the packed (ragged) layout, whose workspace grows
+    with M (``packed_workspace_bytes``). Q, K and V are zeroed at padding before the call, so the gradients there
+    are exactly zero: measured on an H100 (cuDNN 9.19, jax 0.11.2, 2026-11-26), cuDNN's packed backward left dK / dV
+    at tokens outside every document wrong with GQA (relative errors 0.4-0.8 against the reference until masked).
+    A row the bound cannot describe (more than M documents; with M = 1, a document not at the row's start) makes
+    the whole output NaN: never a silent wrong mask. The training loop refuses such a batch before the step
+    (``ulysses_jax.data.pipeline.check_documents_per_row``) and stops on a non-finite loss.
     """
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    seqlen, offsets, count = segments_to_ragged(segment_ids, max_segments)
-    real = (segment_ids != 0)[:, :, None, None]
-    q, k, v = (jnp.where(real, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    mask_type = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
-    out = cudnn_fa.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                         kv_offsets=offsets, scale=scale, mask_type=mask_type, qkv_layout="BTNH",
-                                         sliding_window_length=window)
-    out = jnp.where(real, out, jnp.zeros((), out.dtype))
-    return jnp.where(jnp.any(count > max_segments), jnp.full((), jnp.nan, out.dtype), out)
+    max_segments = resolve_max_documents(max_segments, segment_ids.shape[1])
+    real = segment_ids != 0
+    mask = real[:, :, None, None]
+    q, k, v = (jnp.where(mask, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+    kind = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
+    if max_segments <= 1:
+        count = jnp.sum(document_starts(segment_ids), axis=1)
+        bad = (count > 1) | ((count == 1) & ~real[:, 0])
+        seqlen = jnp.sum(real, axis=1, dtype=jnp.int32)
+        ragged = dict(q_seqlen=seqlen, kv_seqlen=seqlen)
+    else:
+        seqlen, offsets, count = segments_to_ragged(segment_ids, max_segments)
+        bad = count > max_segments
+        ragged = dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets)
+    with _target_capability(platform):
+        out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH",
+                                             sliding_window_length=window, **ragged)
+    out = jnp.where(mask, out, jnp.zeros((), out.dtype))
+    return jnp.where(jnp.any(bad), jnp.full((), jnp.nan, out.dtype), out)

@@ -115,6 +115,10 @@ class ModelConfig:
     attn_chunk: int = 0  # tokens per chunk of each device's sequence for the tiled attention sublayer (0: off)
     attn_head_chunk: int = 0  # with attn_chunk: query heads per device in each group of the kernel (0: all at once)
     attn_recompute: bool = False  # with attn_chunk: no attention output kept for the backward; recomputed there
+    # cuDNN's packed attention (GPU): the static bound M on documents per row; its workspace grows with M x seq
+    # (kernels/cudnn_packed.py); 1: one document from the row's start, then padding, at no extra memory; 0: by the
+    # sequence length (16 up to 32K tokens, 4 at 128K, 1 from 512K)
+    attn_max_documents: int = 0
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
@@ -170,6 +174,10 @@ class ModelConfig:
                              f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
         if not isinstance(self.attn_recompute, bool):
             raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
+        m = self.attn_max_documents
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"attn_max_documents ({m!r}) must be a number of documents per row (1: one document "
+                             f"from the row's start; 0: by the sequence length)")
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")

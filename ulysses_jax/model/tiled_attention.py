@@ -300,8 +300,9 @@ class _Spec:
     def kernel_forward(self, q, k, v, seg):
         """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
         if self.impl == "cudnn":
-            return attention(q, k, v, causal=True, scale=self.scale, impl="cudnn", platform=self.platform,
-                             window=self.window), None
+            return attention(q, k, v, causal=True, segment_ids=seg, scale=self.scale, impl="cudnn",
+                             platform=self.platform, window=self.window,
+                             max_documents=self.cfg.attn_max_documents), None
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)  # token indices: only the xla kernel reads them
         o, lse = ring_kernel(self.impl, self.platform, float32=False).forward(
             q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale, **self.window_kw)
@@ -313,8 +314,9 @@ class _Spec:
 
     def kernel_backward(self, q, k, v, seg, o, lse, do):
         if self.impl == "cudnn":  # no log-sum-exp to start from: its forward again
-            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, scale=self.scale, impl="cudnn",
-                                                       platform=self.platform, window=self.window), q, k, v)
+            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, segment_ids=seg, scale=self.scale,
+                                                       impl="cudnn", platform=self.platform, window=self.window,
+                                                       max_documents=self.cfg.attn_max_documents), q, k, v)
             return vjp(do)
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)
         delta = jnp.einsum("bshd,bshd->bhs", o.astype(_F32), do.astype(_F32))

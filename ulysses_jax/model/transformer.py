@@ -115,7 +115,7 @@ class Attention(nnx.Module):
         o_BSNH = ulysses_attention(
             q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
             impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
-            scale=cfg.attn_scale, window=window,
+            scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents,
         )
         out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))

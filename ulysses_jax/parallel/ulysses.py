@@ -114,11 +114,12 @@ def ulysses_attention(
     impl: str = "xla",
     permuted: bool = False,
     window: int | None = None,
+    max_documents: int | None = None,
 ) -> jax.Array:
     """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``
     (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
 
-    Same contract as ``ulysses_jax.kernels.attention`` (``window``: a causal sliding window; each device holds the
+    Same contract as ``ulysses_jax.kernels.attention`` (``max_documents``: cuDNN's bound on documents per row; ``window``: a causal sliding window; each device holds the
     whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch
     is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
     as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
@@ -162,7 +163,7 @@ def ulysses_attention(
         if seg is not None:
             seg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)  # [b, S]
         o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform,
-                      window=window)
+                      window=window, max_documents=max_documents)
         o = heads_to_seq(o, axis_name)  # [b, S/P, P*hq, D]
         return layout.ungather_out(o)
 

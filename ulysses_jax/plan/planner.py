@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from ulysses_jax.data.tokenizers import make_tokenizer
+from ulysses_jax.kernels.cudnn_packed import packed_workspace_bytes, resolve_max_documents
 from ulysses_jax.model import flops
+from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.plan import hlo
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
 from ulysses_jax.plan.flags import train_args
@@ -284,6 +286,10 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         "device_bytes": target.memory_bytes,
         "host_budget_bytes": host_budget,
     }
+    kernel = attention_kernel(model, mesh)
+    workspace = cudnn_workspace_bytes(model, dict(mesh.shape), seq_len, batch_size, cfg.grad_accum, kernel)
+    memory["cudnn_workspace_bytes"] = workspace
+    memory["total_bytes"] += workspace
     params = _shard_bytes(state["params"])
     memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
                                                         _shard_bytes(state["opt_state"]),
@@ -306,15 +312,36 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         host_budget_note=host_note, hlo_fingerprint=hlo.fingerprint(text),
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
-        notes=compile_only_notes(cfg, model),
+        notes=compile_only_notes(cfg, model, workspace, seq_len),
     )
-    p.estimate = step_estimate(p, model, attention_kernel(model, mesh))
+    p.estimate = step_estimate(p, model, kernel)
     return p
 
 
-def compile_only_notes(cfg: PlanConfig, model) -> list[str]:
+def cudnn_workspace_bytes(model, mesh: dict[str, int], seq_len: int, batch_size: int, grad_accum: int,
+                          kernel: str) -> int:
+    """Per device, the workspace of cuDNN's packed attention (training rows are packed) that XLA's buffer assignment
+    for a compile-only GPU leaves out (``kernels/cudnn_packed.py``): one attention call's, over the rows of a
+    micro-batch on the device and the heads of one call (a head group with ``attn_head_chunk``); 0 for other
+    kernels."""
+    if kernel != "cudnn":
+        return 0
+    rows = max(batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1) * max(grad_accum, 1)), 1)
+    heads = plan_heads(model.num_heads, model.num_kv_heads, mesh.get("sp", 1)).heads_per_device
+    if model.attn_chunk and model.attn_head_chunk:
+        heads = min(heads, model.attn_head_chunk)
+    m = resolve_max_documents(model.attn_max_documents, seq_len)
+    return packed_workspace_bytes(rows, seq_len, heads, model.head_dim, m)
+
+
+def compile_only_notes(cfg: PlanConfig, model, workspace: int = 0, seq_len: int | None = None) -> list[str]:
     """Where the program compiled here differs from the one a GPU runs (the compile-only target lacks it)."""
     notes = []
+    if workspace:
+        notes.append(f"cuDNN's packed attention: its workspace ({workspace / GiB:.2f} GiB per device at "
+                     f"--attn-max-documents {resolve_max_documents(model.attn_max_documents, seq_len or cfg.seq_len)}) reads 0 "
+                     f"in a compile-only buffer assignment; added to the total from the rule fitted on an H100 "
+                     f"(ulysses_jax/kernels/cudnn_packed.py); --attn-max-documents 1 needs none")
     if cfg.optim.offload:
         notes.append("--optim.offload: on a GPU the optimizer state's shardings carry the pinned_host memory kind; the "
                      "compile-only GPUs list no memory kinds, so JAX drops it here and XLA places that state in host "

@@ -27,10 +27,18 @@ import numpy as np
 
 from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
-from ulysses_jax.data.pipeline import BatchIterator, eval_batches, merge_states, process_rows, to_global
+from ulysses_jax.data.pipeline import (
+    BatchIterator,
+    check_documents_per_row,
+    eval_batches,
+    merge_states,
+    process_rows,
+    to_global,
+)
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.interop.hf import from_hf
-from ulysses_jax.kernels.attention import device_platform
+from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
@@ -336,6 +344,14 @@ def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0))), "tokens": count, "batches": batches}
 
 
+def documents_limit(model: ModelConfig, mesh, seq_len: int) -> int | None:
+    """The bound on documents per row the step was compiled for when attention runs on cuDNN's packed layout (its
+    ``attn_max_documents``, or the default for ``seq_len``), else None (every other kernel takes any segment ids)."""
+    impl = resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
+                        has_segment_ids=True, platform=device_platform(mesh))
+    return resolve_max_documents(model.attn_max_documents, seq_len) if impl == "cudnn" else None
+
+
 def _save(run: Run, step: int, state: dict) -> None:
     run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
 
@@ -348,6 +364,7 @@ def train_run(run: Run) -> dict:
                         wandb_project=cfg.wandb_project, wandb_id=run.record.get("wandb_id"),
                         config=run.record.get("config"))
     state, losses, times, evals = run.state, [], [], []
+    doc_limit = documents_limit(run.model, mesh, cfg.seq_len)
     last_saved = run.start_step if run.start_step else None
     stopped_by, step = None, run.start_step
     try:
@@ -355,7 +372,10 @@ def train_run(run: Run) -> dict:
             for step in range(run.start_step, cfg.steps):
                 if run.profile and step == run.profile[0]:
                     jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
-                batch = to_global(next(run.data), mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
+                local = next(run.data)
+                if doc_limit:
+                    check_documents_per_row(local, doc_limit)
+                batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
                 t0 = time.perf_counter()
                 state, metrics = run.step_fn(state, batch)
                 loss = float(metrics["loss"])  # waits for the step

@@ -1,0 +1,140 @@
+"""Packed rows on cuDNN (``kernels/cudnn_packed.py``): the segment-ids-to-offsets conversion against the mask it
+stands for, the host-side refusal of rows the bound cannot describe, and the compiled program for a compile-only
+H100 (cuDNN's fused attention forward and backward, no Triton kernel). The numerics on a GPU: tests/test_gpu.py."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ulysses_jax.data.pipeline import check_documents_per_row, documents_per_row
+from ulysses_jax.kernels.attention import attention, attention_mask, resolve_impl
+from ulysses_jax.kernels.cudnn_packed import (
+    default_max_documents,
+    document_starts,
+    packed_workspace_bytes,
+    ragged_mask,
+    ragged_overflow,
+    resolve_max_documents,
+    segments_to_ragged,
+)
+from ulysses_jax.model.config import ModelConfig
+
+
+def packed_rows(rng, rows: int, s: int) -> np.ndarray:
+    """Rows as the packer writes them, drawn at random: documents 1, 2, ... of random lengths (length 1 often), then
+    padding (0) at the end; some rows all padding, some one document."""
+    out = np.zeros((rows, s), np.int32)
+    for r in range(rows):
+        real = int(rng.integers(0, s + 1))
+        pos, doc = 0, 1
+        while pos < real:
+            n = int(rng.choice([1, 1, 2, 3, int(rng.integers(1, s + 1))]))
+            out[r, pos:min(real, pos + n)] = doc
+            pos, doc = pos + n, doc + 1
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_ragged_offsets_stand_for_the_segment_mask(causal, seed):
+    """For random packed rows, the mask the (seqlen, offsets) describe equals the segment-id mask restricted to real
+    tokens: same document, nothing across documents, no padding token inside any document; with a window too."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        s = int(rng.integers(1, 48))
+        seg = jnp.asarray(packed_rows(rng, 4, s))
+        m = int(documents_per_row(np.asarray(seg)).max(initial=0)) + int(rng.integers(0, 3))
+        seqlen, offsets, count = segments_to_ragged(seg, max(m, 1))
+        np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)))
+        real = np.asarray(seg != 0)
+        for window in (None, 3):
+            want = np.asarray(attention_mask(s, causal=causal, segment_ids=seg, window=window))
+            want = want & real[:, None, None, :, None] & real[:, None, None, None, :]
+            got = np.asarray(ragged_mask(seqlen, offsets, s, causal=causal, window=window))
+            np.testing.assert_array_equal(got, want)
+
+
+def test_ragged_layout_is_what_cudnn_reads():
+    """Two rows of 3 and 2 one-token documents, M = 3 (jax's docstring example): offsets [[0, 1, 2, -1], [0, 1, -1,
+    -1]], lengths 1 padded with -1; a row of one document then padding; ids need not start at 1."""
+    seg = jnp.asarray([[1, 2, 3, 0], [7, 9, 0, 0], [5, 5, 5, 0]], jnp.int32)
+    seqlen, offsets, count = segments_to_ragged(seg, 3)
+    np.testing.assert_array_equal(offsets, [[0, 1, 2, -1], [0, 1, -1, -1], [0, -1, -1, -1]])
+    np.testing.assert_array_equal(seqlen, [[1, 1, 1], [1, 1, -1], [3, -1, -1]])
+    np.testing.assert_array_equal(count, [3, 2, 1])
+    assert not bool(ragged_overflow(seg, 3)) and bool(ragged_overflow(seg, 2))
+    # a change of id marks a new document even between equal neighbours further apart
+    np.testing.assert_array_equal(document_starts(jnp.asarray([[4, 4, 6, 4, 0]])), [[1, 0, 1, 1, 0]])
+
+
+def test_rows_beyond_the_bound_are_refused_before_the_step():
+    seg = np.array([[1, 1, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1]], np.int32)
+    np.testing.assert_array_equal(documents_per_row(seg), [3, 1])
+    check_documents_per_row({"segment_ids": seg}, 3)
+    with pytest.raises(ValueError, match=r"^a row holds 3 documents, more than --attn-max-documents 2 .*raise "
+                                         r"--attn-max-documents .* or use --attention pallas$"):
+        check_documents_per_row({"segment_ids": seg}, 2)
+    one = np.array([[0, 0, 1, 1]], np.int32)  # one document, but not at the row's start: M = 1 cannot say so
+    check_documents_per_row({"segment_ids": one}, 2)
+    with pytest.raises(ValueError, match=r"^a row's document starts after padding"):
+        check_documents_per_row({"segment_ids": one}, 1)
+
+
+def test_attn_max_documents_is_checked():
+    with pytest.raises(ValueError, match=r"attn_max_documents \(-1\) must be a number of documents per row"):
+        ModelConfig(attn_max_documents=-1)
+    assert [default_max_documents(s) for s in (2048, 32768, 65536, 131072, 524288, 1048576)] == [16, 16, 8, 4, 1, 1]
+    assert resolve_max_documents(0, 131072) == 4 and resolve_max_documents(3, 131072) == 3
+
+
+def test_workspace_rule_matches_the_h100_measurement():
+    """The rule fitted on an H100 (experiments/results/gpu_h100_20261126): S 32768, 32 heads, D 128; temp 8.31 GiB
+    at M = 8 and 32.50 GiB at M = 32 with 1.01 GiB of the unpacked call's own; the rule gives the difference."""
+    gib = 2**30
+    assert abs(packed_workspace_bytes(1, 32768, 32, 128, 8) / gib - (8.31 - 0.25)) < 0.1
+    assert abs(packed_workspace_bytes(1, 32768, 32, 128, 32) / gib - (32.50 - 0.25)) < 0.3
+    assert packed_workspace_bytes(1, 32768, 32, 128, 1) == 0
+
+
+def test_auto_picks_cudnn_for_packed_rows_on_gpu():
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True, platform="gpu") == "cudnn"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=256, has_segment_ids=True, platform="gpu") == "pallas"
+    assert resolve_impl("auto", dtype=jnp.float32, head_dim=128, has_segment_ids=True, platform="gpu") == "pallas"
+
+
+def _compiled_text(dev, impl, *, h, hkv, window, max_documents, s=4096):
+    from jax.sharding import SingleDeviceSharding
+
+    sh = SingleDeviceSharding(dev)
+    q = jax.ShapeDtypeStruct((2, s, h, 128), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((2, s, hkv, 128), jnp.bfloat16, sharding=sh)
+    seg = jax.ShapeDtypeStruct((2, s), jnp.int32, sharding=sh)
+
+    def loss(q, k, v, seg):
+        o = attention(q, k, v, causal=True, segment_ids=seg, impl=impl, platform="gpu", window=window,
+                      max_documents=max_documents)
+        return o.astype(jnp.float32).sum()
+
+    with jax.default_device(dev):
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower().compile().as_text()
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("h,hkv,window,m", [(8, 8, None, 16), (8, 2, None, 16), (8, 2, 512, 4), (8, 2, None, 1)],
+                         ids=["mha", "gqa", "gqa-window", "gqa-one-document"])
+def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m):
+    """``attention(..., segment_ids=s, impl="cudnn", platform="gpu")`` forward and backward for a compile-only H100:
+    cuDNN's fused attention each way, no Triton kernel; ``impl="auto"`` gives the same program."""
+    from ulysses_jax.plan.targets import target_devices
+
+    dev = target_devices("h100", devices=1)[0]
+    text = _compiled_text(dev, "cudnn", h=h, hkv=hkv, window=window, max_documents=m)
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
+    assert len(calls) == 2 and sum("Backward" in c for c in calls) == 1, calls
+    assert "xla.gpu.triton" not in text and '"__triton' not in text  # no Pallas kernel, no Triton fusion
+    if window:
+        assert text.count("sliding_window_length") >= 2
+    auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m)
+    assert re.findall(r'custom_call_target="([^"]*)"', auto) == re.findall(r'custom_call_target="([^"]*)"', text)
