@@ -16,7 +16,7 @@ import ulysses_jax
 
 PACKAGE = pathlib.Path(ulysses_jax.__file__).parent
 # bottom to top: a module may import from its own layer or any layer below it, never from one above
-LAYERS = ("kernels", "parallel", "model", "data", "interop", "train", "plan", "cli")
+LAYERS = ("kernels", "parallel", "model", "data", "interop", "train", "evaluation", "plan", "cli")
 MAX_LINES = 450
 
 

@@ -2,12 +2,13 @@
 both JSONs and both PNGs, and every bad input as one line with exit 2 and nothing written."""
 
 import json
+import os
 import pathlib
 
 import pytest
 
 from ulysses_jax.cli import main
-from ulysses_jax.train.eval_passkey import parse_list
+from ulysses_jax.evaluation.passkey_eval import parse_list
 
 TINY = ["--preset", "tiny", "--seq-len", "256", "--attention", "xla", "--no-progress", "--mesh.fsdp", "2",
         "--mesh.sp", "4"]
@@ -39,6 +40,9 @@ def test_eval_writes_both_jsons_and_plots(run, capsys):
                  "--max-batches", "1", "--samples", "2", "--lengths", "128,256", "--depths", "0,0.5,1"]) == 0
     out = capsys.readouterr().out
     assert "by position:" in out and "eval_passkey.png" in out
+    # the terminal names the mesh (the run's own shape here: 8 devices, fsdp 2 x sp 4) and sums up each task
+    assert "Mesh: fsdp 2 x sp 4 (the run trained on fsdp 2 x sp 4); memory pool 95% of each GPU (the run's" in out
+    assert "  by position: loss " in out and "  passkey at step 2: " in out and " of 12 samples right (" in out
     pos = json.loads((run / "eval_by_position.json").read_text())
     assert pos["step"] == 2 and [s["step"] for s in pos["steps"]] == [1, 2]
     assert set(pos["buckets"][0]) == {"start", "end", "tokens", "loss"}
@@ -47,8 +51,10 @@ def test_eval_writes_both_jsons_and_plots(run, capsys):
     last_eval = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
     assert last_eval["step"] == 2 and last_eval["loss"] == pytest.approx(pos["loss"], rel=1e-5)
     pk = json.loads((run / "eval_passkey.json").read_text())
-    assert [(r["length"], r["depth"], r["samples"]) for r in pk["results"]] == [
-        (n, d, 2) for n in (128, 256) for d in (0.0, 0.5, 1.0)]
+    # --steps 1,last scores every step: each entry names its checkpoint; "step" (top level) is the last
+    assert pk["step"] == 2
+    assert [(r["step"], r["length"], r["depth"], r["samples"]) for r in pk["results"]] == [
+        (s, n, d, 2) for s in (1, 2) for n in (128, 256) for d in (0.0, 0.5, 1.0)]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in pk["results"])
     for name in ("eval_by_position.png", "eval_passkey.png"):
         data = (run / name).read_bytes()
@@ -131,3 +137,30 @@ def test_outside_harness_reads_the_export_and_the_task(run, tmp_path, capsys):
     config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
     assert config.max_position_embeddings >= 256 and config.architectures
     assert list((tmp_path / "hf").glob("*.safetensors"))
+
+
+def test_eval_runs_in_the_pool_the_run_trained_in(run, tmp_path, capsys, monkeypatch):
+    """``eval`` sets JAX's GPU pool to the run's (run.json ``memory_pool``) before JAX starts, as ``train`` did;
+    ``--memory-fraction`` overrides it and the environment's XLA_PYTHON_CLIENT_MEM_FRACTION wins over both."""
+    import shutil
+
+    from ulysses_jax.train import devices
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    record = json.loads((copy / "run.json").read_text())
+    record["memory_pool"]["fraction"] = 0.8
+    (copy / "run.json").write_text(json.dumps(record))
+    for env, flags, want, why in ((None, [], "0.8", "the run's, from run.json"),
+                                  (None, ["--memory-fraction", "0.7"], "0.7", "--memory-fraction"),
+                                  ("0.6", [], "0.6", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 from the environment")):
+        monkeypatch.setattr(devices, "_set_by_us", [])
+        if env is None:
+            monkeypatch.delenv(devices.MEMORY_FRACTION_ENV, raising=False)
+        else:
+            monkeypatch.setenv(devices.MEMORY_FRACTION_ENV, env)
+        assert main(["eval", "--run-dir", str(copy), "--max-batches", "1", *flags]) == 0
+        out = capsys.readouterr().out
+        assert f"memory pool {float(want):.0%} of each GPU ({why}" in out, out
+        assert os.environ[devices.MEMORY_FRACTION_ENV] == want
+        assert json.loads((copy / "eval.jsonl").read_text().splitlines()[-1])["memory_fraction"] == float(want)

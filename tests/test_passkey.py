@@ -10,10 +10,10 @@ from flax import nnx
 from ulysses_jax.data.tokenizers import ByteTokenizer, HFTokenizer
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.transformer import Transformer
-from ulysses_jax.train import passkey
+from ulysses_jax.evaluation import passkey
 from ulysses_jax.train.devices import MeshConfig, build_mesh
 from ulysses_jax.train.step import state_shardings
-from ulysses_jax.train.token_scores import greedy_scores, make_token_step
+from ulysses_jax.evaluation.token_scores import greedy_scores, make_token_step
 
 BYTES = passkey.PromptFormat.plain(ByteTokenizer())
 
@@ -171,7 +171,7 @@ def test_packed_rows_never_let_a_sample_see_another(seed):
 
 def test_data_filler_reads_the_held_out_documents(tmp_path):
     from ulysses_jax.data.documents import DataConfig
-    from ulysses_jax.train.eval_passkey import filler_tokens
+    from ulysses_jax.evaluation.passkey_eval import filler_tokens
 
     corpus = tmp_path / "eval.txt"
     corpus.write_text("alpha beta gamma " * 40)

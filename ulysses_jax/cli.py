@@ -26,7 +26,7 @@ from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.train import runconfig
 from ulysses_jax.train.config import PRESET_AND_HF, TrainConfig
 from ulysses_jax.train.devices import apply_memory_pool
-from ulysses_jax.train.evaluate import EvalConfig
+from ulysses_jax.evaluation.evaluate import EvalConfig
 from ulysses_jax.train.export import ExportConfig
 
 EXIT_OVER = 1  # plan: the verdict is OVER (the plan does not fit the devices)
@@ -222,7 +222,9 @@ def _train(cfg: TrainConfig) -> int:
         apply_memory_pool(cfg.memory_fraction, os.environ)
     except ValueError as e:
         return _error(str(e))
-    run = _checked(setup_train, cfg)
+    from ulysses_jax.evaluation.loop import LoopEval
+
+    run = _checked(lambda c: setup_train(c, LoopEval.setup), cfg)
     if run is None:
         return EXIT_USAGE
     cfg, m = run.cfg, run.model
@@ -307,18 +309,47 @@ def _next_plan(args: list[str]) -> str:
     return shlex.join(["ulysses-jax", "plan", *kept, "--memory", "auto"])
 
 
-def _eval(cfg: EvalConfig) -> int:
-    from ulysses_jax.train.evaluate import evaluate
+def _mesh_text(mesh: dict | None) -> str:
+    return " x ".join(f"{k} {v}" for k, v in (mesh or {}).items() if v > 1) or "one device"
 
+
+def _eval(cfg: EvalConfig) -> int:
+    from ulysses_jax.evaluation.evaluate import evaluate, run_memory_fraction
+
+    try:  # the pool the run trained in, before JAX starts its GPU client (which reads it once)
+        try:
+            record = runconfig.read_record(cfg.run_dir)
+        except (OSError, ValueError):
+            record = None  # evaluate() says what is wrong with the run directory
+        wanted = run_memory_fraction(cfg, record)
+        fraction, source = apply_memory_pool(wanted, os.environ)
+    except ValueError as e:
+        return _error(str(e))
+    if source.startswith("--memory-fraction"):
+        source = ("--memory-fraction" if cfg.memory_fraction is not None else
+                  "the run's, from run.json" if wanted is not None else "the default, 0.95")
     result = _checked(evaluate, cfg)
     if result is None:
         return EXIT_USAGE
+    print(f"Mesh: {_mesh_text(result['mesh'])} (the run trained on {_mesh_text(result.get('run_mesh'))}); memory pool "
+          f"{fraction:.0%} of each GPU ({source})")
     print(
         f"eval at step {result['step']}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
         f"({result['tokens']} tokens of {result['data']} in {result['batches']} batches of {result['batch_size']} x "
         f"{result['seq_len']} tokens); written to {result['written_to']}"
     )
-    for what in ("by_position", "passkey"):  # --by-position, --task passkey (train/evaluate.py)
+    if "by_position" in result:
+        buckets = [b for b in result["by_position"]["buckets"] if b["loss"] is not None]
+        first, last = buckets[0], buckets[-1]
+        print(f"  by position: loss {first['loss']:.3f} at tokens {first['start']}-{first['end']}, "
+              f"{last['loss']:.3f} at {last['start']}-{last['end']} ({len(buckets)} buckets)")
+    if "passkey" in result:
+        res = result["passkey"]["results"]
+        total = sum(r["samples"] for r in res)
+        right = sum(r["accuracy"] * r["samples"] for r in res)
+        print(f"  passkey at step {result['step']}: {right:.0f} of {total} samples right "
+              f"({100 * right / max(total, 1):.0f}%; teacher-forced, every key token right)")
+    for what in ("by_position", "passkey"):  # --by-position, --task passkey (evaluation/evaluate.py)
         if what in result:
             print(f"  {what.replace('_', ' ')}: " + ", ".join(result[what][k] for k in ("json", "png", "harness_task")
                                                              if k in result[what]))

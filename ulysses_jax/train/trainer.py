@@ -42,7 +42,7 @@ from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
-from ulysses_jax.train import runconfig
+from ulysses_jax.train import resume, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer, gather
 from ulysses_jax.train.config import (
     PRESET_AND_HF,
@@ -58,7 +58,6 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
     memory_pool,
     resolve_batch,
 )
-from ulysses_jax.train.eval_loop import LoopEval
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
 from ulysses_jax.train.step import (
@@ -117,7 +116,7 @@ class Run:
     notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
     eval_step: object = None
     data_config: DataConfig | None = None
-    loop_eval: LoopEval | None = None  # --eval-by-position / --eval-passkey (eval_loop.py)
+    loop_eval: object = None  # --eval-by-position / --eval-passkey: an object with .metrics(params) (evaluation/loop.py)
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -154,8 +153,15 @@ def _continuation(cfg: TrainConfig, recorded: dict, where: runconfig.RunDir, not
     return start, dataclasses.replace(cfg.optim, decay_steps=first, warmup_steps=warmup), horizon, replans
 
 
-def setup_train(cfg: TrainConfig) -> Run:
-    """Validate everything and build (or restore) the state; raises ValueError on user error; writes the record last."""
+def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
+    """Validate everything and build (or restore) the state; raises ValueError on user error; writes the record last.
+
+    ``loop_eval_setup``: how the in-training evaluations of ``--eval-by-position`` / ``--eval-passkey`` are built
+    (``ulysses_jax.evaluation.loop.LoopEval.setup``; the evaluation layer sits above this one, so it is handed in:
+    ``ulysses-jax train`` and ``ulysses_jax.evaluation.loop.train`` do)."""
+    if cfg.eval_every and (cfg.eval_by_position or cfg.eval_passkey) and loop_eval_setup is None:
+        raise ValueError("--eval-by-position and --eval-passkey run in the evaluation layer: start the run with "
+                         "`ulysses-jax train` or ulysses_jax.evaluation.loop.train(cfg), not ulysses_jax.train.trainer")
     for name, value, least in (("--steps", cfg.steps, 1), ("--checkpoint-every", cfg.checkpoint_every, 1),
                                ("--grad-accum", cfg.grad_accum, 1), ("--seq-len", cfg.seq_len, 1),
                                ("--keep-checkpoints", cfg.keep_checkpoints, 1), ("--eval-every", cfg.eval_every, 0),
@@ -198,7 +204,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
     lengths_found = lengths.measure(data_cfg, cfg.seq_len)  # refuses an SFT record longer than a row
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
-    hf_folder = None if cfg.init_from_hf is None else runconfig.describe_hf_folder(cfg.init_from_hf,
+    hf_folder = None if cfg.init_from_hf is None else resume.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
     model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
     if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
@@ -226,7 +232,7 @@ def setup_train(cfg: TrainConfig) -> Run:
     record["init_from_hf"], record["defaults"] = hf_folder, {
         k: v for k, v in chosen.items() if runconfig.get(record["config"], k) == v["value"]}
     if recorded is not None:
-        why = runconfig.same_run(recorded, record)
+        why = resume.same_run(recorded, record)
         if why and resuming:
             fix = "" if why.endswith("--run-dir") else "; resume without that flag, or start a new --run-dir"
             raise ValueError(f"cannot continue {cfg.run_dir} with other settings: {why}{fix}")
@@ -262,8 +268,9 @@ def setup_train(cfg: TrainConfig) -> Run:
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
-    loop_eval = LoopEval.setup(cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]),
-                               data_cfg=data_cfg, batch_size=batch_size)
+    loop_eval = None if loop_eval_setup is None else loop_eval_setup(
+        cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]), data_cfg=data_cfg,
+        batch_size=batch_size)
 
     # Everything is checked: write, the record first (a run killed from here on is one that `--resume` continues).
     starts = (recorded or {}).get("starts", []) if resuming else []
@@ -325,9 +332,10 @@ class _StopSignals:
         return stop
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``)."""
-    return train_run(setup_train(cfg))
+def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
+    """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``). In-training
+    evaluations need ``loop_eval_setup`` (``setup_train``): ``ulysses_jax.evaluation.loop.train`` passes it."""
+    return train_run(setup_train(cfg, loop_eval_setup))
 
 
 def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,

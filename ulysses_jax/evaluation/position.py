@@ -16,7 +16,7 @@ import pathlib
 import numpy as np
 
 from ulysses_jax.data.pipeline import eval_batches, process_rows, to_global
-from ulysses_jax.train.token_scores import to_host
+from ulysses_jax.evaluation.token_scores import to_host
 
 RESULT = "eval_by_position.json"
 

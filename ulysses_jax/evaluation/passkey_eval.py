@@ -15,8 +15,8 @@ import numpy as np
 
 from ulysses_jax.data.pipeline import eval_batches, process_rows, to_global
 from ulysses_jax.data.tokenizers import make_tokenizer, tokenizer_conventions
-from ulysses_jax.train import passkey
-from ulysses_jax.train.token_scores import to_host
+from ulysses_jax.evaluation import passkey
+from ulysses_jax.evaluation.token_scores import to_host
 
 RESULT = "eval_passkey.json"
 

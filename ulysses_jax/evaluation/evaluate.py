@@ -6,8 +6,8 @@ The documents are the run's eval split (its ``--eval-data``, or the documents it
 checkpoint trained on many devices is evaluated on few. It reads only, except for its result: one line in
 ``eval.jsonl`` and ``eval/`` scalars in TensorBoard, written into a run that has checkpoints.
 
-``--by-position`` adds the loss in position buckets (``eval_position.py``: ``eval_by_position.json`` and a PNG) and
-``--task passkey`` passkey retrieval at the asked lengths and depths (``eval_passkey.py``: ``eval_passkey.json`` and a
+``--by-position`` adds the loss in position buckets (``position.py``: ``eval_by_position.json`` and a PNG) and
+``--task passkey`` passkey retrieval at the asked lengths and depths (``passkey_eval.py``: ``eval_passkey.json`` and a
 heat map); ``--steps 100,200,last`` evaluates several checkpoints (one line each in the plot of positions; the passkey
 heat map is the last step's).
 """
@@ -15,20 +15,23 @@ heat map is the last step's).
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Literal
 
 import jax
+import numpy as np
 
 from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
 from ulysses_jax.data.tokenizers import describe_tokenizer
-from ulysses_jax.train import eval_passkey, eval_plots, eval_position, runconfig
+from ulysses_jax.evaluation import passkey_eval, plots, position
+from ulysses_jax.train import resume, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.config import Impl, Paths, Remat, model_config_from_run
-from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch
+from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, memory_pool, resolve_batch
 from ulysses_jax.train.metrics import log_eval
 from ulysses_jax.train.step import abstract_state, make_eval_step, state_shardings
-from ulysses_jax.train.token_scores import make_token_step
+from ulysses_jax.evaluation.token_scores import make_token_step
 from ulysses_jax.train.trainer import evaluate_loss
 
 
@@ -49,7 +52,10 @@ class EvalConfig:
     seed: int = 0  # passkey keys and filler offsets
     plot: bool = True  # draw the PNGs beside the JSON files
     harness_task: str | None = None  # with --task passkey: also write its samples here as an lm-evaluation-harness task
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig()  # no --mesh.* flag: the run's own mesh, if this job has as many devices
+    memory_fraction: float | None = None
+    """share of each GPU's memory JAX's pool takes; None: the pool the run trained in (run.json), else 0.95; the
+    environment's XLA_PYTHON_CLIENT_MEM_FRACTION wins, as for train"""
     batch_size: int | None = None  # rows per batch; None: the run's, if the mesh divides it
     max_batches: int = 16  # batches to read (0: all)
     attention: Impl = "auto"  # attention kernel
@@ -78,7 +84,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         raise ValueError(f"no checkpoint in {where.checkpoints}; train first or pass the --run-dir of a run")
     rc = record["config"]
     tokenizer = describe_tokenizer(cfg.tokenizer if cfg.tokenizer is not None else rc.get("tokenizer"))
-    why = runconfig.tokenizer_difference(record.get("tokenizer"), tokenizer)
+    why = resume.tokenizer_difference(record.get("tokenizer"), tokenizer)
     if why:
         raise ValueError(f"{why}; evaluate with the run's own tokenizer (leave out --tokenizer)")
     # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
@@ -103,7 +109,7 @@ def evaluate(cfg: EvalConfig) -> dict:
                                   mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk,
                                   attn_head_chunk=cfg.attn_head_chunk)
     seq_len = record["seq_len"]
-    mesh = build_mesh(cfg.mesh, model, seq_len)
+    mesh = build_mesh(eval_mesh(cfg.mesh, record), model, seq_len)
     rows = mesh.shape["data"] * mesh.shape["fsdp"]
     batch_size = cfg.batch_size or (record.get("batch_size") if record.get("batch_size", 1) % rows == 0 else None)
     batch_size = resolve_batch(batch_size, mesh)
@@ -114,12 +120,14 @@ def evaluate(cfg: EvalConfig) -> dict:
     task = _passkey_setup(cfg, record, tokenizer["path"], data_cfg, seq_len) if cfg.task == "passkey" else None
     if cfg.harness_task is not None and task is None:
         raise ValueError(f"--harness-task {cfg.harness_task} writes the passkey samples; add --task passkey")
-    meta = {"seq_len": seq_len, "batch_size": batch_size, "data": what, "mesh": dict(mesh.shape)}
+    pool, _ = memory_pool(run_memory_fraction(cfg, record), os.environ)
+    meta = {"seq_len": seq_len, "batch_size": batch_size, "data": what, "mesh": dict(mesh.shape),
+            "run_mesh": record.get("mesh"), "memory_fraction": pool}
     graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
     eval_step = make_eval_step(graphdef, mesh, state_shardings(target["params"]))
     token_step = make_token_step(graphdef, mesh, state_shardings(target["params"])) if cfg.by_position or task \
         else None
-    by_step, result = [], {}
+    by_step, passkeys, result = [], [], {}
     for step in steps:
         checkpointer = Checkpointer(run_dir, keep=10**6, create=False)
         try:
@@ -131,14 +139,15 @@ def evaluate(cfg: EvalConfig) -> dict:
         result = {"step": step, **result, **meta, "time": runconfig.now()}
         result["written_to"] = str(log_eval(run_dir, result))
         if cfg.by_position:
-            pos = eval_position.loss_by_position(token_step, state["params"], data_cfg, mesh, seq_len=seq_len,
+            pos = position.loss_by_position(token_step, state["params"], data_cfg, mesh, seq_len=seq_len,
                                                  batch_size=batch_size, max_batches=cfg.max_batches or None)
             by_step.append({"step": step, **pos})
-        if task is not None and step == steps[-1]:
-            result["passkey"] = eval_passkey.run_passkey(token_step, state["params"], mesh, **task, seq_len=seq_len,
-                                                         batch_size=batch_size)
+        if task is not None:
+            passkeys.append({"step": step, **passkey_eval.run_passkey(token_step, state["params"], mesh, **task,
+                                                                       seq_len=seq_len, batch_size=batch_size)})
+            result["passkey"] = passkeys[-1]
     if jax.process_index() == 0:
-        _write_extras(cfg, run_dir, result, by_step, task, meta)
+        _write_extras(cfg, run_dir, result, by_step, passkeys, meta)
         if task is not None and cfg.harness_task is not None:
             result["passkey"]["harness_task"] = str(_harness_task(cfg.harness_task, task, tokenizer["path"]))
     return result
@@ -146,8 +155,8 @@ def evaluate(cfg: EvalConfig) -> dict:
 
 def _harness_task(folder: str, task: dict, tokenizer_path) -> pathlib.Path:
     from ulysses_jax.data.tokenizers import make_tokenizer
-    from ulysses_jax.train import passkey
-    from ulysses_jax.train.harness_task import write_lm_eval_task
+    from ulysses_jax.evaluation import passkey
+    from ulysses_jax.evaluation.harness_task import write_lm_eval_task
 
     samples = [(passkey.build_sample(task["fmt"], task["filler"], length=n, depth=d, index=i, seed=task["seed"],
                                      digits=task["digits"]), n, d)
@@ -161,7 +170,7 @@ def checkpoint_steps(cfg: EvalConfig, where) -> list[int]:
     if cfg.steps is None:
         return [where.pick_step(cfg.step, none=none)]
     out = []
-    for item in eval_passkey.parse_list(cfg.steps, "--steps", str):
+    for item in passkey_eval.parse_list(cfg.steps, "--steps", str):
         if item != "last" and not item.isdigit():
             raise ValueError(f"--steps {cfg.steps!r}: {item!r} is neither a step number nor 'last'; e.g. 100,200,last")
         out.append(where.pick_step(None if item == "last" else int(item), none=none))
@@ -170,34 +179,55 @@ def checkpoint_steps(cfg: EvalConfig, where) -> list[int]:
 
 def _passkey_setup(cfg: EvalConfig, record: dict, tokenizer_path, data_cfg, seq_len: int) -> dict:
     """The passkey settings, checked before any checkpoint is read: ``run_passkey``'s keyword arguments."""
-    fmt, _ = eval_passkey.prompt_format(record, tokenizer_path)
-    depths = eval_passkey.parse_list(cfg.depths, "--depths", float)
+    fmt, _ = passkey_eval.prompt_format(record, tokenizer_path)
+    depths = passkey_eval.parse_list(cfg.depths, "--depths", float)
     fixed = fmt.fixed_tokens(cfg.passkey_digits) if 1 <= cfg.passkey_digits <= 18 else 0
-    lengths = eval_passkey.parse_list(cfg.lengths, "--lengths") if cfg.lengths is not None else \
-        eval_passkey.default_lengths(seq_len, fixed)
-    eval_passkey.check_settings(lengths, depths, cfg.samples, cfg.passkey_digits, seq_len)
+    lengths = passkey_eval.parse_list(cfg.lengths, "--lengths") if cfg.lengths is not None else \
+        passkey_eval.default_lengths(seq_len, fixed)
+    passkey_eval.check_settings(lengths, depths, cfg.samples, cfg.passkey_digits, seq_len)
     for n in lengths:
         if n < fixed:
             raise ValueError(f"--lengths {n} is too short for a passkey sample (at least {fixed} tokens with this "
                              f"tokenizer); choose longer lengths")
-    filler = eval_passkey.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths))
+    filler = passkey_eval.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths))
     return dict(fmt=fmt, filler=filler, lengths=lengths, depths=depths, samples=cfg.samples, seed=cfg.seed,
                 digits=cfg.passkey_digits)
 
 
-def _write_extras(cfg: EvalConfig, run_dir: pathlib.Path, result: dict, by_step: list[dict], task, meta) -> None:
+def eval_mesh(given: MeshConfig, record: dict) -> MeshConfig:
+    """The mesh to evaluate on: the ``--mesh.*`` flags when any is given; else the run's own mesh when it has as many
+    devices as this job, else the default (the terminal names the mesh either way)."""
+    if given != MeshConfig():
+        return given
+    recorded = record.get("mesh") or {}
+    if recorded and jax.device_count() == int(np.prod([recorded.get(a, 1) for a in ("data", "fsdp", "ring", "sp")])):
+        return MeshConfig(**{a: int(recorded.get(a, 1)) for a in ("data", "fsdp", "ring", "sp")})
+    return given
+
+
+def run_memory_fraction(cfg: EvalConfig, record: dict | None) -> float | None:
+    """``--memory-fraction``, else the pool the run trained in (its record's ``memory_pool``), else None."""
+    if cfg.memory_fraction is not None:
+        return cfg.memory_fraction
+    return ((record or {}).get("memory_pool") or {}).get("fraction")
+
+
+def _write_extras(cfg: EvalConfig, run_dir: pathlib.Path, result: dict, by_step: list[dict], passkeys: list[dict],
+                  meta) -> None:
     name = run_dir.resolve().name
     if by_step:
-        path = eval_position.write_result(run_dir, by_step, meta)
+        path = position.write_result(run_dir, by_step, meta)
         result["by_position"] = {"json": str(path), "buckets": by_step[-1]["buckets"], "loss": by_step[-1]["loss"]}
         if cfg.plot:
-            result["by_position"]["png"] = str(eval_plots.plot_by_position(
+            result["by_position"]["png"] = str(plots.plot_by_position(
                 by_step, run_dir / "eval_by_position.png", title=f"{name}: held-out loss by position"))
-    if task is not None:
+    if passkeys:
         pk = result["passkey"]
-        out = {"step": result["step"], "results": pk["results"], "seed": cfg.seed, "digits": cfg.passkey_digits,
+        # every checkpoint's table, each entry naming its step; "step" (top level) is the last one, which the PNG shows
+        results = [{**r, "step": one["step"]} for one in passkeys for r in one["results"]]
+        out = {"step": result["step"], "results": results, "seed": cfg.seed, "digits": cfg.passkey_digits,
                "filler": cfg.passkey_filler, "rows": pk["rows"], **meta}
-        pk["json"] = str(eval_passkey.write_result(run_dir, out))
+        pk["json"] = str(passkey_eval.write_result(run_dir, out))
         if cfg.plot:
-            pk["png"] = str(eval_plots.plot_passkey(pk["results"], run_dir / "eval_passkey.png",
+            pk["png"] = str(plots.plot_passkey(pk["results"], run_dir / "eval_passkey.png",
                                                     title=f"{name}: passkey accuracy at step {result['step']}"))

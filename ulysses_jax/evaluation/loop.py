@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ulysses_jax.train import eval_passkey, eval_position
-from ulysses_jax.train.token_scores import make_token_step
+from ulysses_jax.evaluation import passkey_eval, position
+from ulysses_jax.evaluation.token_scores import make_token_step
+from ulysses_jax.train import trainer
 
 LOOP_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -38,11 +39,11 @@ class LoopEval:
             if train_cfg.eval_passkey_samples < 1:
                 raise ValueError(f"--eval-passkey-samples ({train_cfg.eval_passkey_samples}) must be at least 1")
             hf = {"init_from_hf": {"path": train_cfg.init_from_hf}} if train_cfg.init_from_hf else {}
-            fmt, _ = eval_passkey.prompt_format(hf, train_cfg.tokenizer)
+            fmt, _ = passkey_eval.prompt_format(hf, train_cfg.tokenizer)
             if fmt.fixed_tokens(5) > train_cfg.seq_len:
                 raise ValueError(f"--eval-passkey: --seq-len {train_cfg.seq_len} is too short for a passkey sample "
                                  f"(at least {fmt.fixed_tokens(5)} tokens with this tokenizer); drop --eval-passkey")
-            task = dict(fmt=fmt, filler=eval_passkey.filler_tokens(fmt, "fixed", data_cfg, train_cfg.seq_len),
+            task = dict(fmt=fmt, filler=passkey_eval.filler_tokens(fmt, "fixed", data_cfg, train_cfg.seq_len),
                         lengths=(train_cfg.seq_len,), depths=LOOP_DEPTHS, samples=train_cfg.eval_passkey_samples,
                         seed=train_cfg.seed, digits=5)
         step = make_token_step(graphdef, mesh, param_shardings)
@@ -52,12 +53,18 @@ class LoopEval:
     def metrics(self, params) -> dict:
         out = {}
         if self.by_position:
-            res = eval_position.loss_by_position(self.token_step, params, self.data_cfg, self.mesh,
+            res = position.loss_by_position(self.token_step, params, self.data_cfg, self.mesh,
                                                  seq_len=self.seq_len, batch_size=self.batch_size,
                                                  max_batches=self.max_batches)
-            out.update(eval_position.loop_metrics(res))
+            out.update(position.loop_metrics(res))
         if self.passkey is not None:
-            res = eval_passkey.run_passkey(self.token_step, params, self.mesh, **self.passkey, seq_len=self.seq_len,
+            res = passkey_eval.run_passkey(self.token_step, params, self.mesh, **self.passkey, seq_len=self.seq_len,
                                            batch_size=self.batch_size)
-            out.update(eval_passkey.loop_metrics(res))
+            out.update(passkey_eval.loop_metrics(res))
         return out
+
+
+def train(cfg) -> dict:
+    """``ulysses_jax.train.trainer.train`` with the in-training evaluations of ``--eval-by-position`` and
+    ``--eval-passkey`` (what ``ulysses-jax train`` runs)."""
+    return trainer.train(cfg, loop_eval_setup=LoopEval.setup)
