@@ -28,19 +28,31 @@ def test_bucket_edges():
     assert bucket_edges(1).tolist() == [0, 1]
 
 
-def test_buckets_weighted_mean_is_the_overall_loss(seed):
+def test_each_token_lands_in_the_bucket_of_its_position(seed):
+    """Each token's loss is a code of its position, so every bucket's mean is known: the mean of the codes of the
+    positions in [start, end) that were fed, and its token count theirs; a bucketing that put tokens anywhere else
+    (every token in bucket 0, off by one edge) changes both. Masked tokens (label -1) count nowhere."""
     rng = np.random.default_rng(seed)
     acc = PositionLoss(64)
+    fed = []
     for _ in range(3):
-        loss = rng.exponential(3.0, (4, 64)).astype(np.float32)
-        labels = np.where(rng.random((4, 64)) < 0.2, -1, 1)
         positions = rng.integers(0, 64, (4, 64))
+        labels = np.where(rng.random((4, 64)) < 0.2, -1, 1)
+        loss = (1000.0 + positions).astype(np.float32)  # the loss names the position
         acc.add(loss, labels, positions)
+        fed.append(positions[labels >= 0])
+    fed = np.concatenate(fed)
     res = acc.result()
-    tokens = sum(b["tokens"] for b in res["buckets"])
-    mean = sum(b["tokens"] * b["loss"] for b in res["buckets"] if b["tokens"]) / tokens
-    assert tokens == res["tokens"]
-    assert mean == pytest.approx(res["loss"], rel=1e-13, abs=0)
+    assert [(b["start"], b["end"]) for b in res["buckets"]] == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 16), (16, 32),
+                                                                (32, 64)]
+    for b in res["buckets"]:
+        inside = fed[(fed >= b["start"]) & (fed < b["end"])]
+        assert b["tokens"] == inside.size
+        if inside.size:
+            assert b["loss"] == pytest.approx(1000.0 + inside.mean(), rel=1e-12)
+        else:
+            assert b["loss"] is None
+    assert res["tokens"] == fed.size and res["loss"] == pytest.approx(1000.0 + fed.mean(), rel=1e-12)
     with pytest.raises(ValueError, match=r"positions must be in \[0, 64\)"):
         acc.add(loss, labels, positions + 64)
 

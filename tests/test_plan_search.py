@@ -343,12 +343,43 @@ def test_estimate_counts_only_the_window_of_local_layers():
     pairs (model.flops.attention_pairs), far below what every layer global would cost."""
     from ulysses_jax.model.layer_kinds import layer_windows
 
-    model = ModelConfig.from_preset("gemma3-1b")
+    model = ModelConfig.from_preset("gemma3-1b", remat="full")
     s, n = 131072, 8
     e = estimate.step_estimate(_plan_stub(model, seq_len=s, devices=n), model, "cudnn")
     pairs = sum(flops.attention_pairs(s, w) for w in layer_windows(model))
     assert pairs < model.num_layers * s * s / 2 / 4  # most layers see a window, not the whole sequence
     fwd = 4 * pairs * model.num_heads * model.head_dim / n
     rate, _ = estimate.attention_rate("cudnn", model.head_dim)
-    redo = estimate._recomputed_forwards(model)[1]
-    assert math.isclose(e["parts"]["attention_s"], fwd * (1 + redo) / rate.forward + 2.5 * fwd / rate.backward)
+    # remat full: one forward again in the backward, written out here (a stand-in plan has no compiled program to
+    # count it from, so the flags' rule applies)
+    assert math.isclose(e["parts"]["attention_s"], fwd * 2 / rate.forward + 2.5 * fwd / rate.backward)
+
+
+@pytest.mark.aot
+def test_estimate_counts_the_reruns_in_the_compiled_program_not_the_flags():
+    """--remat full --remat-every 2: each layer's checkpoint sits inside its pair's, so the backward runs the pair's
+    forward and then each layer's again: attention's forward 3 times per layer, which the flag rule calls 2. The
+    estimate reads it from the compiled program (plan.reruns), every run of the cuDNN kernel and every dot counted."""
+    from ulysses_jax.plan import reruns
+
+    cfg = PlanConfig(preset="llama3.2-1b", seq_len=16384, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8),
+                     remat="full", remat_every=2, kernels=False)
+    p = plan(cfg, detail=False)
+    model = ModelConfig.from_preset("llama3.2-1b", remat="full", remat_every=2)
+    assert estimate._recomputed_forwards(model) == (1, 1)  # the flags' rule
+    work = reruns.program_work(p.hlo_text)
+    assert work.attention_kernel == "cudnn" and work.attention_forward_calls == 3 * model.num_layers
+    redo = reruns.attention_reruns(work, layers=model.num_layers, batch=1, heads=4, seq_len=16384, head_dim=64)
+    assert redo == pytest.approx(2.0)
+    note = next(a for a in p.estimate["assumptions"] if a.startswith("other matmuls"))
+    assert "attention forward 3.00x per layer" in note
+    # the attention seconds follow the counted re-runs: 3 forwards and one backward of every layer
+    fwd = 4 * 16384 * 16384 / 2 * model.num_heads * model.head_dim * model.num_layers / 8
+    rate, _ = estimate.attention_rate("cudnn", model.head_dim, 16384)
+    assert p.estimate["parts"]["attention_s"] == pytest.approx(3 * fwd / rate.forward + 2.5 * fwd / rate.backward)
+    # and every dot of the program is counted: more than the flag rule's one extra forward of the layers
+    tokens = 16384 / 8
+    layer_mm = 2 * model.num_layers * flops.layer_matmul_params(model) * tokens
+    head_mm = 2 * model.vocab_size * model.hidden * tokens
+    assert work.dot_flops > 3 * (layer_mm + head_mm) + layer_mm
+    assert p.estimate["parts"]["matmul_s"] == pytest.approx(work.dot_flops / estimate.MATMUL_RATE)

@@ -139,13 +139,24 @@ def test_ulysses_attention_with_a_window(axes, shape, impl, seed):
         assert rel_err(x, w) < TOL["float32"], (name, rel_err(x, w))
 
 
-def test_cudnn_window_convention():
-    """``attention(impl="cudnn", window=W)`` passes ``local_window_size=(W - 1, 0)``: jax's own XLA implementation of
-    that argument gives the float64 windowed answer (the cuDNN kernel itself runs only on a GPU: test_gpu.py)."""
+def test_cudnn_window_convention(monkeypatch):
+    """``attention(impl="cudnn", window=W)`` hands jax's cuDNN path ``local_window_size=(W - 1, 0)``: the call is
+    taken from ``ulysses_jax.kernels.attention`` itself (with the platform claimed as a GPU) and run by jax's own XLA
+    implementation of the same arguments, which must give the float64 windowed answer. An off-by-one in the window
+    (``(W, 0)``) or a dropped window fails it (the cuDNN kernel itself runs only on a GPU: test_gpu.py)."""
     q, k, v, _, _ = random_inputs(3, 1, 40, 4, 2, 16, jnp.float32)
+    real = jax.nn.dot_product_attention
+    seen = []
+
+    def on_xla(*args, implementation=None, **kwargs):
+        seen.append((implementation, kwargs.get("local_window_size")))
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_xla)
+    monkeypatch.setattr("ulysses_jax.kernels.attention.resolve_impl", lambda impl, **kw: impl)  # let cudnn through
     for window in (1, 7, 16):
-        got = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
-                                           implementation="xla")
+        got = attention(q, k, v, window=window, impl="cudnn", platform="gpu")
+        assert seen[-1] == ("cudnn", (window - 1, 0))
         assert rel_err(got, attention_f64(q, k, v, window=window)) < TOL["float32"]
 
 

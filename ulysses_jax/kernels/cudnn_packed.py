@@ -18,8 +18,6 @@ it, and the caller refuses such a batch (a wrong mask is never silent).
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
@@ -102,22 +100,18 @@ def packed_workspace_bytes(batch: int, seq_len: int, heads: int, head_dim: int, 
     return 2 * 4 * batch * max_documents * seq_len * heads * head_dim
 
 
-@contextlib.contextmanager
-def _target_capability(platform: str):
+def _answer_for_compile_only_targets(platform: str) -> None:
     """jax's Python-side checks ask the local backend for the compute capability, so on a machine without a GPU they
-    refuse the packed layout even when compiling for a compile-only H100. There, answer for the target instead:
-    the compile-only targets (``ulysses_jax.plan.targets``: H100, H200) are compute capability 9.0."""
+    refuse the packed layout even when compiling for a compile-only H100 (and they run again wherever a transform
+    re-traces the forward rule, e.g. under remat). On such a machine the only GPU programs built are for the
+    compile-only targets (``ulysses_jax.plan.targets``: H100, H200, compute capability 9.0), so the check is made to
+    answer for them, process-wide. A machine with a GPU keeps jax's own check."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    if platform != "gpu" or jax.default_backend() == "gpu":
-        yield
+    if platform != "gpu" or jax.default_backend() == "gpu" or getattr(cudnn_fa, "_ulysses_target", False):
         return
-    local = cudnn_fa.check_compute_capability
     cudnn_fa.check_compute_capability = lambda c: tuple(int(x) for x in c.split(".")) <= (9, 0)
-    try:
-        yield
-    finally:
-        cudnn_fa.check_compute_capability = local
+    cudnn_fa._ulysses_target = True
 
 
 def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, max_segments: int | None = None,
@@ -149,8 +143,8 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
         seqlen, offsets, count = segments_to_ragged(segment_ids, max_segments)
         bad = count > max_segments
         ragged = dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets)
-    with _target_capability(platform):
-        out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH",
-                                             sliding_window_length=window, **ragged)
+    _answer_for_compile_only_targets(platform)
+    out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH",
+                                         sliding_window_length=window, **ragged)
     out = jnp.where(mask, out, jnp.zeros((), out.dtype))
     return jnp.where(jnp.any(bad), jnp.full((), jnp.nan, out.dtype), out)

@@ -3,10 +3,11 @@
 Per step and per device, from the compiled plan:
 
 * attention kernels: their FLOPs (forward, the backward's 2.5x in FlashAttention's count, and the forwards run again
-  by rematerialisation or ``--attn-recompute``) at a rate per kernel and head_dim from ``ATTENTION_RATES``, the one
+  by rematerialisation or ``--attn-recompute``, counted in the compiled program: ``reruns.py``) at a rate per kernel and head_dim from ``ATTENTION_RATES``, the one
   table of kernel rates (each row names its source); our Pallas kernel's rate is its static estimate
   (``kernels/flash_estimate.py``) calibrated on the measured Triton tutorial kernel;
-* the other matmuls (projections, MLP, unembedding; again for the recomputed forward) at ``MATMUL_RATE``;
+* the other matmuls (projections, MLP, unembedding; every dot of the compiled program, re-runs included) at
+  ``MATMUL_RATE``;
 * elementwise work (norms, RoPE, SwiGLU, residual adds) and the optimizer update as HBM traffic;
 * collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
   schedule runs asynchronously beside compute (``hlo.Collective.overlapped_bytes``) are hidden up to the compute
@@ -27,6 +28,8 @@ from ulysses_jax.kernels import flash_estimate
 from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.model import flops
 from ulysses_jax.model.layer_kinds import layer_windows
+from ulysses_jax.parallel.head_layout import plan_heads
+from ulysses_jax.plan import reruns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +96,33 @@ def attention_rate(kernel: str, head_dim: int, seq_len: int = 16_384, peak: floa
 
 
 def _recomputed_forwards(model) -> tuple[int, int]:
-    """Forwards run again in the backward: ``(of the layers' matmuls, of attention)``."""
+    """Forwards run again in the backward by the flags' rule, ``(of the layers' matmuls, of attention)``: what the
+    estimate falls back on when the compiled program's counts (``reruns.py``) cannot tell (no HLO, attention as XLA
+    ops, a ring). It undercounts nested checkpoints: ``--remat-every k > 1`` re-runs a group's forward and then each
+    layer's inside it, which the program counts."""
     layers = 1 if model.remat in ("full", "offload") else 0
     return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
+
+
+def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tuple[float, float, float, str] | None:
+    """``(matmul FLOPs of the whole step, matmul re-runs of the layers, attention re-runs, note)`` counted from the
+    compiled program (``p.hlo_text``), or None where the program cannot tell them apart (module ``reruns``)."""
+    text = getattr(p, "hlo_text", "")
+    if not text or kernel not in ("cudnn", "pallas") or getattr(p, "mesh", {}).get("ring", 1) > 1:
+        return None
+    work = reruns.program_work(text)
+    mesh = p.mesh
+    rows = p.batch_size / (mesh.get("data", 1) * mesh.get("fsdp", 1))
+    heads = plan_heads(model.num_heads, model.num_kv_heads, mesh.get("sp", 1)).heads_per_device
+    redo_attn = reruns.attention_reruns(work, layers=model.num_layers, batch=rows, heads=heads, seq_len=p.seq_len,
+                                        head_dim=model.head_dim)
+    if redo_attn is None or not layer_mm:
+        return None
+    redo_mm = max((work.dot_flops - 3 * (layer_mm + head_mm)) / layer_mm, 0.0)
+    note = (f"re-runs counted from the compiled program: attention forward {1 + redo_attn:.2f}x per layer "
+            f"({work.attention_forward_calls} kernel runs), matmuls {work.dot_flops / (layer_mm + head_mm):.2f}x the "
+            f"model's forward ({redo_mm:.2f} forwards of the layers again)")
+    return work.dot_flops, redo_mm, redo_attn, note
 
 
 def step_estimate(p, model, kernel: str) -> dict:
@@ -105,13 +132,19 @@ def step_estimate(p, model, kernel: str) -> dict:
     # causal pairs per layer; a local layer counts its window's (model.flops.attention_pairs)
     pairs = sum(flops.attention_pairs(p.seq_len, w) for w in layer_windows(model))
     attn_fwd = 4 * p.batch_size * pairs * model.num_heads * model.head_dim / n
-    redo_mm, redo_attn = _recomputed_forwards(model)
+    layer_mm = 2 * model.num_layers * flops.layer_matmul_params(model) * tokens / n
+    head_mm = 2 * model.vocab_size * model.hidden * tokens / n
+    counted = counted_reruns(p, model, kernel, layer_mm, head_mm)
+    if counted is None:
+        redo_mm, redo_attn = _recomputed_forwards(model)
+        matmul_flops = 3 * (layer_mm + head_mm) + redo_mm * layer_mm
+        rerun_note = f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention (by the flags' rule)"
+    else:
+        matmul_flops, redo_mm, redo_attn, rerun_note = counted
     ring = getattr(p, "mesh", {}).get("ring", 1)  # each kernel call sees S / ring tokens
     rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
     attention_s = attn_fwd * (1 + redo_attn) / rate.forward + 2.5 * attn_fwd / rate.backward
-    layer_mm = 2 * model.num_layers * flops.layer_matmul_params(model) * tokens / n
-    head_mm = 2 * model.vocab_size * model.hidden * tokens / n
-    matmul_s = (3 * (layer_mm + head_mm) + redo_mm * layer_mm) / MATMUL_RATE
+    matmul_s = matmul_flops / MATMUL_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
     elementwise_s = ELEMENTWISE_PASSES * act_bytes * model.num_layers * (3 + redo_mm) / t.hbm_bytes_per_s
     params = flops.param_count(model) / n
@@ -135,8 +168,7 @@ def step_estimate(p, model, kernel: str) -> dict:
     assumptions = [
         f"attention: {kernel} at {rate.forward / 1e12:.0f} TFLOP/s forward, {rate.backward / 1e12:.0f} backward "
         f"({rate.source}{'; ' + rate_note if rate_note else ''}); causal, packed rows counted as one sequence",
-        f"other matmuls at {MATMUL_RATE / 1e12:.0f} TFLOP/s (bf16 GEMM measured at 8192^3); "
-        f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention",
+        f"other matmuls at {MATMUL_RATE / 1e12:.0f} TFLOP/s (bf16 GEMM measured at 8192^3); {rerun_note}",
         f"elementwise work: {ELEMENTWISE_PASSES} passes over [tokens, hidden] per layer forward at the HBM bandwidth "
         f"({t.hbm_bytes_per_s / 1e12:.2f} TB/s); optimizer update "
         + ("streamed from host memory (its PCIe traffic below)" if p.optimizer_on_host else

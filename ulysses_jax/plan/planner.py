@@ -73,6 +73,8 @@ class PlanConfig(TrainConfig):
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""
     json: str | None = None  # also write the plan as JSON to this file
+    hlo_out: str | None = None
+    """also write the optimised HLO of the compiled step to this file (with --memory auto: the chosen set's)"""
     kernels: bool = True  # read registers and spills of the Pallas kernels with ptxas (needs the PTX dump)
     xla_log: str | None = None
     """file for XLA's own compiler messages (buffer assignment, rematerialization); None: a new file in the temp
@@ -105,6 +107,7 @@ class Plan:
     notes: list[str] = dataclasses.field(default_factory=list)  # where the compile-only program differs from a GPU's
     estimate: dict | None = None  # estimate.step_estimate: seconds per step, tokens/s per GPU, MFU, assumptions
     alternatives: list[dict] = dataclasses.field(default_factory=list)  # --memory auto: the runners-up
+    hlo_text: str = dataclasses.field(default="", repr=False)  # the optimised HLO (--hlo-out writes it)
 
     @property
     def fits_device(self) -> bool:
@@ -309,7 +312,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
         compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
-        host_budget_note=host_note, hlo_fingerprint=hlo.fingerprint(text),
+        host_budget_note=host_note, hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
         notes=compile_only_notes(cfg, model, workspace, seq_len),

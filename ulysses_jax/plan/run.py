@@ -48,6 +48,9 @@ def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
     path = None if cfg.json is None else pathlib.Path(cfg.json)
     if path is not None and path.is_dir():
         raise ValueError(f"--json {cfg.json} is a directory; give a file path such as plan.json")
+    hlo_path = None if cfg.hlo_out is None else pathlib.Path(cfg.hlo_out)
+    if hlo_path is not None and hlo_path.is_dir():
+        raise ValueError(f"--hlo-out {cfg.hlo_out} is a directory; give a file path such as step.hlo")
     progress = _Progress(path if cfg.find_max_seq_len or cfg.memory == "auto" else None)
     if progress.path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,6 +60,10 @@ def run_plan(cfg: PlanConfig, *, log=print) -> Plan:
     else:
         p = auto_fit(cfg, log=log, on_trial=progress) if cfg.memory == "auto" else plan(cfg)
     log(format_plan(p))
+    if hlo_path is not None:
+        hlo_path.parent.mkdir(parents=True, exist_ok=True)
+        hlo_path.write_text(p.hlo_text)
+        log(f"Optimised HLO of the planned step written to {hlo_path}")
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         out = {"status": "done", **p.to_json()}
