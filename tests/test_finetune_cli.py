@@ -42,8 +42,8 @@ def test_fine_tuning_defaults_overlong_sft_dropped_and_an_edited_folder(folder, 
                                   "--optim.weight-decay", "0.05", "--run-dir", run, *FLAGS)]) == 0
     out = capsys.readouterr().out
     # the start-up lines: the records dropped (2 of 12, the longest named) and where each optimizer setting came from
-    assert "2 of 12 SFT records longer than --seq-len 64 dropped (--sft-overlong drop; the longest: 84 tokens, " \
-           f"line 4 of --data file {data})" in out, out
+    assert "12 SFT records (0 empty ones skipped): 10 kept for training, 2 dropped as longer than --seq-len 64 " \
+           f"(--sft-overlong drop; the longest: 84 tokens, line 4 of --data file {data}), 0 held out for eval" in out, out
     assert "peak lr 2e-05 (fine-tuning default for --init-from-hf)" in out, out
     assert "warmup 1 step (3% of 3 steps, derived from --steps)" in out, out
     assert "weight decay 0.05," in out and "clip-norm 1 " in out, out  # the flag wins, and is not called a default
@@ -175,3 +175,54 @@ def test_plan_keeps_xla_messages_in_a_log_file(tmp_path):
     assert r.returncode == EXIT_OVER, r.stderr[-2000:]
     assert "rematerialization" in log.read_text() and "rematerialization.cc" not in r.stderr, r.stderr[-2000:]
     assert f"are in {log}" in r.stdout
+
+
+def test_new_user_silences_are_said_at_start(folder, tmp_path, capsys):
+    """Two cases that trained silently: a file that is not UTF-8 (read with U+FFFD, now counted at start), and a
+    --seq-len past the folder's max_position_embeddings (now noted at start; export writes the trained length)."""
+    import json as _json
+
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes(("the sky is blue caf\xe9 na\xefve " * 20).encode("latin-1"))
+    plain = tmp_path / "plain.txt"
+    plain.write_text("the sky is blue \ufffd written as such " * 20)  # a U+FFFD in the file itself is not counted
+    run = tmp_path / "run"
+    capsys.readouterr()
+    seq = ["--seq-len", "512", *FLAGS[2:]]  # the folder's max_position_embeddings is 256
+    assert main([str(a) for a in ("train", "--init-from-hf", folder, "--data", latin, plain, "--steps", "1",
+                                  "--eval-fraction", "0", "--run-dir", run, *seq)]) == 0
+    out = capsys.readouterr().out
+    assert "data: 40 byte sequence(s) in 1 file(s) are not UTF-8 and are read as U+FFFD" in out, out  # 2 x 20
+    assert ("--seq-len 512 is past max_position_embeddings 256 of the folder's config.json: the model meets positions "
+            "it was never trained on") in out, out
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert _json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"] == 512
+
+
+def test_a_folder_without_config_json_is_the_first_error(tmp_path, capsys):
+    """An --init-from-hf folder with no config.json is named before the data is read (it was the third error of
+    three, after two about the data)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text("{}")
+    refused(capsys, ["train", "--init-from-hf", bare, "--data", tmp_path / "missing.txt", "--run-dir",
+                     tmp_path / "run", *FLAGS], f"--init-from-hf {bare} has no config.json")
+    assert not (tmp_path / "run").exists()
+
+
+def test_sft_start_line_adds_up_with_held_out_records(folder, tmp_path, capsys):
+    """kept for training + dropped from training + held out = the records read, with some records held out."""
+    import re
+
+    data = sft_file(tmp_path / "sft.jsonl", short=30, long=6)
+    capsys.readouterr()
+    assert main([str(a) for a in ("train", "--init-from-hf", folder, "--data-format", "sft", "--data", data,
+                                  "--sft-overlong", "drop", "--steps", "1", "--eval-fraction", "0.3", "--run-dir",
+                                  tmp_path / "run", *FLAGS)]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"(\d+) SFT records \(0 empty ones skipped\): (\d+) kept for training, (\d+) dropped as longer than "
+                  r"--seq-len 64 .*?, (\d+) held out for eval(?: \((\d+) of them dropped too\))?", out)
+    assert m, out
+    read, kept, dropped, held = (int(m.group(i)) for i in range(1, 5))
+    assert read == 36 and kept + dropped + held == read and held > 0
+    assert dropped + int(m.group(5) or 0) == 6  # every long record dropped, from training or from the held-out ones

@@ -383,3 +383,25 @@ def test_estimate_counts_the_reruns_in_the_compiled_program_not_the_flags():
     head_mm = 2 * model.vocab_size * model.hidden * tokens
     assert work.dot_flops > 3 * (layer_mm + head_mm) + layer_mm
     assert p.estimate["parts"]["matmul_s"] == pytest.approx(work.dot_flops / estimate.MATMUL_RATE)
+
+
+@pytest.mark.aot
+def test_a_one_gpu_plan_names_its_host_assumption(tmp_path):
+    """With fewer GPUs than a node holds, the host budget is one GPU's share of a full node: the report says so on
+    the budget line and in the verdict, the JSON carries ``host_budget_assumed``; --host-memory-gib replaces it."""
+    from ulysses_jax.plan.run import run_plan
+
+    for given, assumed in ((None, True), (64.0, False)):
+        lines, out = [], tmp_path / f"{given}.json"
+        cfg = PlanConfig(preset="tiny", seq_len=1024, batch_size=1, devices=1, mesh=MeshConfig(fsdp=1, sp=1),
+                         kernels=False, host_memory_gib=given, json=str(out))
+        run_plan(cfg, log=lines.append)
+        text = "\n".join(lines)
+        verdict = next(x for x in text.splitlines() if "verdict:" in x)
+        data = json.loads(out.read_text())
+        assert data["host_budget_assumed"] is assumed
+        if assumed:
+            assert "ASSUMED: each of these 1 GPU(s) gets one GPU's share of a full node" in text
+            assert "209.55 GiB per GPU, assumed: --host-memory-gib to give the real one" in verdict
+        else:
+            assert "64.00 GiB per GPU, from --host-memory-gib" in verdict

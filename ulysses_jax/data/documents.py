@@ -161,6 +161,8 @@ class SourceSummary:
     eval_bytes: int = 0
     eval_overlap: int = 0  # --eval-data documents whose text is also in the training split
     vocab_size: int = 256
+    replaced: int = 0  # invalid UTF-8 sequences read as U+FFFD, in all the sources
+    replaced_files: int = 0  # the files that hold them
 
     def __str__(self) -> str:
         held = (f"eval on {self.eval_documents} documents of --eval-data ({self.eval_files} files)"
@@ -188,7 +190,9 @@ def validate_sources(cfg: DataConfig, *, need_eval: bool = False) -> SourceSumma
         evals = len(split_documents(cfg, "eval")[1])  # raises when no document is held out
     else:
         evals = len(index) - len(train)
-    summary = SourceSummary(len(index.files), len(index), index.bytes, index.empty, len(train), evals, vocab_size=vocab)
+    replaced = [index.replaced] + ([eval_index.replaced] if eval_index is not None else [])
+    summary = SourceSummary(len(index.files), len(index), index.bytes, index.empty, len(train), evals, vocab_size=vocab,
+                            replaced=sum(r[0] for r in replaced), replaced_files=sum(r[1] for r in replaced))
     if eval_index is None:
         return summary
     overlap = int(np.isin(eval_index.digest, index.digest[train]).sum())

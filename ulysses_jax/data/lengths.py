@@ -15,6 +15,8 @@ token per byte, so it cannot be longer than a row.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 from typing import Literal
 
 from ulysses_jax.data.documents import DataConfig, document_encoder, split_documents
@@ -33,6 +35,7 @@ class Lengths:
     over: int  # SFT records dropped, or text documents cut into pieces
     longest: int  # tokens of the longest document measured (text: of those longer than their bytes allow to skip)
     where: str = ""  # the longest over-long document, for messages
+    over_train: int = 0  # of ``over``, those in the training split (the rest are held out or --eval-data)
 
     def __str__(self) -> str:
         if self.sft:
@@ -46,14 +49,17 @@ class Lengths:
 
 
 def _documents(cfg: DataConfig):
-    """``(index, doc, flag)`` of every document a run may read: the training split, the held-out and ``--eval-data``."""
-    index, _ = split_documents(cfg, "train")
+    """``(index, doc, flag, in the training split)`` of every document a run may read: the training split, the
+    held-out and ``--eval-data``."""
+    index, train = split_documents(cfg, "train")
+    training = np.zeros(len(index), bool)
+    training[train] = True
     for doc in range(len(index)):
-        yield index, doc, "--data"
+        yield index, doc, "--data", bool(training[doc])
     if cfg.eval_paths:
         held, docs = split_documents(cfg, "eval")
         for doc in docs:
-            yield held, int(doc), "--eval-data"
+            yield held, int(doc), "--eval-data", False
 
 
 def measure(cfg: DataConfig, seq_len: int) -> Lengths:
@@ -63,30 +69,31 @@ def measure(cfg: DataConfig, seq_len: int) -> Lengths:
     encode = document_encoder(cfg) if sft else None
     tok = None if sft or not cfg.tokenizer else make_tokenizer(cfg.tokenizer)
     slack = 0 if sft else len(document_encoder(cfg)(""))  # the BOS / EOS that frame a text document
-    count = over = longest = 0
+    count = over = over_train = longest = 0
     where, batch = "", []
 
-    def add(n: int, index, doc: int, flag: str) -> None:
-        nonlocal over, longest, where
+    def add(n: int, index, doc: int, flag: str, training: bool) -> None:
+        nonlocal over, over_train, longest, where
         over += n > seq_len
+        over_train += n > seq_len and training
         if n > longest:
             longest, where = n, index.where(doc, flag)
 
     def flush() -> None:  # text documents tokenized in parallel, a batch at a time
-        for (index, doc, flag), n in zip(batch, tok.count([index.text(d) for index, d, _ in batch])):
-            add(n + slack, index, doc, flag)
+        for (index, doc, flag, training), n in zip(batch, tok.count([index.text(d) for index, d, _, _ in batch])):
+            add(n + slack, index, doc, flag, training)
         batch.clear()
 
-    for index, doc, flag in _documents(cfg):
+    for index, doc, flag, training in _documents(cfg):
         count += 1
         if sft:
-            add(len(encode(index.text(doc))["tokens"]), index, doc, flag)
+            add(len(encode(index.text(doc))["tokens"]), index, doc, flag, training)
             continue
         size = len(index.text(doc).encode("utf-8")) + slack
         if tok is None:  # the tokens are the bytes
-            add(size, index, doc, flag)
+            add(size, index, doc, flag, training)
         elif size > seq_len:  # else it cannot be longer than a row (module doc)
-            batch.append((index, doc, flag))
+            batch.append((index, doc, flag, training))
             if len(batch) == 64:
                 flush()
     if batch:
@@ -94,10 +101,25 @@ def measure(cfg: DataConfig, seq_len: int) -> Lengths:
     if sft and over and over == count:
         raise ValueError(f"all {count} SFT records are longer than --seq-len {seq_len} (the longest: {longest} "
                          f"tokens, {where}); raise --seq-len")
-    found = Lengths(seq_len, sft, count, over, longest, where if longest > seq_len else "")
+    found = Lengths(seq_len, sft, count, over, longest, where if longest > seq_len else "", over_train)
     if sft and over and cfg.sft_overlong != "drop":
         raise ValueError(
             f"{over} of {count} SFT records are longer than --seq-len {seq_len} (the longest: {longest} tokens, "
             f"{where}); a record is never split across rows (its later pieces would lose the prompt): raise --seq-len "
             f"to at least {longest}, or leave such records out with --sft-overlong drop")
     return found
+
+
+def start_line(summary, found: Lengths) -> str:
+    """The data line ``train`` prints at start. With SFT records dropped as over-long, its counts add up to the
+    records read: kept for training + dropped from training + held out (of which some dropped too) = records."""
+    if not (found.sft and found.over):
+        return f"{summary}; {found}"
+    held = (f"{summary.eval_documents} of --eval-data ({summary.eval_files} files)" if summary.eval_files
+            else f"{summary.eval_documents} held out for eval")
+    held_over = found.over - found.over_train
+    return (f"{summary.files} files ({summary.bytes / 1e6:.1f} MB), {summary.documents} SFT records "
+            f"({summary.empty} empty ones skipped): {summary.train_documents - found.over_train} kept for training, "
+            f"{found.over_train} dropped as longer than --seq-len {found.seq_len} (--sft-overlong drop; the longest: "
+            f"{found.longest} tokens, {found.where}), {held}" + (f" ({held_over} of them dropped too)" if held_over
+                                                                   else ""))

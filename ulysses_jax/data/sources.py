@@ -173,6 +173,16 @@ def _read_text_file(path: str) -> str:
         return fh.read().decode("utf-8", "replace").removeprefix(BOM)
 
 
+def not_utf8(raw: bytes) -> int:
+    """How many U+FFFD characters decoding ``raw`` as UTF-8 brings in (invalid byte sequences; a U+FFFD written in
+    the file itself is not counted)."""
+    try:
+        raw.decode("utf-8")
+        return 0
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace").count("\ufffd") - raw.count("\ufffd".encode())
+
+
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
@@ -257,6 +267,7 @@ class _FileIndex:
     digest: array.array
     empty: int = 0
     row_groups: np.ndarray | None = None  # parquet: first row of each row group, and the row count
+    replaced: int = 0  # invalid UTF-8 sequences read as U+FFFD (text and jsonl files)
 
     def add(self, text: str | None, loc: int = 0, line: int = 0) -> None:
         if _blank(text):
@@ -268,12 +279,15 @@ class _FileIndex:
 def _index_file(f: SourceFile, field: str, flag: str, sft: bool = False) -> _FileIndex:
     out = _FileIndex(array.array("q"), array.array("I"), array.array("Q"))
     if f.format == "text":
+        with open(f.path, "rb") as fh:
+            out.replaced += not_utf8(fh.read())
         out.add(_read_text_file(f.path))
     elif f.format == "jsonl":
         offset = 0
         with open(f.path, "rb") as fh:
             for n, raw in enumerate(fh, start=1):
                 if raw.strip():
+                    out.replaced += not_utf8(raw)
                     where = f"line {n} of {flag} file {f.path}"
                     out.add(_sft_record(raw, where, flag) if sft else _jsonl_text(raw, field, where, flag), offset, n)
                 offset += len(raw)
@@ -309,6 +323,7 @@ class Index:
                                    or [np.zeros(0, np.uint32)])
         self.digest = np.concatenate([np.frombuffer(p.digest, np.uint64) for p in parts] or [np.zeros(0, np.uint64)])
         self.empty_per_file = np.array([p.empty for p in parts], np.int64)
+        self.replaced_per_file = np.array([p.replaced for p in parts], np.int64)
         self._row_groups = {i: p.row_groups for i, p in enumerate(parts) if p.row_groups is not None}
 
     def __len__(self) -> int:
@@ -321,6 +336,11 @@ class Index:
     @property
     def bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def replaced(self) -> tuple[int, int]:
+        """``(invalid UTF-8 sequences read as U+FFFD, files holding them)``."""
+        return int(self.replaced_per_file.sum()), int((self.replaced_per_file > 0).sum())
 
     def _file(self, doc: int) -> int:
         return int(np.searchsorted(self.starts, doc, side="right")) - 1

@@ -102,6 +102,7 @@ class Plan:
     memory_flags: str | None = None  # --memory auto: the train flags of the memory tools it chose
     memory_fraction: float = 0.95  # the share of the GPU JAX's pool must take (train --memory-fraction)
     host_budget_note: str = ""  # where the host budget comes from
+    host_budget_assumed: bool = True  # the host budget is the target node's share, not --host-memory-gib
     train_args: list[str] = dataclasses.field(default_factory=list)  # `ulysses-jax train` flags of this program
     hlo_fingerprint: str = ""  # of the optimised HLO (hlo.fingerprint), what train compiles from train_args
     notes: list[str] = dataclasses.field(default_factory=list)  # where the compile-only program differs from a GPU's
@@ -159,6 +160,7 @@ class Plan:
             "budget_bytes": self.memory["budget_bytes"],
             "host_budget_bytes": self.memory["host_budget_bytes"],
             "host_budget": self.host_budget_note,
+            "host_budget_assumed": self.host_budget_assumed,
             "memory_fraction": self.memory_fraction,
             "train_args": self.train_args,
             "hlo_fingerprint": self.hlo_fingerprint,
@@ -204,6 +206,10 @@ def budgets(cfg: PlanConfig, target: GpuTarget) -> tuple[float, int, int, str]:
         host = target.host_budget_bytes
         note = (f"{HOST_SHARE:.0%} of the host memory of the node assumed, {target.node}, over its "
                 f"{target.gpus_per_host} GPUs (--host-memory-gib to change)")
+        if cfg.devices < target.gpus_per_host:
+            note = (f"ASSUMED: each of these {cfg.devices} GPU(s) gets one GPU's share of a full node, {target.node} "
+                    f"({HOST_SHARE:.0%} of its host memory over {target.gpus_per_host} GPUs); a machine with fewer GPUs "
+                    f"or less host memory: give its pinned memory per GPU with --host-memory-gib")
     elif cfg.host_memory_gib < 0:
         raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
     else:
@@ -312,7 +318,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
         compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
-        host_budget_note=host_note, hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
+        host_budget_note=host_note, host_budget_assumed=cfg.host_memory_gib is None, hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
         notes=compile_only_notes(cfg, model, workspace, seq_len),

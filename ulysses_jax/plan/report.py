@@ -40,7 +40,8 @@ def format_plan(p) -> str:
         f"  host (pinned) memory  {gib(m['host_bytes']):>9}   (per GPU)",
         f"  host budget           {gib(m['host_budget_bytes']):>9}   per GPU: {p.host_budget_note}",
         f"  verdict: {'FITS' if p.fits else 'OVER'} (device {'within' if p.fits_device else 'OVER'} budget, host "
-        f"{'within' if p.fits_host else 'OVER'} budget)",
+        f"{'within' if p.fits_host else 'OVER'} budget of {gib(m['host_budget_bytes']).strip()} GiB per GPU, "
+        f"{'assumed: --host-memory-gib to give the real one' if p.host_budget_assumed else 'from --host-memory-gib'})",
         "",
         "Collectives per step (per device; the layer loop counted once per layer)",
     ]

@@ -71,6 +71,8 @@ def export_run(cfg: ExportConfig) -> dict:
     step = where.pick_step(cfg.step, none=f"--run-dir {cfg.run_dir} has no checkpoint in {where.checkpoints}; train "
                                           f"it first")
     model_cfg = model_config_from_run(record)
+    if record["seq_len"] > model_cfg.max_seq_len:  # trained past the folder's length: config.json says so
+        model_cfg = dataclasses.replace(model_cfg, max_seq_len=record["seq_len"])
     folder, tokenizer = _tokenizer_source(record)
     source_config = hf.read_json(folder / "config.json") if folder and (folder / "config.json").is_file() else {}
     arch = hf.export_architecture(model_cfg, source_config.get("architectures"))  # refuses what HF cannot hold

@@ -176,6 +176,9 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
         if not folder.is_dir() and not resuming:
             raise ValueError(f"--init-from-hf {cfg.init_from_hf} is not a folder; pass a Hugging Face model folder "
                              f"(config.json, *.safetensors, tokenizer.json)")
+        if folder.is_dir() and not (folder / "config.json").is_file() and not resuming:
+            raise ValueError(f"--init-from-hf {cfg.init_from_hf} has no config.json; pass a Hugging Face model folder "
+                             f"(config.json, *.safetensors, tokenizer.json)")
         if cfg.tokenizer is None and not (folder / "tokenizer.json").is_file():
             raise ValueError(f"--init-from-hf {cfg.init_from_hf} has no tokenizer.json; pass the model's tokenizer "
                              f"with --tokenizer")
@@ -207,6 +210,16 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     hf_folder = None if cfg.init_from_hf is None else resume.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
     model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
+    early_notes = []
+    if summary.replaced:
+        early_notes.append(f"data: {summary.replaced} byte sequence(s) in {summary.replaced_files} file(s) are not UTF-8 and "
+                     f"are read as U+FFFD (the replacement character); re-encode those files as UTF-8 to keep their "
+                     f"characters")
+    if cfg.seq_len > model.max_seq_len:
+        origin = "the folder's config.json" if cfg.init_from_hf else f"the {model.name} preset"
+        early_notes.append(f"--seq-len {cfg.seq_len} is past max_position_embeddings {model.max_seq_len} of {origin}: the "
+                     f"model meets positions it was never trained on (RoPE as configured, no scaling added); export "
+                     f"writes max_position_embeddings {cfg.seq_len}, the length this run trains at")
     if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
@@ -215,7 +228,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
 
-    notes: list[str] = []
+    notes: list[str] = early_notes
     if resuming:  # the run's settings are its record's: what its defaults chose stays recorded as chosen
         start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
         chosen = recorded.get("defaults", {})
@@ -283,7 +296,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     if resuming and checkpointer.set_aside(after=start) is not None:
         notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
     return Run(cfg, model, mesh, it, checkpointer, start, state, step_fn, peak, profile, planned, batch_size, record,
-               f"{summary}; {lengths_found}", notes, eval_step, data_cfg, loop_eval)
+               lengths.start_line(summary, lengths_found), notes, eval_step, data_cfg, loop_eval)
 
 
 # ------------------------------------------------------------------------------------ the loop
