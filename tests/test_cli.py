@@ -345,7 +345,8 @@ def test_eval_reads_the_run_and_refuses_other_data(existing_run, tmp_path, capsy
     assert main(["eval", "--run-dir", str(run), "--step", "1", "--eval-data", str(other), "--mesh.fsdp", "4",
                  "--mesh.sp", "2", "--loss-chunk", "32"]) == 0
     assert "--eval-data" in capsys.readouterr().out
-    assert [(r["step"], r["mesh"]["sp"]) for r in records(run, "eval.jsonl")][-3:] == [(2, 8), (2, 8), (1, 2)]
+    # no --mesh flag: the run's own mesh (fsdp 2 x sp 4); the flags given: theirs
+    assert [(r["step"], r["mesh"]["sp"]) for r in records(run, "eval.jsonl")][-3:] == [(2, 4), (2, 4), (1, 2)]
     # read-only: a run without checkpoints gets nothing written
     empty = tmp_path / "empty"
     empty.mkdir()

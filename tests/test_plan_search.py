@@ -297,7 +297,7 @@ def test_joint_verdict_in_the_json(tmp_path):
                         "--no-kernels", "--json", str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]  # OVER: plan exits 1 and names the next command to try
-    assert "verdict: OVER (device within budget, host OVER budget)" in r.stdout and "--memory auto" in r.stdout
+    assert "verdict: OVER (device within budget, host OVER budget of " in r.stdout and "--memory auto" in r.stdout
     assert "Estimated step time (an ESTIMATE" in r.stdout and "ulysses-jax train --preset tiny" in r.stdout
     j = json.loads(out.read_text())
     assert j["fits"] is False and j["fits_device"] is True and j["fits_host"] is False
