@@ -241,6 +241,8 @@ def test_estimate_is_the_sum_of_its_parts_by_hand():
     assert math.isclose(e["tokens_per_second_per_gpu"], s / n / e["step_seconds"])
     assert math.isclose(e["mfu"], flops.training_flops(model, batch=1, seq_len=s) / n / e["step_seconds"] / 989e12)
     assert 0.2 < e["mfu"] < 0.5 and len(e["assumptions"]) >= 4
+    lo, hi = estimate.CALIBRATION_SPREAD  # the trust band: the calibration's spread around the estimate
+    assert e["trust_band_seconds"] == (e["step_seconds"] * lo, e["step_seconds"] * hi) and 1 <= lo < hi
 
 
 def test_estimate_hides_overlapped_collectives_up_to_the_compute_time():
@@ -398,6 +400,7 @@ def test_a_one_gpu_plan_names_its_host_assumption(tmp_path):
         run_plan(cfg, log=lines.append)
         text = "\n".join(lines)
         verdict = next(x for x in text.splitlines() if "verdict:" in x)
+        assert "  trust band: " in text and "x the estimate; experiments/results/plan_calibration_h100.md" in text
         data = json.loads(out.read_text())
         assert data["host_budget_assumed"] is assumed
         if assumed:

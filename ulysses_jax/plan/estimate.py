@@ -51,6 +51,9 @@ ATTENTION_RATES: dict[tuple[str, int], KernelRate] = {
     ("blockwise", 128): KernelRate(150e12, 150e12, "assumed, no published figure: the blockwise kernel is XLA ops"),
 }
 HEAD_DIM_FACTOR = {64: 0.85, 256: 0.9}  # assumed: FlashAttention-2/3 run below their hd128 rate at hd64 and hd256
+# The trust band: published runs of the same model, context and GPU count took this many times the estimate's step
+# time (its calibration, experiments/results/plan_calibration_h100.md, 2026-11-26: TRL, torchtitan, the HF blog).
+CALIBRATION_SPREAD = (1.07, 2.79)
 MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-gpu notes), 790-800 in the anchors
 LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
 ELEMENTWISE_PASSES = 16  # assumed: reads or writes of a [tokens, hidden] tensor per layer forward (norms, RoPE, SwiGLU)
@@ -186,6 +189,7 @@ def step_estimate(p, model, kernel: str) -> dict:
              "host_activations_s": activations_host_s, "host_optimizer_s": optimizer_host_s, "compute_s": compute_s}
     return {
         "step_seconds": step,
+        "trust_band_seconds": (step * CALIBRATION_SPREAD[0], step * CALIBRATION_SPREAD[1]),
         "tokens_per_second_per_gpu": tokens / step / n,
         "mfu": p.flops_per_device / step / t.peak_flops,
         "attention_kernel": kernel,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shlex
 
+from ulysses_jax.plan.estimate import CALIBRATION_SPREAD
+
 GiB = 2**30
 
 def gib(n: float) -> str:
@@ -66,6 +68,9 @@ def format_plan(p) -> str:
         lines += [
             f"Estimated step time (an ESTIMATE, not a measurement; no GPU has run it): {seconds(e['step_seconds'])} "
             f"per step, {e['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU, MFU {e['mfu']:.1%}",
+            f"  trust band: {seconds(e['trust_band_seconds'][0])} to {seconds(e['trust_band_seconds'][1])} per step "
+            f"(published runs of the same shapes took {CALIBRATION_SPREAD[0]}x to {CALIBRATION_SPREAD[1]}x the "
+            f"estimate; experiments/results/plan_calibration_h100.md)",
             "  parts: " + ", ".join(f"{k[:-2]} {seconds(v)}" for k, v in e["parts"].items()),
             "  assumptions:",
         ]

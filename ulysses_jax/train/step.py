@@ -97,9 +97,10 @@ class OptimConfig:
 
 
 # Defaults for settings not given (None). From scratch: this project's tiny-model recipe. Fine-tuning a pretrained
-# model (--init-from-hf): the full fine-tuning recipe of Stanford Alpaca's train command, LLaVA's and AllenAI
-# open-instruct's (Tulu 2) fine-tuning scripts: peak lr 2e-5, no weight decay, warmup over 3% of the steps; all of
-# them clip the global gradient norm at 1.0 (the Transformers Trainer's max_grad_norm), as --optim.clip-norm does.
+# model (--init-from-hf): the peak lr, weight decay and warmup share of Stanford Alpaca's train command (also LLaVA's
+# and AllenAI open-instruct's Tulu 2 scripts): 2e-5, none, 3% of the steps; they clip the global gradient norm at 1.0
+# (the Transformers Trainer's max_grad_norm), as --optim.clip-norm does. Not their b2 (0.999; ours stays 0.95) nor
+# their cosine's end (0; ours 0.1 x lr): docs/huggingface.md says how to match those too.
 SCRATCH = dict(lr=3e-3, weight_decay=0.1, warmup_share=0.1, why="from-scratch default")
 FINE_TUNING = dict(lr=2e-5, weight_decay=0.0, warmup_share=0.03, why="fine-tuning default for --init-from-hf")
 
