@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-slow test-gpu gpu-wheels train venv clean
+.PHONY: test test-slow test-gpu gpu-wheels notebooks train venv clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,11 @@ test-gpu: $(STAMP)
 # 3.12, manylinux x86-64) into .whl/, which experiments/gpu/first_contact.sh installs there.
 gpu-wheels: $(STAMP)
 	$(PY) experiments/gpu/wheels.py
+
+# The notebooks (8 fake CPU devices, no GPU): installs JupyterLab into .venv once, then opens notebooks/.
+notebooks: $(STAMP)
+	$(PY) -c "import jupyterlab" 2>/dev/null || $(PY) -m pip install --quiet -e '.[$(EXTRAS),notebooks]'
+	$(VENV)/bin/jupyter lab notebooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

@@ -101,3 +101,44 @@ def test_ring_across_two_processes_equals_one(tmp_path):
     assert sorted(got) == sorted(want) == [1, 2]
     for step in (1, 2):
         assert abs(got[step] - want[step]) <= 2e-5 * abs(want[step]), (step, got[step], want[step])
+
+
+def test_eval_on_two_processes_equals_one(tmp_path):
+    """`eval --by-position --task passkey` with 2 processes x 4 devices (each process reads its rows, the scores are
+    gathered) gives the numbers of one 8-device process: the loss, every position bucket, every passkey cell."""
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "ulysses_jax", "train", *ARGS, "--cpu-devices", "8", "--steps", "2",
+             "--run-dir", str(run)]
+    p = subprocess.run(train, capture_output=True, text=True, env=env(), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    ev = ["eval", "--run-dir", str(run), "--by-position", "--task", "passkey", "--steps", "1,last", "--samples", "2",
+          "--max-batches", "2", "--no-plot", "--mesh.fsdp", "2", "--mesh.sp", "4"]
+
+    def results():
+        pos = json.loads((run / "eval_by_position.json").read_text())
+        pk = json.loads((run / "eval_passkey.json").read_text())
+        loss = [json.loads(x)["loss"] for x in (run / "eval.jsonl").read_text().splitlines()][-2:]
+        return pos, pk, loss
+
+    p = subprocess.run([sys.executable, "-m", "ulysses_jax", *ev, "--cpu-devices", "8"], capture_output=True,
+                       text=True, env=env(), timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    one = results()
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "ulysses_jax", *ev, "--cpu-devices", "4", "--coordinator-address",
+                               f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()) for i in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err[-3000:]}"
+    two = results()
+    (pos1, pk1, loss1), (pos2, pk2, loss2) = one, two
+    assert loss2 == pytest.approx(loss1, rel=2e-5)
+    assert [s["step"] for s in pos2["steps"]] == [s["step"] for s in pos1["steps"]] == [1, 2]
+    for b1, b2 in zip(pos1["buckets"], pos2["buckets"]):
+        assert (b1["start"], b1["end"], b1["tokens"]) == (b2["start"], b2["end"], b2["tokens"])
+        assert (b1["loss"] is None and b2["loss"] is None) or b2["loss"] == pytest.approx(b1["loss"], rel=2e-5)
+    cells = lambda pk: [(r["step"], r["length"], r["depth"], r["samples"], r["accuracy"]) for r in pk["results"]]  # noqa: E731
+    assert cells(pk2) == cells(pk1) and {r["step"] for r in pk1["results"]} == {1, 2}
+    assert [r["key_token_accuracy"] for r in pk2["results"]] == pytest.approx(
+        [r["key_token_accuracy"] for r in pk1["results"]])
