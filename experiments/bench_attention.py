@@ -6,8 +6,8 @@ and JAX's own Pallas (Triton) attention op.
     python experiments/bench_attention.py --allow-cpu --quick   # tiny smoke run on CPU (interpret mode)
 
 Workload: bf16, B * S = --tokens (default 32K tokens, B >= 1), H = Hkv = --heads (default 16), layout
-[B, S, H, D]; masks: causal, full, and packed (causal with 8 documents of random lengths per row, segment ids: ours
-and XLA only, cuDNN has none). FLOPs: forward 4*B*H*S^2*D (halved when causal or packed: packed rows count one
+[B, S, H, D]; masks: causal, full, and packed (causal with 8 documents of random lengths per row, segment ids: ours,
+XLA, and cuDNN's packed layout). FLOPs: forward 4*B*H*S^2*D (halved when causal or packed: packed rows count one
 causal document, the work of a kernel that skips no cross-document tile); backward 2.5x forward, its time the
 forward+backward time less the forward's. Beside ours, the static estimate (``ulysses_jax/kernels/flash_estimate.py``,
 best / no overlap, an estimate) and, at D=128, FlashAttention-3's published H100 figures at S=16K.
@@ -98,6 +98,10 @@ def attention_fn(impl: str, causal: bool, d: int, cpu: bool, segment_ids=None):
     """(q, k, v) -> out, in [B, S, H, D]."""
     if impl == "ours":
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if impl == "cudnn" and segment_ids is not None:  # packed rows: cuDNN's ragged layout (kernels/cudnn_packed.py)
+        from ulysses_jax.kernels.attention import attention
+
+        return lambda q, k, v: attention(q, k, v, causal=causal, segment_ids=segment_ids, impl="cudnn", platform="gpu")
     if segment_ids is not None and impl != "xla":
         raise ValueError(f"{impl} takes no segment ids")
     if impl == "xla" and segment_ids is not None:
@@ -205,7 +209,8 @@ def packed_segment_ids(b: int, s: int, *, seed: int, docs: int = 8):
 
     rng = np.random.default_rng(seed)
     cuts = np.stack([np.sort(rng.choice(np.arange(1, s), size=docs - 1, replace=False)) for _ in range(b)])
-    return jnp.asarray(np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]), jnp.int32)
+    # documents 1..docs, as the packer numbers them (0 is padding)
+    return jnp.asarray(np.stack([np.searchsorted(c, np.arange(s), side="right") + 1 for c in cuts]), jnp.int32)
 
 
 def estimate(impl: str, d: int, mask: str, direction: str, s: int) -> str:

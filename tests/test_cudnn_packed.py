@@ -138,3 +138,15 @@ def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m):
         assert text.count("sliding_window_length") >= 2
     auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m)
     assert re.findall(r'custom_call_target="([^"]*)"', auto) == re.findall(r'custom_call_target="([^"]*)"', text)
+
+
+def test_auto_says_why_it_does_not_run_cudnn():
+    from ulysses_jax.kernels.attention import auto_reason
+
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="gpu") is None
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=256, platform="gpu") == (
+        "cuDNN needs head_dim a multiple of 8 and at most 128, got 256")
+    assert auto_reason(dtype=jnp.float32, head_dim=128, platform="gpu") == (
+        "cuDNN needs float16 or bfloat16 inputs, got float32")
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="gpu", ring=2).startswith("cuDNN has no ring kernel")
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="cpu") is None

@@ -149,7 +149,7 @@ def test_memory_auto_finds_the_longest_within_both_budgets_and_prunes(monkeypatc
     assert len(flags) == len(memory_choices(cfg, 4)) - 1 and "--remat full --loss-chunk 4096 --mlp-chunk 4096" in flags
     pruned = [a for a in best.alternatives if a["seq_len"] is None]
     assert pruned and all("shorter" in a["note"] for a in pruned)
-    assert compiled.count("full") == 2  # the two remat-full sets: one compile each at the best length so far
+    assert compiled.count("full") == 3  # the three remat-full sets (one --attn-keep): one compile each at the best so far
 
 
 def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
@@ -190,7 +190,7 @@ def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
             assert all(local is None or local % c == 0 for c in chunks), (flags, local)
         else:
             assert tile is None and "attn-chunk" in flags and f"divides each device's {local:,} tokens" in skip
-    assert sum(skip is None for *_, skip in choices) == (4 if tile is None else 6)
+    assert sum(skip is None for *_, skip in choices) == (6 if tile is None else 8)  # 2 of them --attn-keep
 
 
 def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():

@@ -195,12 +195,17 @@ def _explicit_preset(args: list[str]) -> bool:
 
 
 def _impl_note(m, mesh) -> str:
-    from ulysses_jax.kernels.attention import device_platform, resolve_impl
+    from ulysses_jax.kernels.attention import auto_reason, device_platform, resolve_impl
 
     # training rows are packed documents: segment ids are always present
+    platform = device_platform(mesh)
     impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
-                        platform=device_platform(mesh))
-    return impl if impl == m.attention_impl else f"{m.attention_impl} -> {impl}"
+                        platform=platform)
+    if impl == m.attention_impl:
+        return impl
+    why = auto_reason(dtype=m.compute_jnp_dtype, head_dim=m.head_dim, platform=platform,
+                      ring=mesh.shape.get("ring", 1))
+    return f"{m.attention_impl} -> {impl}" + (f" ({why})" if why else "")
 
 
 def _checked(setup, cfg):

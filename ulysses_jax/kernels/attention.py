@@ -75,6 +75,17 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     return impl
 
 
+def auto_reason(*, dtype, head_dim: int, platform: str, ring: int = 1) -> str | None:
+    """Why ``auto`` does not run cuDNN for such calls on ``platform``'s devices, in a phrase (None: it does, or the
+    platform is no GPU, where ``auto`` means ``blockwise``)."""
+    if platform != "gpu":
+        return None
+    if ring > 1:
+        return "cuDNN has no ring kernel: a ring step's partial tile runs our kernel"
+    problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=True, platform=platform)
+    return None if problem is None else problem.replace("cuDNN attention needs", "cuDNN needs")
+
+
 def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str) -> str | None:
     if platform != "gpu":
         return f"cuDNN needs a GPU but the devices' platform is {platform!r}"

@@ -114,37 +114,100 @@ def _answer_for_compile_only_targets(platform: str) -> None:
     cudnn_fa._ulysses_target = True
 
 
+def _ragged(segment_ids, max_segments: int | None) -> tuple[dict, jax.Array]:
+    """cuDNN's keyword arguments for the rows of ``segment_ids`` (None: no mask beyond causal), and whether some row
+    cannot be described by the bound (``M = 1``: a row of more than one document, or one not at its start)."""
+    if segment_ids is None:
+        return {}, jnp.zeros((), bool)
+    m = resolve_max_documents(max_segments, segment_ids.shape[1])
+    if m <= 1:
+        real = segment_ids != 0
+        count = jnp.sum(document_starts(segment_ids), axis=1)
+        seqlen = jnp.sum(real, axis=1, dtype=jnp.int32)
+        return dict(q_seqlen=seqlen, kv_seqlen=seqlen), jnp.any((count > 1) | ((count == 1) & ~real[:, 0]))
+    seqlen, offsets, count = segments_to_ragged(segment_ids, m)
+    return (dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets),
+            jnp.any(count > m))
+
+
+def rows_not_described(segment_ids, max_segments: int | None) -> jax.Array:
+    """Scalar bool: a row the bound on documents cannot describe (``_ragged``)."""
+    return _ragged(segment_ids, max_segments)[1]
+
+
+def _mask_type(cudnn_fa, causal: bool, packed: bool):
+    if packed:
+        return cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
+    return cudnn_fa.MaskType.CAUSAL if causal else cudnn_fa.MaskType.NO_MASK
+
+
 def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, max_segments: int | None = None,
                            window: int | None = None, platform: str = "gpu") -> jax.Array:
     """cuDNN flash attention over packed rows, ``[B, S, H, D]`` layout (GQA: fewer K/V heads). GPU (Hopper+) only.
 
-    ``max_segments`` (M) bounds the documents of a row (None or 0: ``default_max_documents(S)``). ``M = 1``: one document from the row's start, then padding,
-    through cuDNN's padding mask (no packed workspace); ``M > 1``: the packed (ragged) layout, whose workspace grows
-    with M (``packed_workspace_bytes``). Q, K and V are zeroed at padding before the call, so the gradients there
-    are exactly zero: measured on an H100 (cuDNN 9.19, jax 0.11.2, 2026-11-26), cuDNN's packed backward left dK / dV
-    at tokens outside every document wrong with GQA (relative errors 0.4-0.8 against the reference until masked).
-    A row the bound cannot describe (more than M documents; with M = 1, a document not at the row's start) makes
-    the whole output NaN: never a silent wrong mask. The training loop refuses such a batch before the step
-    (``ulysses_jax.data.pipeline.check_documents_per_row``) and stops on a non-finite loss.
+    ``max_segments`` (M) bounds the documents of a row (None or 0: ``default_max_documents(S)``). ``M = 1``: one
+    document from the row's start, then padding, through cuDNN's padding mask (no packed workspace); ``M > 1``: the
+    packed (ragged) layout, whose workspace grows with M (``packed_workspace_bytes``). Q, K and V are zeroed at
+    padding before the call, so the gradients there are exactly zero: measured on an H100 (cuDNN 9.19, jax 0.11.2,
+    2026-11-26), cuDNN's packed backward left dK / dV at tokens outside every document wrong with GQA (relative
+    errors 0.4-0.8 against the reference until masked). A row the bound cannot describe (more than M documents; with
+    M = 1, a document not at the row's start) makes the whole output NaN: never a silent wrong mask. The training
+    loop refuses such a batch before the step (``ulysses_jax.data.pipeline.check_documents_per_row``) and stops on
+    a non-finite loss.
     """
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    max_segments = resolve_max_documents(max_segments, segment_ids.shape[1])
-    real = segment_ids != 0
-    mask = real[:, :, None, None]
+    mask = (segment_ids != 0)[:, :, None, None]
     q, k, v = (jnp.where(mask, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    kind = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
-    if max_segments <= 1:
-        count = jnp.sum(document_starts(segment_ids), axis=1)
-        bad = (count > 1) | ((count == 1) & ~real[:, 0])
-        seqlen = jnp.sum(real, axis=1, dtype=jnp.int32)
-        ragged = dict(q_seqlen=seqlen, kv_seqlen=seqlen)
-    else:
-        seqlen, offsets, count = segments_to_ragged(segment_ids, max_segments)
-        bad = count > max_segments
-        ragged = dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets)
+    ragged, bad = _ragged(segment_ids, max_segments)
     _answer_for_compile_only_targets(platform)
-    out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH",
-                                         sliding_window_length=window, **ragged)
+    out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=_mask_type(cudnn_fa, causal, True),
+                                         qkv_layout="BTNH", sliding_window_length=window, **ragged)
     out = jnp.where(mask, out, jnp.zeros((), out.dtype))
-    return jnp.where(jnp.any(bad), jnp.full((), jnp.nan, out.dtype), out)
+    return jnp.where(bad, jnp.full((), jnp.nan, out.dtype), out)
+
+
+# ------------------------------------------------------------------ forward and backward apart (kept attention)
+# jax's cuDNN attention is one custom_vjp whose residuals (the output and its softmax statistics) cannot be named for
+# a remat policy; ``parallel/kept.py`` runs the two primitives itself, through jax's private module (pinned by the
+# compile-only tests and tests/test_gpu.py), with the arguments jax's public wrapper passes them.
+
+
+def _primitive_args(cudnn_fa, q, k, v, segment_ids, causal: bool, window, max_segments, platform):
+    _answer_for_compile_only_targets(platform)
+    ragged, _ = _ragged(segment_ids, max_segments)
+    empty = jnp.zeros(0, dtype=q.dtype)
+    layout = cudnn_fa._normalize_layout("BTNH")
+    cudnn_fa.check_layout(q, k, v, None, ragged.get("q_seqlen"), ragged.get("kv_seqlen"), ragged.get("q_offsets"),
+                          ragged.get("kv_offsets"), None, None, layout)
+    operands = (q, k, v, empty, ragged.get("q_seqlen", empty), ragged.get("kv_seqlen", empty),
+                ragged.get("q_offsets", empty), ragged.get("kv_offsets", empty), empty, empty)
+    params = dict(seed=42, dropout_rate=0.0, variadic_args=(False, False),
+                  mask_type=_mask_type(cudnn_fa, causal, segment_ids is not None), layout=layout.value,
+                  sliding_window_length=window)
+    packed = cudnn_fa.get_max_seg_per_batch(ragged["q_offsets"]) > 1 if "q_offsets" in ragged else False
+    return operands, params, layout, packed
+
+
+def cudnn_forward(q, k, v, segment_ids, *, causal: bool, scale: float, window=None, max_segments=None,
+                  platform: str = "gpu"):
+    """``(o, softmax statistics)``: cuDNN's training forward alone (the statistics are its log-sum-exp, in the shape
+    cuDNN keeps them: ``[B * M, H, S]`` float32 with packed rows)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    operands, params, layout, packed = _primitive_args(cudnn_fa, q, k, v, segment_ids, causal, window, max_segments,
+                                                       platform)
+    cudnn_fa.check_is_flash_attention(q, k, v, layout.value, cudnn_fa.check_cudnn_version(), False, True, packed)
+    o, stats = cudnn_fa._dot_product_attention_fwd_p_wrapper.bind(*operands, scale=scale, is_training=True, **params)
+    return o, stats
+
+
+def cudnn_backward(q, k, v, segment_ids, o, stats, do, *, causal: bool, scale: float, window=None, max_segments=None,
+                   platform: str = "gpu"):
+    """``(dq, dk, dv)``: cuDNN's backward alone, from the forward's output and statistics (``cudnn_forward``)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
+
+    operands, params, _, _ = _primitive_args(cudnn_fa, q, k, v, segment_ids, causal, window, max_segments, platform)
+    grads = cudnn_fa._dot_product_attention_bwd_p_wrapper.bind(*operands, stats, o, do.astype(o.dtype), scale=scale,
+                                                               **params)
+    return tuple(grads[:3])

@@ -119,6 +119,9 @@ class ModelConfig:
     # (kernels/cudnn_packed.py); 1: one document from the row's start, then padding, at no extra memory; 0: by the
     # sequence length (16 up to 32K tokens, 4 at 128K, 1 from 512K)
     attn_max_documents: int = 0
+    # with remat: keep each layer's attention output and log-sum-exp (on the device; with remat="offload" in pinned
+    # host memory), so the backward runs attention's backward kernel only (parallel/kept.py)
+    attn_keep: bool = False
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
@@ -174,6 +177,13 @@ class ModelConfig:
                              f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
         if not isinstance(self.attn_recompute, bool):
             raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
+        if not isinstance(self.attn_keep, bool):
+            raise ValueError(f"attn_keep ({self.attn_keep!r}) must be True or False")
+        if self.attn_keep and (self.remat == "none" or self.attn_chunk):
+            why = ("has nothing to keep without remat: set remat (--remat) to full or offload" if self.remat == "none"
+                   else "is for the attention sublayer whole; the tiled one (attn_chunk, --attn-chunk) keeps its own "
+                   "output unless attn_recompute: drop one of the two")
+            raise ValueError(f"attn_keep (--attn-keep) {why}")
         m = self.attn_max_documents
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"attn_max_documents ({m!r}) must be a number of documents per row (1: one document "

@@ -70,6 +70,7 @@ from ulysses_jax.model.layers import (
     use,
 )
 from ulysses_jax.model.tiled_attention import tiled_attention
+from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
 from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain, fsdp_axes, gather_param
 from ulysses_jax.parallel.ulysses import ring_token_order, ulysses_attention
@@ -115,7 +116,7 @@ class Attention(nnx.Module):
         o_BSNH = ulysses_attention(
             q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
             impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
-            scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents,
+            scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
         )
         out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
@@ -273,12 +274,17 @@ class Block(nnx.Module):
 # Remat policies
 
 
-def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL):
-    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs)."""
+def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL, keep_attention: bool = False):
+    """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs).
+    ``keep_attention`` (``ModelConfig.attn_keep``): attention's output and log-sum-exp (``parallel/kept.py``'s names)
+    are saved too: on the device, or offloaded to pinned host memory with ``offload``."""
+    kept = [ATTN_OUT, ATTN_LSE] if keep_attention else []
     if name == "full":
-        return None
+        return jax.checkpoint_policies.save_only_these_names(*kept) if kept else None
     if name == "save_matmuls":  # keep projection / MLP matmul outputs, recompute attention and elementwise
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return jax.checkpoint_policies.save_from_both_policies(
+            dots, jax.checkpoint_policies.save_only_these_names(*kept)) if kept else dots
     if name == "offload":
         # GPUs have pinned host memory; compile-only GPU devices (``ulysses_jax.plan.targets``) list no memories at
         # all, yet XLA compiles the offload for them, so the check asks the target's platform first.
@@ -289,7 +295,7 @@ def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL):
                 f"devices of this mesh offer only {sorted(kinds)}; use remat='full' on this backend"
             )
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded],
+            names_which_can_be_saved=[], names_which_can_be_offloaded=[offloaded, *kept],
             offload_src="device", offload_dst="pinned_host",
         )
     raise ValueError(f"no checkpoint policy for remat={name!r}")
@@ -386,8 +392,9 @@ class Transformer(nnx.Module):
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat, mesh) if every == 1 else None,
-                                   prevent_cse=False)
+            inner = remat_policy(cfg.remat, mesh, keep_attention=cfg.attn_keep) if every == 1 else (
+                remat_policy("full", mesh, keep_attention=True) if cfg.attn_keep else None)
+            layer = jax.checkpoint(layer, policy=inner, prevent_cse=False)
 
         def layers(x_BSD, st):  # the layers of ``st``, stacked on its leading axis, one after the other
             return jax.lax.scan(lambda x, s: (layer(x, s, positions_BS, segment_ids_BS), None), x_BSD, st)[0]
@@ -396,7 +403,7 @@ class Transformer(nnx.Module):
             # groups of ``every`` layers: the policy keeps (or offloads) each group's input only; a group's
             # backward re-runs its layers' forward, holding their inputs on the device for that group alone
             group = jax.checkpoint(lambda x, st: layers(checkpoint_name(x, GROUP_INPUT), st),
-                                   policy=remat_policy(cfg.remat, mesh, GROUP_INPUT), prevent_cse=False)
+                                   policy=remat_policy(cfg.remat, mesh, GROUP_INPUT, cfg.attn_keep), prevent_cse=False)
             grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // every, every, *a.shape[1:]), stacked)
             x_BSD = jax.lax.scan(lambda x, st: (group(x, st), None), x_BSD, grouped)[0]
         else:

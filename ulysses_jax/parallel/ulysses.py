@@ -43,6 +43,7 @@ from ulysses_jax.kernels.attention import attention, check_qkv, device_platform,
 from ulysses_jax.kernels.window import check_window
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.head_layout import plan_heads
+from ulysses_jax.parallel.kept import kept_attention
 from ulysses_jax.parallel.ring import (
     PALLAS_INTERPRET_KERNEL,
     PALLAS_KERNEL,
@@ -115,11 +116,14 @@ def ulysses_attention(
     permuted: bool = False,
     window: int | None = None,
     max_documents: int | None = None,
+    keep: bool = False,
 ) -> jax.Array:
     """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``
     (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
 
-    Same contract as ``ulysses_jax.kernels.attention`` (``max_documents``: cuDNN's bound on documents per row; ``window``: a causal sliding window; each device holds the
+    Same contract as ``ulysses_jax.kernels.attention`` (``max_documents``: cuDNN's bound on documents per row;
+    ``keep``: the local attention is ``parallel/kept.py``'s, its output and log-sum-exp kept for the backward under a
+    remat policy that saves them; not with a ring; ``window``: a causal sliding window; each device holds the
     whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch
     is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
     as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
@@ -134,6 +138,9 @@ def ulysses_attention(
     b, s, h, d = q.shape
     ring = ring_size(mesh, ring_axis)
     if ring > 1:
+        if keep:
+            raise ValueError("keep=True (attn_keep) is for Ulysses alone: with a ring, each ring step's partial "
+                             "attention has its own backward; use a mesh with ring 1")
         return _ulysses_ring(q, k, v, segment_ids, mesh=mesh, axes=axes, sp_axis=axis_name, ring_axis=ring_axis,
                              causal=causal, scale=scale, impl=impl, permuted=permuted, window=window)
     platform = device_platform(mesh)  # what the program is built for, not the machine it is traced on
@@ -162,8 +169,12 @@ def ulysses_attention(
         ql, kl_, vl = jnp.split(qkv, [hq, hq + kl], axis=2)
         if seg is not None:
             seg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)  # [b, S]
-        o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform,
-                      window=window, max_documents=max_documents)
+        if keep:  # output and log-sum-exp named for the remat policy: the backward runs the kernel's backward only
+            o = kept_attention(ql, kl_, vl, seg, causal=causal, scale=scale, impl=impl, platform=platform,
+                               window=window, max_documents=max_documents)
+        else:
+            o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform,
+                          window=window, max_documents=max_documents)
         o = heads_to_seq(o, axis_name)  # [b, S/P, P*hq, D]
         return layout.ungather_out(o)
 

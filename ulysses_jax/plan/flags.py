@@ -15,7 +15,8 @@ from ulysses_jax.train.devices import MeshConfig
 # do not change the program.
 PROGRAM_FIELDS = ("init_from_hf", "preset", "tokenizer", "steps", "seq_len", "batch_size", "grad_accum", "mesh",
                   "attention", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
-                  "attn_recompute", "attn_max_documents", "param_dtype", "offload_params", "optim", "memory_fraction")
+                  "attn_recompute", "attn_keep", "attn_max_documents", "param_dtype", "offload_params", "optim",
+                  "memory_fraction")
 ALWAYS = ("preset", "seq_len", "batch_size", "mesh", "memory_fraction")  # written even when they are the defaults
 
 

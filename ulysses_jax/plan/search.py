@@ -133,7 +133,7 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
 def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False
                    ) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
-    tries. ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
+    tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory). ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
     (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
     ``attn_recompute``, which such a model refuses."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
@@ -149,11 +149,18 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
     host = dict(param_dtype="bfloat16", optim=dataclasses.replace(cfg.optim, master_weights=True, offload=True))
     host_flags = "--param-dtype bfloat16 --optim.master-weights --optim.offload"
     choices = [(f"--remat full{tile_flags}", dict(remat="full", remat_every=None, **tiles), None)]
+    keep = cfg.mesh.ring <= 1 and not cfg.attn_chunk  # attention's output kept: its forward runs once (kept.py)
+    if keep:
+        choices.append((f"--remat full --attn-keep{tile_flags}", dict(remat="full", remat_every=None, attn_keep=True,
+                                                                      **tiles), None))
     if k > 1:
         choices.append((f"--remat full --remat-every {k}{tile_flags}", dict(remat="full", remat_every=k, **tiles),
                         None))
     choices.append((f"--remat offload {host_flags}{tile_flags}", dict(remat="offload", remat_every=None, **host,
                                                                       **tiles), None))
+    if keep:  # the kept output beside each layer's input in pinned host memory
+        choices.append((f"--remat offload --attn-keep {host_flags}{tile_flags}",
+                        dict(remat="offload", remat_every=None, attn_keep=True, **host, **tiles), None))
     if num_layers % 2 == 0:
         choices.append((f"--remat offload --remat-every 2 {host_flags}{tile_flags}",
                         dict(remat="offload", remat_every=2, **host, **tiles), None))

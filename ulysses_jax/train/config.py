@@ -55,6 +55,10 @@ class TrainConfig:
     attn_recompute: bool = False
     """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
     again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""
+    attn_keep: bool = False
+    """with --remat: keep each layer's attention output and log-sum-exp (on the device; with --remat offload in pinned
+    host memory) so the backward runs attention's backward kernel only, not its forward again; not with
+    --attn-chunk or a ring"""
     attn_max_documents: int | None = None
     """cuDNN's packed attention (GPU): most documents a row may hold (a batch with more is refused before its step);
     its workspace grows with it (~8 B x M x seq x heads/device x head_dim); 1: one document from the row's start, then
@@ -129,7 +133,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
     value; a switch (``--attn-recompute``, ``--offload-params``) is always on or off, whatever the model says."""
     return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk,
                 mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
-                attn_recompute=cfg.attn_recompute, attn_max_documents=cfg.attn_max_documents,
+                attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params)
 
 

@@ -1,0 +1,67 @@
+"""Attention's forward run once under remat (``ModelConfig.attn_keep``, ``parallel/kept.py``): the same loss and
+gradients as without it, on CPU with every kernel that has a CPU path; and in the program compiled for H100s, one
+attention forward per layer where plain remat runs two (three with --remat-every 2)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from np_reference import rel_err
+
+from ulysses_jax import ModelConfig, Transformer, make_mesh, next_token_loss, shift_labels
+from ulysses_jax.train.devices import MeshConfig
+
+
+def _loss_and_grads(cfg, mesh, batch, seed):
+    graphdef, state = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(seed)))
+    f = jax.jit(jax.value_and_grad(lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss))
+    return f(state)
+
+
+@pytest.mark.parametrize("impl,remat,every", [("blockwise", "full", 1), ("xla", "offload", 1),
+                                              ("pallas", "full", 2), ("blockwise", "offload", 2)])
+def test_kept_attention_gives_the_same_loss_and_gradients(impl, remat, every, seed):
+    mesh = make_mesh(fsdp=2, sp=4)
+    base = ModelConfig.from_preset("tiny", num_layers=2, hidden=64, num_heads=8, num_kv_heads=4, head_dim=16,
+                                   mlp_dim=128, vocab_size=97, attention_impl=impl, compute_dtype="float32",
+                                   remat=remat, remat_every=every)
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 128), dtype=np.int32))
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, (2, 128)), axis=1), jnp.int32)  # packed rows: 1-3 documents
+    batch = dict(tokens=tokens, labels=shift_labels(tokens, seg), segment_ids=seg)
+    plain_loss, plain = _loss_and_grads(base, mesh, batch, seed)
+    kept_loss, kept = _loss_and_grads(dataclasses.replace(base, attn_keep=True), mesh, batch, seed)
+    assert abs(float(kept_loss) - float(plain_loss)) <= 1e-5 * abs(float(plain_loss))
+    for g, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
+        assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
+
+
+def test_attn_keep_needs_remat_and_the_whole_sublayer():
+    with pytest.raises(ValueError, match=r"attn_keep \(--attn-keep\) has nothing to keep without remat"):
+        ModelConfig(attn_keep=True)
+    with pytest.raises(ValueError, match=r"attn_keep \(--attn-keep\) is for the attention sublayer whole"):
+        ModelConfig(attn_keep=True, remat="full", attn_chunk=64)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_compiled_step_runs_attention_forward_once_per_layer(every):
+    """llama3.2-1b at 16K on 8 compile-only H100s, cuDNN packed: plain --remat full runs each layer's attention
+    forward 2 times (3 with --remat-every 2); with --attn-keep once, its backward once per layer."""
+    from ulysses_jax.plan import reruns
+    from ulysses_jax.plan.planner import PlanConfig, plan
+
+    calls = {}
+    for keep in (False, True):
+        cfg = PlanConfig(preset="llama3.2-1b", seq_len=16384, batch_size=1, mesh=MeshConfig(fsdp=1, sp=8),
+                         remat="full", remat_every=every, attn_keep=keep, kernels=False)
+        p = plan(cfg, detail=False)
+        work = reruns.program_work(p.hlo_text)
+        backward = p.hlo_text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"')
+        calls[keep] = (work.attention_forward_calls, work.attention_kernel, backward)
+    layers = 16
+    assert calls[False][:2] == ((2 if every == 1 else 3) * layers, "cudnn")
+    assert calls[True][:2] == (layers, "cudnn") and calls[True][2] >= 1
