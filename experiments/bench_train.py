@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--fsdp", type=int, default=-1)
     p.add_argument("--attention", default="auto")
     p.add_argument("--remat", default="full")
+    p.add_argument("--attn-keep", action="store_true", help="keep attention's output: its forward runs once")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -82,7 +83,7 @@ def bench_one(args, seq_len: int) -> dict:
     sp = args.sp or n
     mesh = make_mesh(fsdp=args.fsdp, sp=sp)
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
-    cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
+    cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat, attn_keep=args.attn_keep,
                                   loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
     check_parallel(cfg, mesh, seq_len=seq_len, batch_size=rows)
     tx = make_optimizer(OptimConfig(), 1000)
@@ -110,7 +111,8 @@ def bench_one(args, seq_len: int) -> dict:
 
 
 def header(args) -> dict:
-    return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}, "
+    return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}"
+                            f"{' + attn-keep' if args.attn_keep else ''}, "
                             f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}")
 
 

@@ -213,3 +213,41 @@ def test_tiled_attention_in_head_groups_matches_the_plain_sublayer(seed):
     # with the blockwise kernel gives 1.3e-2 at most
     for g, want in zip(jax.tree.leaves(tiled_grads), jax.tree.leaves(plain_grads)):
         assert rel_err(np.asarray(g, np.float32), np.asarray(want, np.float32)) < 5e-2
+
+
+@pytest.mark.parametrize("packed,window,m", [(True, None, None), (True, 512, 8), (False, None, None), (True, None, 1)],
+                         ids=["packed", "packed-window", "unpacked", "one-document"])
+def test_kept_cudnn_matches_the_float32_reference(packed, window, m, seed):
+    """--attn-keep on cuDNN (parallel/kept.py): its forward and backward primitives called apart, from the kept output
+    and statistics; outputs and gradients against the float32 reference (GQA 8/2, two rows, padding)."""
+    from ulysses_jax.parallel.kept import kept_attention
+
+    rng = np.random.default_rng(seed)
+    s, rows = 4096, 2
+    q, k, v, do = inputs(seed, s, h=8, hkv=2, d=128, b=rows)
+    if not packed:
+        seg_np = np.ones((rows, s), np.int32)
+    elif m == 1:
+        seg_np = np.zeros((rows, s), np.int32)
+        seg_np[0, :3000], seg_np[1, :] = 1, 1  # one document from the row's start, then padding
+    else:
+        seg_np = packed_segments(rng, rows, s, 6, 200)
+    seg = jnp.asarray(seg_np) if packed else None
+    real = (seg_np != 0)[..., None, None]
+    do = jnp.where(real, do, 0)
+
+    def run(f, *xs):
+        out, vjp = jax.vjp(f, *xs)
+        return [out, *vjp(do.astype(out.dtype))]
+
+    got = jax.jit(lambda *x: run(lambda q, k, v: kept_attention(
+        q, k, v, seg, causal=True, scale=128 ** -0.5, impl="cudnn", platform="gpu", window=window, max_documents=m),
+        *x))(q, k, v)
+    want = jax.jit(lambda *x: run(lambda q, k, v: attention(q, k, v, causal=True, segment_ids=seg, impl="xla",
+                                                              window=window), *x))(*(x.astype(jnp.float32)
+                                                                                     for x in (q, k, v)))
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if name in ("out", "dq"):
+            g, w = g * real, w * real
+        assert rel_err(g, w) < TOL_BF16, (name, rel_err(g, w))

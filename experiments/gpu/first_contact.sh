@@ -2,13 +2,13 @@
 # The one command for a lent GPU (one H100 or H200; its image: Python 3.12, jax 0.11.x with the CUDA 13 plugin,
 # flax, optax, orbax, chex; no registry). Runs against this checkout on PYTHONPATH, no venv built there:
 #   1. versions, the project's requirement ranges against what is installed, nvidia-smi
-#   2. experiments/probe_cudnn_packed.py: packed rows on cuDNN against the float32 reference, and timed
-#   3. the GPU tests (pytest -m gpu)
-#   4. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128)
-#   5. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens)
-# STEPS (default "env probe tests attention train") picks steps; PYTEST_K narrows the GPU tests (pytest -k);
+#   2. the GPU tests (pytest -m gpu: tests/test_gpu.py and the long-sequence ones of tests/test_flash_attention.py)
+#   3. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128, packed and not)
+#   4. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens), then again with --attn-keep
+#   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed; in STEPS by name only)
+# STEPS (default "env tests attention train") picks steps; PYTEST_K narrows the GPU tests (pytest -k);
 # TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
-# Each step has its own time limit (8 minutes at most in all) and its log; a failing step does not stop the others.
+# Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
 #
 # Before the call, here: `make gpu-wheels` (the project's dependencies the image lacks, into .whl/), then carry .whl.
@@ -44,7 +44,7 @@ else
 fi
 
 SUMMARY=$RES/summary.txt
-STEPS=${STEPS:-env probe tests attention train}
+STEPS=${STEPS:-env tests attention train}
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to NAME.log, one summary line
   local name=$1 limit=$2
   shift 2
@@ -81,13 +81,14 @@ except Exception as e:
 EOF
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
 step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
-step tests_gpu 160 "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
+step tests_gpu 240 "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
   tests/test_flash_attention.py
 step attention_bench 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
 for attn in ${TRAIN_ATTENTION:-auto}; do
-  step train_bench_$attn 80 "$PY" experiments/bench_train.py --attention "$attn" --out-dir "$RES" "${CPU_FLAG[@]}" \
+  step train_bench_$attn 60 "$PY" experiments/bench_train.py --attention "$attn" --out-dir "$RES" "${CPU_FLAG[@]}" \
     "${QUICK[@]}"
 done
+step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
 
 tar czf "$BASE/results.tgz" -C "$RES" .
 echo "== last lines of each log =="
