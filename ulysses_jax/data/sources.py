@@ -174,8 +174,7 @@ def _read_text_file(path: str) -> str:
 
 
 def not_utf8(raw: bytes) -> int:
-    """How many U+FFFD characters decoding ``raw`` as UTF-8 brings in (invalid byte sequences; a U+FFFD written in
-    the file itself is not counted)."""
+    """U+FFFD characters that decoding ``raw`` as UTF-8 brings in (a U+FFFD written in the file is not counted)."""
     try:
         raw.decode("utf-8")
         return 0

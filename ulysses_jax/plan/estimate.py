@@ -3,7 +3,8 @@
 Per step and per device, from the compiled plan:
 
 * attention kernels: their FLOPs (forward, the backward's 2.5x in FlashAttention's count, and the forwards run again
-  by rematerialisation or ``--attn-recompute``, counted in the compiled program: ``reruns.py``) at a rate per kernel and head_dim from ``ATTENTION_RATES``, the one
+  by rematerialisation or ``--attn-recompute``, counted in the compiled program: ``reruns.py``) at a rate per kernel
+  and head_dim from ``ATTENTION_RATES``, the one
   table of kernel rates (each row names its source); our Pallas kernel's rate is its static estimate
   (``kernels/flash_estimate.py``) calibrated on the measured Triton tutorial kernel;
 * the other matmuls (projections, MLP, unembedding; every dot of the compiled program, re-runs included) at

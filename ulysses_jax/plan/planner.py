@@ -47,10 +47,15 @@ from ulysses_jax.plan.kernel_report import KernelInfo, dump_options, kernels
 from ulysses_jax.plan.report import GiB
 from ulysses_jax.plan.targets import HOST_SHARE, GpuTarget, get_target, target_devices
 from ulysses_jax.train.config import TrainConfig, model_config
-from ulysses_jax.train.devices import build_mesh, check_memory_fraction, check_parallel, resolve_batch
+from ulysses_jax.train.devices import (
+    build_mesh,
+    check_memory_fraction,
+    check_parallel,
+    device_total_bytes,
+    resolve_batch,
+)
 from ulysses_jax.train.program import optimizer_of, step_program
 from ulysses_jax.train.step import abstract_state, check_offload_params
-from ulysses_jax.train.trainer import device_total_bytes
 
 MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M tokens)
 
@@ -208,8 +213,8 @@ def budgets(cfg: PlanConfig, target: GpuTarget) -> tuple[float, int, int, str]:
                 f"{target.gpus_per_host} GPUs (--host-memory-gib to change)")
         if cfg.devices < target.gpus_per_host:
             note = (f"ASSUMED: each of these {cfg.devices} GPU(s) gets one GPU's share of a full node, {target.node} "
-                    f"({HOST_SHARE:.0%} of its host memory over {target.gpus_per_host} GPUs); a machine with fewer GPUs "
-                    f"or less host memory: give its pinned memory per GPU with --host-memory-gib")
+                    f"({HOST_SHARE:.0%} of its host memory over {target.gpus_per_host} GPUs); a machine with fewer "
+                    f"GPUs or less host memory: give its pinned memory per GPU with --host-memory-gib")
     elif cfg.host_memory_gib < 0:
         raise ValueError(f"--host-memory-gib ({cfg.host_memory_gib}) must be >= 0")
     else:
@@ -318,7 +323,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
         compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
-        host_budget_note=host_note, host_budget_assumed=cfg.host_memory_gib is None, hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
+        host_budget_note=host_note, host_budget_assumed=cfg.host_memory_gib is None,
+        hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
         notes=compile_only_notes(cfg, model, workspace, seq_len),
@@ -347,8 +353,9 @@ def compile_only_notes(cfg: PlanConfig, model, workspace: int = 0, seq_len: int 
     """Where the program compiled here differs from the one a GPU runs (the compile-only target lacks it)."""
     notes = []
     if workspace:
+        m = resolve_max_documents(model.attn_max_documents, seq_len or cfg.seq_len)
         notes.append(f"cuDNN's packed attention: its workspace ({workspace / GiB:.2f} GiB per device at "
-                     f"--attn-max-documents {resolve_max_documents(model.attn_max_documents, seq_len or cfg.seq_len)}) reads 0 "
+                     f"--attn-max-documents {m}) reads 0 "
                      f"in a compile-only buffer assignment; added to the total from the rule fitted on an H100 "
                      f"(ulysses_jax/kernels/cudnn_packed.py); --attn-max-documents 1 needs none")
     if cfg.optim.offload:

@@ -133,7 +133,8 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
 def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False
                    ) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
-    tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory). ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
+    tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory).
+    ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
     (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
     ``attn_recompute``, which such a model refuses."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),

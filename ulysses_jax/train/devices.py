@@ -13,6 +13,7 @@ import re
 import jax
 
 from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
 from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.parallel.head_layout import head_groups, plan_heads
 from ulysses_jax.parallel.mesh import make_mesh
@@ -177,3 +178,18 @@ def apply_memory_pool(fraction: float | None, environ: dict) -> tuple[float, str
         environ[MEMORY_FRACTION_ENV] = str(value)
         _set_by_us.append(str(value))
     return value, source
+
+
+def device_total_bytes(mem) -> int | None:
+    """XLA's per-device memory of a compiled program: argument + output + temp - alias (``memory_analysis()``)."""
+    if mem is None:
+        return None
+    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+
+
+def documents_limit(model: ModelConfig, mesh, seq_len: int) -> int | None:
+    """The bound on documents per row the step was compiled for when attention runs on cuDNN's packed layout (its
+    ``attn_max_documents``, or the default for ``seq_len``), else None (every other kernel takes any segment ids)."""
+    impl = resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
+                        has_segment_ids=True, platform=device_platform(mesh))
+    return resolve_max_documents(model.attn_max_documents, seq_len) if impl == "cudnn" else None

@@ -37,8 +37,7 @@ from ulysses_jax.data.pipeline import (
 )
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.interop.hf import from_hf
-from ulysses_jax.kernels.attention import device_platform, resolve_impl
-from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
+from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
@@ -51,10 +50,12 @@ from ulysses_jax.train.config import (
     default_run_dir,
     model_config,
 )
-from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig re-exported)
+from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_total_bytes re-exported)
     MeshConfig,
     build_mesh,
     check_parallel,
+    device_total_bytes,
+    documents_limit,
     memory_pool,
     resolve_batch,
 )
@@ -116,7 +117,7 @@ class Run:
     notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
     eval_step: object = None
     data_config: DataConfig | None = None
-    loop_eval: object = None  # --eval-by-position / --eval-passkey: an object with .metrics(params) (evaluation/loop.py)
+    loop_eval: object = None  # --eval-by-position / --eval-passkey: .metrics(params) (evaluation/loop.py)
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -212,14 +213,15 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     model = model_config(cfg, summary.vocab_size, record=recorded if resuming else None)
     early_notes = []
     if summary.replaced:
-        early_notes.append(f"data: {summary.replaced} byte sequence(s) in {summary.replaced_files} file(s) are not UTF-8 and "
-                     f"are read as U+FFFD (the replacement character); re-encode those files as UTF-8 to keep their "
-                     f"characters")
+        early_notes.append(
+            f"data: {summary.replaced} byte sequence(s) in {summary.replaced_files} file(s) are not UTF-8 and are read "
+            f"as U+FFFD (the replacement character); re-encode those files as UTF-8 to keep their characters")
     if cfg.seq_len > model.max_seq_len:
         origin = "the folder's config.json" if cfg.init_from_hf else f"the {model.name} preset"
-        early_notes.append(f"--seq-len {cfg.seq_len} is past max_position_embeddings {model.max_seq_len} of {origin}: the "
-                     f"model meets positions it was never trained on (RoPE as configured, no scaling added); export "
-                     f"writes max_position_embeddings {cfg.seq_len}, the length this run trains at")
+        early_notes.append(
+            f"--seq-len {cfg.seq_len} is past max_position_embeddings {model.max_seq_len} of {origin}: the model meets "
+            f"positions it was never trained on (RoPE as configured, no scaling added); export writes "
+            f"max_position_embeddings {cfg.seq_len}, the length this run trains at")
     if resuming and (recorded or {}).get("init_from_hf"):  # a changed folder is refused below
         hf_folder = hf_folder or recorded["init_from_hf"]  # the folder is gone: the checkpoint has the weights
     mesh = build_mesh(cfg.mesh, model, cfg.seq_len)
@@ -302,13 +304,6 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
 # ------------------------------------------------------------------------------------ the loop
 
 
-def device_total_bytes(mem) -> int | None:
-    """XLA's per-device memory of a compiled program: argument + output + temp - alias (``memory_analysis()``)."""
-    if mem is None:
-        return None
-    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-
-
 class TrainingDiverged(RuntimeError):
     pass
 
@@ -363,14 +358,6 @@ def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int
         raise ValueError("no eval tokens: the eval split is empty; raise --eval-fraction or give --eval-data")
     loss = total / count
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0))), "tokens": count, "batches": batches}
-
-
-def documents_limit(model: ModelConfig, mesh, seq_len: int) -> int | None:
-    """The bound on documents per row the step was compiled for when attention runs on cuDNN's packed layout (its
-    ``attn_max_documents``, or the default for ``seq_len``), else None (every other kernel takes any segment ids)."""
-    impl = resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
-                        has_segment_ids=True, platform=device_platform(mesh))
-    return resolve_max_documents(model.attn_max_documents, seq_len) if impl == "cudnn" else None
 
 
 def _save(run: Run, step: int, state: dict) -> None:
