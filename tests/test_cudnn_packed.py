@@ -2,6 +2,7 @@
 stands for, the host-side refusal of rows the bound cannot describe, and the compiled program for a compile-only
 H100 (cuDNN's fused attention forward and backward, no Triton kernel). The numerics on a GPU: tests/test_gpu.py."""
 
+import dataclasses
 import re
 
 import jax
@@ -150,3 +151,36 @@ def test_auto_says_why_it_does_not_run_cudnn():
         "cuDNN needs float16 or bfloat16 inputs, got float32")
     assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="gpu", ring=2).startswith("cuDNN has no ring kernel")
     assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="cpu") is None
+
+
+def _short_documents(path, n=200):
+    import json as _json
+
+    path.write_text("".join(_json.dumps({"text": f"doc {i} is short"}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.aot
+def test_eval_raises_the_bound_to_what_its_rows_hold_and_training_refuses_up_front(tmp_path):
+    """On GPUs (compile-only H100s here) with cuDNN's packed attention: the eval job counts the documents of its own
+    rows before compiling and raises the model's bound to fit them; the evaluation during training (whose step is
+    the training step's) refuses such rows before the run starts, naming the flag."""
+    from ulysses_jax.data.documents import DataConfig
+    from ulysses_jax.data.pipeline import check_eval_documents
+    from ulysses_jax.evaluation.evaluate import _documents_bound
+    from ulysses_jax.parallel.mesh import make_mesh
+    from ulysses_jax.plan.targets import target_devices
+    from ulysses_jax.train.devices import documents_limit
+
+    mesh = make_mesh(sp=8, devices=target_devices("h100", devices=8))
+    model = ModelConfig.from_preset("tiny", attention_impl="auto", compute_dtype="bfloat16")
+    corpus = _short_documents(tmp_path / "short.jsonl")
+    data = DataConfig(paths=(str(corpus),), eval_paths=(str(corpus),), eval_fraction=0.0)
+    assert documents_limit(model, mesh, 512) == 16  # cuDNN, the default bound at 512 tokens
+    bounded, limit = _documents_bound(model, mesh, data, 512, 1, 2, None)
+    assert limit > 16 and bounded.attn_max_documents == limit  # rows of ~5-token documents hold dozens
+    with pytest.raises(ValueError, match=r"^evaluation during training: a row holds \d+ documents, more than "
+                                         r"--attn-max-documents 16"):
+        check_eval_documents(data, 512, 1, 2, 16, "evaluation during training")
+    cpu_model = dataclasses.replace(model, attention_impl="blockwise")
+    assert _documents_bound(cpu_model, mesh, data, 512, 1, 2, None) == (cpu_model, None)

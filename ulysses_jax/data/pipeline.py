@@ -348,6 +348,15 @@ def check_documents_per_row(batch: dict[str, np.ndarray], limit: int) -> None:
                          f"raise --attn-max-documents (its workspace grows with it) or use --attention pallas")
 
 
+def check_eval_documents(cfg, seq_len: int, global_batch: int, max_batches: int | None, limit: int, what: str) -> None:
+    """``check_documents_per_row`` over the eval batches ``what`` reads, before it runs (its message names it)."""
+    for local in eval_batches(cfg, seq_len=seq_len, global_batch=global_batch, max_batches=max_batches):
+        try:
+            check_documents_per_row(local, limit)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+
+
 def process_rows(mesh: jax.sharding.Mesh, global_batch: int, seq_len: int) -> tuple[int, ...]:
     """The rows of the global ``[global_batch, seq_len]`` batch that this process's devices hold (whole rows, or parts
     of their sequence when a ring or sp group spans hosts): the rows it must read."""

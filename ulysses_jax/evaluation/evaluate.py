@@ -23,15 +23,23 @@ import jax
 import numpy as np
 
 from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
+from ulysses_jax.data.pipeline import documents_per_row, eval_batches
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.evaluation import passkey_eval, plots, position
+from ulysses_jax.evaluation.token_scores import make_token_step
 from ulysses_jax.train import resume, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.config import Impl, Paths, Remat, model_config_from_run
-from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, memory_pool, resolve_batch
+from ulysses_jax.train.devices import (
+    MeshConfig,
+    build_mesh,
+    check_parallel,
+    documents_limit,
+    memory_pool,
+    resolve_batch,
+)
 from ulysses_jax.train.metrics import log_eval
 from ulysses_jax.train.step import abstract_state, make_eval_step, state_shardings
-from ulysses_jax.evaluation.token_scores import make_token_step
 from ulysses_jax.train.trainer import evaluate_loss
 
 
@@ -123,6 +131,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     pool, _ = memory_pool(run_memory_fraction(cfg, record), os.environ)
     meta = {"seq_len": seq_len, "batch_size": batch_size, "data": what, "mesh": dict(mesh.shape),
             "run_mesh": record.get("mesh"), "memory_fraction": pool}
+    model, doc_limit = _documents_bound(model, mesh, data_cfg, seq_len, batch_size, cfg.max_batches or None, task)
     graphdef, target = abstract_state(model, mesh)  # parameters only: the optimizer state is not read
     eval_step = make_eval_step(graphdef, mesh, state_shardings(target["params"]))
     token_step = make_token_step(graphdef, mesh, state_shardings(target["params"])) if cfg.by_position or task \
@@ -135,16 +144,18 @@ def evaluate(cfg: EvalConfig) -> dict:
         finally:
             checkpointer.close()
         result = evaluate_loss(eval_step, state["params"], data_cfg, mesh, seq_len=seq_len, batch_size=batch_size,
-                               max_batches=cfg.max_batches or None)
+                               max_batches=cfg.max_batches or None, doc_limit=doc_limit)
         result = {"step": step, **result, **meta, "time": runconfig.now()}
         result["written_to"] = str(log_eval(run_dir, result))
         if cfg.by_position:
             pos = position.loss_by_position(token_step, state["params"], data_cfg, mesh, seq_len=seq_len,
-                                                 batch_size=batch_size, max_batches=cfg.max_batches or None)
+                                            batch_size=batch_size, max_batches=cfg.max_batches or None,
+                                            doc_limit=doc_limit)
             by_step.append({"step": step, **pos})
         if task is not None:
             passkeys.append({"step": step, **passkey_eval.run_passkey(token_step, state["params"], mesh, **task,
-                                                                       seq_len=seq_len, batch_size=batch_size)})
+                                                                       seq_len=seq_len, batch_size=batch_size,
+                                                                       doc_limit=doc_limit)})
             result["passkey"] = passkeys[-1]
     if jax.process_index() == 0:
         _write_extras(cfg, run_dir, result, by_step, passkeys, meta)
@@ -192,6 +203,23 @@ def _passkey_setup(cfg: EvalConfig, record: dict, tokenizer_path, data_cfg, seq_
     filler = passkey_eval.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths))
     return dict(fmt=fmt, filler=filler, lengths=lengths, depths=depths, samples=cfg.samples, seed=cfg.seed,
                 digits=cfg.passkey_digits)
+
+
+def _documents_bound(model, mesh, data_cfg, seq_len: int, batch_size: int, max_batches, task):
+    """``(model, bound)``: with cuDNN's packed attention, the bound on documents per row raised to what this eval's
+    rows hold (its eval batches and passkey rows, counted before anything compiles), so eval never meets a row it
+    cannot describe; ``(model, None)`` for every other kernel."""
+    limit = documents_limit(model, mesh, seq_len)
+    if not limit:
+        return model, None
+    need = max((int(documents_per_row(b["segment_ids"]).max(initial=0)) for b in
+                eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches)), default=0)
+    if task is not None:
+        rows = passkey_eval.passkey_rows(**task, seq_len=seq_len)[2]
+        need = max(need, int(documents_per_row(rows["segment_ids"]).max(initial=0)))
+    if need <= limit:
+        return model, limit
+    return dataclasses.replace(model, attn_max_documents=need), need
 
 
 def eval_mesh(given: MeshConfig, record: dict) -> MeshConfig:

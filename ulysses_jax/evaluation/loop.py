@@ -28,9 +28,11 @@ class LoopEval:
     max_batches: int
     by_position: bool
     passkey: dict | None  # run_passkey's keyword arguments, or None
+    doc_limit: int | None = None  # documents a row may hold for the step's cuDNN attention (None: any)
 
     @classmethod
-    def setup(cfg, train_cfg, *, graphdef, mesh, param_shardings, data_cfg, batch_size: int) -> LoopEval | None:
+    def setup(cfg, train_cfg, *, graphdef, mesh, param_shardings, data_cfg, batch_size: int,
+              doc_limit: int | None = None) -> LoopEval | None:
         """None unless ``--eval-every`` and ``--eval-by-position`` or ``--eval-passkey`` are given."""
         if not train_cfg.eval_every or not (train_cfg.eval_by_position or train_cfg.eval_passkey):
             return None
@@ -48,18 +50,18 @@ class LoopEval:
                         seed=train_cfg.seed, digits=5)
         step = make_token_step(graphdef, mesh, param_shardings)
         return cfg(step, data_cfg, mesh, train_cfg.seq_len, batch_size, train_cfg.eval_batches,
-                   train_cfg.eval_by_position, task)
+                   train_cfg.eval_by_position, task, doc_limit)
 
     def metrics(self, params) -> dict:
         out = {}
         if self.by_position:
             res = position.loss_by_position(self.token_step, params, self.data_cfg, self.mesh,
                                                  seq_len=self.seq_len, batch_size=self.batch_size,
-                                                 max_batches=self.max_batches)
+                                                 max_batches=self.max_batches, doc_limit=self.doc_limit)
             out.update(position.loop_metrics(res))
         if self.passkey is not None:
             res = passkey_eval.run_passkey(self.token_step, params, self.mesh, **self.passkey, seq_len=self.seq_len,
-                                           batch_size=self.batch_size)
+                                           batch_size=self.batch_size, doc_limit=self.doc_limit)
             out.update(passkey_eval.loop_metrics(res))
         return out
 

@@ -13,7 +13,7 @@ import pathlib
 
 import numpy as np
 
-from ulysses_jax.data.pipeline import eval_batches, process_rows, to_global
+from ulysses_jax.data.pipeline import check_documents_per_row, eval_batches, process_rows, to_global
 from ulysses_jax.data.tokenizers import make_tokenizer, tokenizer_conventions
 from ulysses_jax.evaluation import passkey
 from ulysses_jax.evaluation.token_scores import to_host
@@ -92,10 +92,9 @@ def filler_tokens(fmt: passkey.PromptFormat, source: str, data_cfg, need: int) -
     return np.concatenate(pieces).astype(np.int32)
 
 
-def run_passkey(token_step, params, mesh, fmt: passkey.PromptFormat, filler: np.ndarray, *, lengths, depths,
-                samples: int, seed: int, digits: int, seq_len: int, batch_size: int) -> dict:
-    """``{"results": [{"length", "depth", "samples", "accuracy"}, ...], "rows", "keys"}``: every sample built,
-    packed into rows of ``seq_len``, scored in global batches of ``batch_size`` rows."""
+def passkey_rows(fmt: passkey.PromptFormat, filler: np.ndarray, *, lengths, depths, samples: int, seed: int,
+                 digits: int, seq_len: int):
+    """``(samples built, {(length, depth): sample indices}, rows, placements)``: every sample, packed into rows."""
     built, cells = [], {}
     for length in lengths:
         for depth in depths:
@@ -105,6 +104,19 @@ def run_passkey(token_step, params, mesh, fmt: passkey.PromptFormat, filler: np.
                 built.append(passkey.build_sample(fmt, filler, length=length, depth=depth, index=i, seed=seed,
                                                   digits=digits))
     rows, placements = passkey.pack_samples(built, seq_len)
+    return built, cells, rows, placements
+
+
+def run_passkey(token_step, params, mesh, fmt: passkey.PromptFormat, filler: np.ndarray, *, lengths, depths,
+                samples: int, seed: int, digits: int, seq_len: int, batch_size: int,
+                doc_limit: int | None = None) -> dict:
+    """``{"results": [{"length", "depth", "samples", "accuracy"}, ...], "rows", "keys"}``: every sample built,
+    packed into rows of ``seq_len``, scored in global batches of ``batch_size`` rows. ``doc_limit``: the samples a
+    row may hold for the step's cuDNN attention (more are refused, ``check_documents_per_row``)."""
+    built, cells, rows, placements = passkey_rows(fmt, filler, lengths=lengths, depths=depths, samples=samples,
+                                                  seed=seed, digits=digits, seq_len=seq_len)
+    if doc_limit:
+        check_documents_per_row(rows, doc_limit)
     n_rows = len(rows["tokens"])
     padded = -(-n_rows // batch_size) * batch_size
     rows = {k: np.concatenate([v, np.full((padded - n_rows, seq_len), -1 if k == "labels" else 0, np.int32)])

@@ -15,7 +15,7 @@ import pathlib
 
 import numpy as np
 
-from ulysses_jax.data.pipeline import eval_batches, process_rows, to_global
+from ulysses_jax.data.pipeline import check_documents_per_row, eval_batches, process_rows, to_global
 from ulysses_jax.evaluation.token_scores import to_host
 
 RESULT = "eval_by_position.json"
@@ -62,13 +62,15 @@ class PositionLoss:
 
 
 def loss_by_position(token_step, params, data_cfg, mesh, *, seq_len: int, batch_size: int,
-                     max_batches: int | None) -> dict:
+                     max_batches: int | None, doc_limit: int | None = None) -> dict:
     """The eval split's loss in position buckets (``PositionLoss.result()``) plus ``batches``: the same batches that
     ``trainer.evaluate_loss`` reads."""
     acc, batches = PositionLoss(seq_len), 0
     rows = process_rows(mesh, batch_size, seq_len)
     for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
                               row_ids=rows):
+        if doc_limit:  # the documents a row may hold for the step's cuDNN attention
+            check_documents_per_row(local, doc_limit)
         batch = to_global(local, mesh, global_batch=batch_size, row_ids=rows)
         loss_BS, _ = token_step(params, batch)
         acc.add(to_host(loss_BS), to_host(batch["labels"]), to_host(batch["positions"]))

@@ -18,7 +18,6 @@ import math
 import os
 import pathlib
 import signal
-import threading
 import time
 import uuid
 
@@ -30,6 +29,7 @@ from ulysses_jax.data.documents import DataConfig, describe_sources, validate_so
 from ulysses_jax.data.pipeline import (
     BatchIterator,
     check_documents_per_row,
+    check_eval_documents,
     eval_batches,
     merge_states,
     process_rows,
@@ -61,6 +61,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
 )
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
+from ulysses_jax.train.signals import _StopSignals
 from ulysses_jax.train.step import (
     abstract_state,
     check_offload_params,
@@ -283,9 +284,11 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     step_fn = step_fn.lower(state, batch).compile()
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
+    if eval_step is not None and (limit := documents_limit(model, mesh, cfg.seq_len)):  # refused now, not mid-run
+        check_eval_documents(data_cfg, cfg.seq_len, batch_size, cfg.eval_batches, limit, "evaluation during training")
     loop_eval = None if loop_eval_setup is None else loop_eval_setup(
         cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]), data_cfg=data_cfg,
-        batch_size=batch_size)
+        batch_size=batch_size, doc_limit=documents_limit(model, mesh, cfg.seq_len))
 
     # Everything is checked: write, the record first (a run killed from here on is one that `--resume` continues).
     starts = (recorded or {}).get("starts", []) if resuming else []
@@ -308,38 +311,6 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-class _StopSignals:
-    """SIGTERM / SIGINT set ``signum`` (the loop then saves and stops); a second one stops at once."""
-
-    def __init__(self):
-        self.signum, self._old = None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            self.__exit__()
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        self._old = {}
-
-    def stop(self) -> bool:
-        stop = self.signum is not None
-        if jax.process_count() > 1:  # every process stops after the same step (the save is collective)
-            from jax.experimental import multihost_utils
-
-            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
-        return stop
-
-
 def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
     """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``). In-training
     evaluations need ``loop_eval_setup`` (``setup_train``): ``ulysses_jax.evaluation.loop.train`` passes it."""
@@ -347,11 +318,13 @@ def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
 
 
 def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,
-                  max_batches: int | None) -> dict:
+                  max_batches: int | None, doc_limit: int | None = None) -> dict:
     total, count, batches = 0.0, 0, 0
     rows = process_rows(mesh, batch_size, seq_len)
     for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
                               row_ids=rows):
+        if doc_limit:
+            check_documents_per_row(local, doc_limit)
         s, c = eval_step(params, to_global(local, mesh, global_batch=batch_size, row_ids=rows))
         total, count, batches = total + float(s), count + int(c), batches + 1
     if count == 0:
@@ -417,7 +390,7 @@ def train_run(run: Run) -> dict:
                               f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
                 if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                     ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
-                                       batch_size=run.batch_size, max_batches=cfg.eval_batches)
+                                       batch_size=run.batch_size, max_batches=cfg.eval_batches, doc_limit=doc_limit)
                     record.update({f"eval_{k}": v for k, v in ev.items()})
                     record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
                     evals.append((step + 1, ev["loss"]))
