@@ -12,8 +12,12 @@ they change: a document starts where the id differs from the token before (or at
 token is padding. Padding tokens belong to no document: cuDNN writes nothing meaningful there, so the output is
 zeroed at padding (their cotangent is zero under a loss that ignores them, so their gradients are zero too).
 
-A row with more documents than ``max_segments`` cannot be expressed; ``ragged_overflow`` is the in-program flag for
-it, and the caller refuses such a batch (a wrong mask is never silent).
+The bound ``M`` is static: ``resolve_max_documents`` (0: by the row's length), ``M = 1`` takes cuDNN's padding mask
+(one document from the row's start) and no packed workspace, whose size ``packed_workspace_bytes`` gives for the
+planner. A row the bound cannot describe makes the output NaN in the program; the data path refuses such a batch
+first (``data.pipeline.check_documents_per_row``), so a wrong mask is never silent. ``cudnn_forward`` /
+``cudnn_backward`` run cuDNN's two primitives apart, for ``parallel/kept.py``. Measured on an H100 (2026-11-26):
+``experiments/results/gpu_h100_20261126``.
 """
 
 from __future__ import annotations
