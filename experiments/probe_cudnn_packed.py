@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench_attention import median_seconds  # noqa: E402  (beside this script)
 from results_io import run_header, write_table  # noqa: E402
 
 from ulysses_jax.kernels.attention import attention  # noqa: E402
@@ -83,17 +82,6 @@ def check(rng, impl, *, rows, s, h, hkv, d, docs, pad, ones, causal, window):
     return errs, nan
 
 
-def median_s(fn, *args, iters=10, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def timing(s, *, h=32, hkv=8, d=128, docs=8, iters=5):
     ks = jax.random.split(jax.random.key(s), 4)
     q = jax.random.normal(ks[0], (1, s, h, d), jnp.bfloat16)
@@ -117,8 +105,8 @@ def timing(s, *, h=32, hkv=8, d=128, docs=8, iters=5):
         try:
             compiled = fwd_bwd(fn).lower(q, k, v, do).compile()
             temp = compiled.memory_analysis().temp_size_in_bytes
-            t_f = median_s(jax.jit(fn), q, k, v, iters=iters)
-            t_fb = median_s(compiled, q, k, v, do, iters=iters)
+            t_f = median_seconds(jax.jit(fn), q, k, v, warmup=2, iters=iters)
+            t_fb = median_seconds(compiled, q, k, v, do, warmup=2, iters=iters)
             rows.append({"what": f"S={s} {name}", "fwd_ms": f"{1e3 * t_f:.2f}", "fwd_bwd_ms": f"{1e3 * t_fb:.2f}",
                          "temp_gib": f"{temp / 2**30:.2f}"})
         except Exception as e:  # noqa: BLE001 - recorded as a row note
