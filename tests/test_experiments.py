@@ -32,3 +32,18 @@ def test_benchmarks_refuse_cpu_without_flag(tmp_path):
         p = subprocess.run([sys.executable, str(ROOT / "experiments" / script), "--out-dir", str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 2 and "pass --allow-cpu" in p.stderr
+
+
+@pytest.mark.slow
+def test_gpu_first_contact_dry_run(tmp_path):
+    """experiments/gpu/first_contact.sh --dry-run on CPU: every step runs (tiny sizes; GPU tests skipped) and exits 0,
+    the summary names each, and the results folder is packed (what a lent GPU session runs, minus the GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHON=sys.executable, OUT=str(tmp_path))
+    p = subprocess.run(["bash", str(ROOT / "experiments" / "gpu" / "first_contact.sh"), "--dry-run"],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = (tmp_path / "results" / "summary.txt").read_text()
+    for step in ("env", "tests_gpu", "attention_bench", "train_bench_auto", "train_bench_keep"):
+        assert f"{step}: exit 0 in " in summary, summary
+    assert (tmp_path / "results.tgz").stat().st_size > 0
