@@ -44,6 +44,11 @@ def test_attn_keep_needs_remat_and_the_whole_sublayer():
         ModelConfig(attn_keep=True)
     with pytest.raises(ValueError, match=r"attn_keep \(--attn-keep\) is for the attention sublayer whole"):
         ModelConfig(attn_keep=True, remat="full", attn_chunk=64)
+    from ulysses_jax.train.devices import check_parallel
+
+    with pytest.raises(ValueError, match=r"^--attn-keep keeps the attention output of Ulysses alone; with --mesh.ring 2"):
+        check_parallel(ModelConfig.from_preset("tiny", attn_keep=True, remat="full", attention_impl="blockwise"),
+                       make_mesh(ring=2, sp=4), seq_len=256, batch_size=1)
 
 
 @pytest.mark.aot

@@ -121,6 +121,9 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
     if cfg.attn_chunk and ring > 1:
         raise ValueError(f"--attn-chunk ({cfg.attn_chunk}) tiles the Ulysses exchange of a mesh without a ring; with "
                          f"--mesh.ring {ring} use --attn-chunk 0")
+    if cfg.attn_keep and ring > 1:
+        raise ValueError(f"--attn-keep keeps the attention output of Ulysses alone; with --mesh.ring {ring} each ring "
+                         f"step's partial attention has its own backward: drop --attn-keep or use --mesh.ring 1")
     if cfg.attn_head_chunk:
         head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), cfg.attn_head_chunk, flag="--attn-head-chunk")
     # training rows are packed documents, so segment ids are always present
