@@ -17,8 +17,8 @@ from ulysses_jax.kernels.cudnn_packed import (
     document_starts,
     packed_workspace_bytes,
     ragged_mask,
-    ragged_overflow,
     resolve_max_documents,
+    rows_not_described,
     segments_to_ragged,
 )
 from ulysses_jax.model.config import ModelConfig
@@ -64,7 +64,7 @@ def test_ragged_layout_is_what_cudnn_reads():
     np.testing.assert_array_equal(offsets, [[0, 1, 2, -1], [0, 1, -1, -1], [0, -1, -1, -1]])
     np.testing.assert_array_equal(seqlen, [[1, 1, 1], [1, 1, -1], [3, -1, -1]])
     np.testing.assert_array_equal(count, [3, 2, 1])
-    assert not bool(ragged_overflow(seg, 3)) and bool(ragged_overflow(seg, 2))
+    assert not bool(rows_not_described(seg, 3)) and bool(rows_not_described(seg, 2))
     # a change of id marks a new document even between equal neighbours further apart
     np.testing.assert_array_equal(document_starts(jnp.asarray([[4, 4, 6, 4, 0]])), [[1, 0, 1, 1, 0]])
 

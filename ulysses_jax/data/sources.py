@@ -168,18 +168,13 @@ def _blank(text: str | None) -> bool:
     return not text or text.isspace()
 
 
-def _read_text_file(path: str) -> str:
-    with open(path, "rb") as fh:
-        return fh.read().decode("utf-8", "replace").removeprefix(BOM)
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace").removeprefix(BOM)
 
 
 def not_utf8(raw: bytes) -> int:
     """U+FFFD characters that decoding ``raw`` as UTF-8 brings in (a U+FFFD written in the file is not counted)."""
-    try:
-        raw.decode("utf-8")
-        return 0
-    except UnicodeDecodeError:
-        return raw.decode("utf-8", "replace").count("\ufffd") - raw.count("\ufffd".encode())
+    return 0 if raw.isascii() else _text(raw).count("\ufffd") - raw.count("\ufffd".encode())
 
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
@@ -187,7 +182,7 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", floa
 
 def _json_line(raw: bytes, where: str, flag: str):
     """One jsonl line parsed; a syntax error names the column within the line (1-based, as editors count)."""
-    line = raw.decode("utf-8", "replace").removeprefix(BOM).rstrip("\r\n")
+    line = _text(raw).rstrip("\r\n")
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:
@@ -278,9 +273,9 @@ class _FileIndex:
 def _index_file(f: SourceFile, field: str, flag: str, sft: bool = False) -> _FileIndex:
     out = _FileIndex(array.array("q"), array.array("I"), array.array("Q"))
     if f.format == "text":
-        with open(f.path, "rb") as fh:
-            out.replaced += not_utf8(fh.read())
-        out.add(_read_text_file(f.path))
+        raw = pathlib.Path(f.path).read_bytes()  # read once: counted, then decoded
+        out.replaced += not_utf8(raw)
+        out.add(_text(raw))
     elif f.format == "jsonl":
         offset = 0
         with open(f.path, "rb") as fh:
@@ -360,7 +355,7 @@ class Index:
         i = self._file(doc)
         f, loc = self.files[i], int(self.loc[doc])
         if f.format == "text":
-            return _read_text_file(f.path)
+            return _text(pathlib.Path(f.path).read_bytes())
         if f.format == "jsonl":
             with open(f.path, "rb") as fh:
                 fh.seek(loc)

@@ -38,7 +38,7 @@ def segments_to_ragged(segment_ids: jax.Array, max_segments: int) -> tuple[jax.A
 
     ``seqlen[b, j]`` / ``offsets[b, j]``: the length and first position of row ``b``'s ``j``-th document,
     ``-1`` past the row's ``count[b]`` documents (and always in ``offsets``' last entry while ``count < M + 1``).
-    Documents past ``M`` are dropped here; ``count > M`` says so (``ragged_overflow``).
+    Documents past ``M`` are dropped here; ``count > M`` says so (``rows_not_described``).
     """
     b, s = segment_ids.shape
     m = int(max_segments)
@@ -55,11 +55,6 @@ def segments_to_ragged(segment_ids: jax.Array, max_segments: int) -> tuple[jax.A
     lengths = jnp.zeros((b, m), jnp.int32).at[rows, jnp.where(real, index, m)].add(1, mode="drop")
     seqlen = jnp.where(jnp.arange(m) < count[:, None], lengths, -1)
     return seqlen, offsets, count
-
-
-def ragged_overflow(segment_ids: jax.Array, max_segments: int) -> jax.Array:
-    """Scalar bool: some row has more than ``max_segments`` documents."""
-    return jnp.any(jnp.sum(document_starts(segment_ids), axis=1) > max_segments)
 
 
 def ragged_mask(seqlen: jax.Array, offsets: jax.Array, seq_len: int, *, causal: bool,
@@ -161,14 +156,21 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
     """
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
+    ragged, _ = _ragged(segment_ids, max_segments)
+    _answer_for_compile_only_targets(platform)
+    kind = _mask_type(cudnn_fa, causal, True)
+    return around_packed(lambda q, k, v: cudnn_fa.dot_product_attention(
+        q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH", sliding_window_length=window, **ragged),
+        q, k, v, segment_ids, max_segments)
+
+
+def around_packed(call, q, k, v, segment_ids, max_segments: int | None) -> jax.Array:
+    """``call(q, k, v)`` on packed rows as every cuDNN path needs it: Q, K, V zeroed at padding (their gradients
+    there exactly zero), the output zeroed there, all NaN when a row is beyond the bound (``rows_not_described``)."""
     mask = (segment_ids != 0)[:, :, None, None]
     q, k, v = (jnp.where(mask, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    ragged, bad = _ragged(segment_ids, max_segments)
-    _answer_for_compile_only_targets(platform)
-    out = cudnn_fa.dot_product_attention(q, k, v, scale=scale, mask_type=_mask_type(cudnn_fa, causal, True),
-                                         qkv_layout="BTNH", sliding_window_length=window, **ragged)
-    out = jnp.where(mask, out, jnp.zeros((), out.dtype))
-    return jnp.where(bad, jnp.full((), jnp.nan, out.dtype), out)
+    out = jnp.where(mask, call(q, k, v), jnp.zeros((), q.dtype))
+    return jnp.where(rows_not_described(segment_ids, max_segments), jnp.full((), jnp.nan, out.dtype), out)
 
 
 # ------------------------------------------------------------------ forward and backward apart (kept attention)

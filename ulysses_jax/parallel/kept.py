@@ -51,13 +51,8 @@ def kept_attention(q, k, v, segment_ids=None, *, causal: bool, scale: float, imp
     spec = _Spec(impl, platform, causal, float(scale), window, max_documents)
     if impl != "cudnn" or segment_ids is None:
         return _kept(spec, q, k, v, segment_ids)
-    # packed rows on cuDNN: inputs zeroed at padding (zero gradients there), output zeroed there, NaN for a row that
-    # the bound cannot describe, as cudnn_packed_attention does
-    real = (segment_ids != 0)[:, :, None, None]
-    q, k, v = (jnp.where(real, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    out = jnp.where(real, _kept(spec, q, k, v, segment_ids), jnp.zeros((), q.dtype))
-    bad = cudnn_packed.rows_not_described(segment_ids, spec.max_documents)
-    return jnp.where(bad, jnp.full((), jnp.nan, out.dtype), out)
+    return cudnn_packed.around_packed(lambda q, k, v: _kept(spec, q, k, v, segment_ids), q, k, v, segment_ids,
+                                      max_documents)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
