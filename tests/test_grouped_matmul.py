@@ -109,9 +109,13 @@ def test_visits_cover_every_row_once(seed, m, bm):
 # ------------------------------------------------------------------------------------------------ values
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w", "wT"])
-@pytest.mark.parametrize("impl", ["pallas", "ragged_dot"])
+CASES = [pytest.param(impl, t, dtype, id=f"{impl}-{'wT' if t else 'w'}-{name}",
+                      marks=[pytest.mark.slow] if (impl, t, name) == ("pallas", True, "bf16") else [])
+         for impl in ("pallas", "ragged_dot") for t in (False, True)
+         for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16"))]
+
+
+@pytest.mark.parametrize("impl,transpose_rhs,dtype", CASES)  # pallas-wT-bf16 is slow: wT-f32 and w-bf16 cover it
 def test_matches_float64(seed, impl, transpose_rhs, dtype):
     """Output, dX and dW: random sizes with two empty groups and rows past the total (190 of 200 rows used)."""
     x, w, gs, dy = inputs(seed, dtype, transpose_rhs, random_sizes(seed, M - 10))
@@ -233,7 +237,7 @@ def test_h100_compiles_real_grouped_kernels(tmp_path):
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < m * e * n * 2 / 64, temp  # the dense operand would be 12 GiB; the output y is 96 MiB
     found = kernels(tmp_path, prefix="grouped_matmul")
-    assert len(found) == 3, found
+    assert {k.name for k in found} == {"grouped_matmul", "grouped_matmul_dx", "grouped_matmul_dw"}, found
     for kern in found:
         assert kern.wgmma > 0 and kern.mma_sync == 0, kern
         assert (kern.spill_store_bytes, kern.spill_load_bytes) == (0, 0), kern
