@@ -36,11 +36,11 @@ TOKENS, TOP_K, EXPERTS, D_MODEL, D_FF = 8192, 8, 128, 2048, 768
 M = TOKENS * TOP_K
 NOTES = [
     "Per device, from `compiled.memory_analysis()` (XLA buffers only). The ragged_dot program needs more temp memory",
-    "than an H100 has (80 GB): XLA lowers it to one dense GEMM over a masked [M, E * N] operand (the largest array",
-    "below), E times the work of a grouped GEMM. The Pallas program's temp is the forward output y (96 MiB, kept for",
-    "the sum) plus the group metadata. Kernels: grouped_matmul (forward), grouped_matmul_dx (dX = dy @ w[e]^T, the",
-    "same kernel reading w transposed), grouped_matmul_dw (dW[e] = x_e^T @ dy_e). Figures from the compiled PTX; no",
-    "kernel was run, so nothing here says how fast it is.",
+    "than an H100 has (80 GB): XLA lowers it to GEMMs over a masked [M, E * K] copy of x (the largest array below,",
+    "32 GiB; the forward is that times w reshaped to [E * K, N]), E times the work of a grouped GEMM. The Pallas",
+    "program's temp is the forward output y (96 MiB, for the sum) plus the group metadata. Kernels: grouped_matmul",
+    "(forward), grouped_matmul_dx (dX = dy @ w[e]^T, the same kernel reading w transposed), grouped_matmul_dw",
+    "(dW[e] = x_e^T @ dy_e). Figures from the compiled PTX; no kernel was run: nothing here says how fast it is.",
     "",
 ]
 _CUSTOM = re.compile(r'custom_call_target="([^"]+)"')
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             row = {"impl": impl, "argument bytes": f"{mem.argument_size_in_bytes:,}",
                    "output bytes": f"{mem.output_size_in_bytes:,}", "temp bytes": f"{mem.temp_size_in_bytes:,}",
                    "custom calls": ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())) or "none",
-                   "largest HLO array": largest_array(hlo), "compile s": f"{seconds:.1f}"}
+                   "largest HLO array": largest_array(hlo), "host compile s (CPU, not a GPU time)": f"{seconds:.1f}"}
             rows.append(row)
             print(row)
             if impl == "pallas":
