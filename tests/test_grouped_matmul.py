@@ -241,3 +241,17 @@ def test_h100_compiles_real_grouped_kernels(tmp_path):
     for kern in found:
         assert kern.wgmma > 0 and kern.mma_sync == 0, kern
         assert (kern.spill_store_bytes, kern.spill_load_bytes) == (0, 0), kern
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w", "wT"])
+def test_gpu_kernels_match_float64(seed, transpose_rhs):
+    """On a real GPU: the compiled Triton kernels (default bf16 tiles) at a small MoE shape, against float64."""
+    m = 4096 + 77  # not a tile multiple: the padded path
+    rng = np.random.default_rng(seed)
+    sizes = random_sizes(seed, m - 50, e=32, empty=3)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((32, 512, 256) if transpose_rhs else (32, 256, 512)) / 16, jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
+    got = run(x, w, jnp.asarray(sizes, jnp.int32), dy, transpose_rhs=transpose_rhs, impl="auto")
+    check(got, x, w, sizes, dy, transpose_rhs, jnp.bfloat16)
