@@ -140,6 +140,15 @@ def test_group_layouts_one_compile(seed):
             assert np.abs(np.asarray(g) - wv).max() <= 1e-5 * max(1.0, np.abs(wv).max()), (name, what)
 
 
+def test_fewer_rows_than_a_tile_and_none(seed):
+    """5 rows (one 16-row tile after fitting, padded) and 0 rows, default blocks."""
+    for m, sizes in ((5, [2, 0, 2, 0, 1, 0]), (0, [0] * E)):
+        x, w, gs, dy = inputs(seed, jnp.float32, False, sizes, m=m)
+        got = run(x, w, gs, dy, impl="pallas")
+        for g, want in zip(got, numpy_f64(x, w, gs, dy, False)):
+            assert g.shape == want.shape and np.allclose(g, want, atol=1e-5), m
+
+
 def test_reference_and_preferred_element_type(seed):
     """The jnp reference agrees with float64; ``preferred_element_type=float32`` on bf16 inputs returns float32 (and
     float32 gradients do not lose the bf16 weights' dtype)."""

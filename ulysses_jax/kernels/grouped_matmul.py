@@ -340,6 +340,8 @@ def grouped_matmul(x_MK, w_EKN, group_sizes_E, *, transpose_rhs: bool = False, i
         return ragged_dot(x_MK, w_EKN, group_sizes_E, transpose_rhs=transpose_rhs).astype(out_dtype)
     m, k = x_MK.shape
     n = w_EKN.shape[1 if transpose_rhs else 2]
+    if m == 0:  # no rows: nothing to launch (and no gradient to give)
+        return jnp.zeros((0, n), out_dtype)
     blocks = block_sizes or default_block_sizes(jnp.promote_types(x_MK.dtype, w_EKN.dtype))
     blocks = dataclasses.replace(blocks, block_m=_fit(blocks.block_m, m, "block_m", divide=False))
     # refuse untileable shapes and bad blocks now; each kernel fits K and N tiles to its own operands
