@@ -4,7 +4,9 @@ Shapes: ``q: [B, S, H, D]``, ``k, v: [B, S, Hkv, D]`` with ``H % Hkv == 0`` (MHA
 ``Hkv == H``, GQA when ``1 < Hkv < H``, MQA when ``Hkv == 1``); query head ``h`` reads
 KV head ``h // (H // Hkv)``. ``segment_ids: [B, S]`` integers: a token attends only to
 tokens with the same id (and, when ``causal``, not to later positions). ``window=W``: a causal sliding window,
-query ``i`` sees keys ``i - W < j <= i`` (``kernels/window.py``); every implementation takes it.
+query ``i`` sees keys ``i - W < j <= i`` (``kernels/window.py``); every implementation takes it. ``sinks: [H]``:
+attention sinks (gpt-oss), one logit per query head in each row's softmax denominator (``kernels/sinks.py``); every
+implementation but cuDNN takes them.
 
 Implementations (``impl=``):
   * ``"xla"``: the reference below, plain ``jnp``; the softmax is computed in float32
@@ -33,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.kernels.sinks import check_sinks
 from ulysses_jax.kernels.window import check_window
 
 IMPLS = ("xla", "blockwise", "pallas", "cudnn", "auto")
@@ -49,7 +52,8 @@ def device_platform(devices) -> str:
     return next(iter(devices)).platform
 
 
-def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, platform: str | None = None) -> str:
+def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, platform: str | None = None,
+                 sinks: bool = False) -> str:
     """The concrete implementation for a request; raises ``ValueError`` if ``impl`` cannot serve it.
 
     ``platform`` is that of the devices the call runs on (``device_platform(mesh)``); ``None`` means the default
@@ -60,12 +64,14 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     ``"cudnn"`` when cuDNN can take the request (packed rows included: float16/bfloat16, head_dim a multiple of 8 and
     <= 128), otherwise ``"pallas"``. Measured on an H100 (``experiments/results/gpu_h100_20261126``): cuDNN runs
     causal attention at 609 / 527 TFLOP/s forward / backward against our kernel's 398 / 338 (S = 32K, head_dim 128),
-    and llama3.2-1b trains 1.76x faster at 32K tokens on cuDNN's packed path than on our kernel.
+    and llama3.2-1b trains 1.76x faster at 32K tokens on cuDNN's packed path than on our kernel. ``sinks``: the call
+    has attention sinks, which cuDNN has not: ``"auto"`` picks ``"pallas"`` on GPU, ``"cudnn"`` is refused.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
     platform = jax.devices()[0].platform if platform is None else platform
-    cudnn_problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=has_segment_ids, platform=platform)
+    cudnn_problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=has_segment_ids, platform=platform,
+                                   sinks=sinks)
     if impl == "auto":
         if platform != "gpu":
             return "blockwise"
@@ -75,20 +81,22 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     return impl
 
 
-def auto_reason(*, dtype, head_dim: int, platform: str, ring: int = 1) -> str | None:
+def auto_reason(*, dtype, head_dim: int, platform: str, ring: int = 1, sinks: bool = False) -> str | None:
     """Why ``auto`` does not run cuDNN for such calls on ``platform``'s devices, in a phrase (None: it does, or the
-    platform is no GPU, where ``auto`` means ``blockwise``)."""
+    platform is no GPU, where ``auto`` means ``blockwise``). ``sinks``: the model has attention sinks."""
     if platform != "gpu":
         return None
     if ring > 1:
         return "cuDNN has no ring kernel: a ring step's partial tile runs our kernel"
-    problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=True, platform=platform)
+    problem = _cudnn_problem(dtype=dtype, head_dim=head_dim, has_segment_ids=True, platform=platform, sinks=sinks)
     return None if problem is None else problem.replace("cuDNN attention needs", "cuDNN needs")
 
 
-def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str) -> str | None:
+def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str, sinks: bool = False) -> str | None:
     if platform != "gpu":
         return f"cuDNN needs a GPU but the devices' platform is {platform!r}"
+    if sinks:
+        return "cuDNN attention has no attention sinks"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN attention needs float16 or bfloat16 inputs, got {jnp.dtype(dtype)}"
     if head_dim % 8 or head_dim > 128:
@@ -132,6 +140,7 @@ def attention(
     platform: str | None = None,
     window: int | None = None,
     max_documents: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Local attention ``[B, S, H, D] x [B, S, Hkv, D] -> [B, S, H, D]`` (see module docstring).
 
@@ -140,24 +149,27 @@ def attention(
     implementations ignore it.
     ``platform``: where the call runs (``"gpu"``, ``"cpu"``); ``None``: the platform of ``q``'s devices, or of the
     default device when ``q`` is traced. Inside ``shard_map`` pass it (``ulysses_attention`` passes its mesh's).
+    ``sinks``: ``[H]`` attention-sink logits, in the units of the scaled scores ``q . k * scale``; ``None``: none.
     """
     check_qkv(q, k, v, segment_ids)
     window = check_window(window, causal=causal)
+    sinks = check_sinks(sinks, q.shape[2])
     if platform is None:
         platform = device_platform(q) if not isinstance(q, jax.core.Tracer) else jax.devices()[0].platform
     impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None,
-                        platform=platform)
+                        platform=platform, sinks=sinks is not None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if impl == "pallas":
         from ulysses_jax.kernels.flash_attention import flash_attention
 
         # compiled through Triton on GPUs, Pallas interpret mode elsewhere (exact, slow)
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
-                               interpret=platform != "gpu", window=window)
+                               interpret=platform != "gpu", window=window, sinks=sinks)
     if impl == "blockwise":
         from ulysses_jax.kernels.blockwise import blockwise_attention
 
-        return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+        return blockwise_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window,
+                                   sinks=sinks)
     if impl == "cudnn" and segment_ids is not None:  # packed rows: cuDNN's ragged layout (Hopper and later)
         from ulysses_jax.kernels.cudnn_packed import cudnn_packed_attention
 
@@ -167,7 +179,7 @@ def attention(
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
                                             local_window_size=local)
-    return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window)
+    return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale, window=window, sinks=sinks)
 
 
 def attention_mask(seq_len: int, *, causal: bool, segment_ids: jax.Array | None,
@@ -185,8 +197,10 @@ def attention_mask(seq_len: int, *, causal: bool, segment_ids: jax.Array | None,
     return mask
 
 
-def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float, window: int | None = None) -> jax.Array:
-    """Reference attention in plain jnp; softmax in float32; GQA by grouping query heads."""
+def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float, window: int | None = None,
+                  sinks: jax.Array | None = None) -> jax.Array:
+    """Reference attention in plain jnp; softmax in float32; GQA by grouping query heads; ``sinks [H]`` join each
+    row's denominator (plain autodiff differentiates them)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -199,9 +213,14 @@ def xla_attention(q, k, v, *, causal: bool, segment_ids, scale: float, window: i
     logits_bkgqs = jnp.where(mask, logits_bkgqs, -jnp.inf)
     # Every row keeps at least its diagonal, so no row is fully masked; guard anyway.
     row_max = jnp.max(logits_bkgqs, axis=-1, keepdims=True)
+    if sinks is not None:  # [H] -> [1, Hkv, G, 1, 1], one more logit in each row of its head
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     p = jnp.exp(logits_bkgqs - jax.lax.stop_gradient(row_max))
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - jax.lax.stop_gradient(row_max))
     p = p / jnp.where(denom == 0, 1.0, denom)
     out_bqkgd = jnp.einsum("bkgqs,bskd->bqkgd", p, v_bskd, precision=hp)
     return out_bqkgd.reshape(b, s, h, d).astype(q.dtype)

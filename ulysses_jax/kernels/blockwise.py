@@ -25,6 +25,9 @@ block visits the span from its first to its last live KV block (and each KV bloc
 blocks), which for packed documents (ids constant along a document) is exactly the live set. Every
 visited tile also applies the elementwise mask, so skipping only drops tiles that are entirely masked:
 the result does not depend on the block sizes beyond float32 summation order.
+Attention sinks (``kernels/sinks.py``): the online softmax starts from the sink (running max ``m = sink``,
+``l = 1``), a key of value zero; the backward is unchanged given the corrected ``L`` and output, plus the sinks'
+own gradient.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ulysses_jax.kernels.sinks import check_sinks, sink_grad, vary_like
 from ulysses_jax.kernels.window import check_window
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp(MASK - m) underflows to 0, never NaN
@@ -147,11 +151,12 @@ def _scores(q_i, k_j, mask):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, seg, cfg: _Config):
-    """q [B, K, G, S, D] (pre-scaled), k/v [B, K, S, D], seg [B, S] | None, float32 ->
+def _forward(q, k, v, seg, cfg: _Config, sinks=None):
+    """q [B, K, G, S, D] (pre-scaled), k/v [B, K, S, D], seg [B, S] | None, float32, sinks [H] | None ->
     (O [B, K, G, S, D], L [B, K, G, S])."""
     bq, bk = cfg.block_q, cfg.block_k
     lo, hi = _span(_live_blocks(seg, cfg))
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, q.shape[1], q.shape[2], 1)
 
     def q_block(i):
         q_i = lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)  # [B, K, G, Bq, D]
@@ -169,6 +174,9 @@ def _forward(q, k, v, seg, cfg: _Config):
 
         # *_like: the carries inherit q's varying mesh axes inside shard_map (check_vma)
         init = (jnp.zeros_like(q_i), jnp.full_like(q_i[..., 0], -jnp.inf), jnp.zeros_like(q_i[..., 0]))
+        if sink is not None:  # the sink: one more logit, whose value vector is zero (a -inf sink: none)
+            zeros = init[2]  # [B, K, G, Bq]
+            init = (init[0], zeros + sink, zeros + jnp.where(sink == -jnp.inf, 0.0, 1.0))
         acc, m, l = lax.fori_loop(lo[i], hi[i], kv_step, init)
         # A row that saw no allowed key (none can today: every token sees itself) gets O = 0 and L = +inf,
         # so the backward's exp(S - L) is 0 for it. `m <= MASK` (not `not m > MASK`) lets NaN propagate.
@@ -233,12 +241,13 @@ def visited_tiles(seq_len: int, *, causal: bool = True, segment_ids=None,
 
 
 def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
-                        block_sizes: BlockSizes | None = None, window: int | None = None):
+                        block_sizes: BlockSizes | None = None, window: int | None = None, sinks=None):
     """Exact attention computed tile by tile, skipping tiles that are entirely masked.
 
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA). segment_ids: [B, S] integers or
     None: a token attends only to tokens with the same id (packed documents), and when ``causal`` not to later
-    positions; ``window``: a causal sliding window (``kernels/window.py``). scale defaults to 1/sqrt(D). Any S
+    positions; ``window``: a causal sliding window (``kernels/window.py``); ``sinks``: ``[H]`` attention-sink logits
+    (``kernels/sinks.py``) or None. scale defaults to 1/sqrt(D). Any S
     (padded to a block multiple inside, padded keys masked).
     Softmax and all products in float32; returns [B, S, H, D] in q.dtype, gradients in the inputs' dtypes.
     """
@@ -252,6 +261,8 @@ def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale
         raise ValueError(f"query heads ({h}) must be divisible by kv heads ({hkv})")
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
+    sinks = check_sinks(sinks, h)
+    sinks = None if sinks is None else vary_like(sinks, q)
     cfg = _config(s, causal=causal, scale=1.0 / math.sqrt(d) if scale is None else scale, block_sizes=block_sizes,
                   window=check_window(window, causal=causal))
     s_pad = cfg.padded_len
@@ -261,24 +272,29 @@ def blockwise_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale
         return x if s_pad == s else jnp.pad(x, ((0, 0), (0, 0), (0, s_pad - s), (0, 0)))
 
     q_t = (prepare(q) * cfg.scale).reshape(b, hkv, h // hkv, s_pad, d)  # [B, K, G, S_pad, D], pre-scaled
-    out = _blockwise(q_t, prepare(k), prepare(v), _pad_segments(segment_ids, cfg), cfg)  # [B, K, G, S_pad, D]
+    out = _blockwise(q_t, prepare(k), prepare(v), _pad_segments(segment_ids, cfg), sinks, cfg)  # [B, K, G, S_pad, D]
     return jnp.swapaxes(out.reshape(b, h, s_pad, d)[:, :, :s], 1, 2).astype(q.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blockwise(q, k, v, seg, cfg: _Config):
-    return _forward(q, k, v, seg, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blockwise(q, k, v, seg, sinks, cfg: _Config):
+    return _forward(q, k, v, seg, cfg, sinks)[0]
 
 
-def _blockwise_fwd(q, k, v, seg, cfg: _Config):
-    out, lse = _forward(q, k, v, seg, cfg)
-    return out, (q, k, v, seg, out, lse)
+def _blockwise_fwd(q, k, v, seg, sinks, cfg: _Config):
+    out, lse = _forward(q, k, v, seg, cfg, sinks)
+    return out, (q, k, v, seg, sinks, out, lse)
 
 
 def _blockwise_bwd(cfg: _Config, res, do):
-    q, k, v, seg, out, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, out, lse, do, cfg)
-    return dq, dk, dv, None
+    q, k, v, seg, sinks, out, lse = res
+    if sinks is None:
+        dq, dk, dv = _backward(q, k, v, seg, out, lse, do, cfg)
+        return dq, dk, dv, None, None
+    delta = jnp.sum(do * out, axis=-1)  # [B, K, G, S]: out and lse have the sink in them
+    dq, dk, dv = _backward(q, k, v, seg, None, lse, do, cfg, delta=delta)
+    b, kh, g, s_pad = lse.shape
+    return dq, dk, dv, None, sink_grad(sinks, lse.reshape(b, kh * g, s_pad), delta.reshape(b, kh * g, s_pad))
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -362,16 +378,17 @@ def _pair_inputs(q, k, v, q_seg, k_seg, *, causal: bool, scale: float, window=No
     return cfg, q_t, prepare(k), prepare(v), seg, prepare
 
 
-def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset: int = 0):
+def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset: int = 0,
+                 sinks=None):
     """The ring's local kernel contract (``ring.LocalKernel.forward``) for a (query block, KV block) pair of
     equal lengths whose causal mask, when ``causal``, is the aligned one: ``o [B, S, H, D]`` float32 and
     ``lse [B, H, S]`` float32, natural log, ``-inf`` for a row that sees no key. ``q_pos`` / ``k_pos`` are
     not read (the ring asks ``causal`` only where they coincide, or differ by the static ``offset``: query row ``i``
-    at key position ``i + offset``, with a ``window``)."""
+    at key position ``i + offset``, with a ``window``). ``sinks [H]``: in the softmax, ``o`` and ``lse`` alike."""
     b, s, h, d = q.shape
     cfg, q_t, k_t, v_t, seg, _ = _pair_inputs(q, k, v, q_seg, k_seg, causal=causal, scale=scale, window=window,
                                               offset=offset)
-    o, lse = _forward(q_t, k_t, v_t, seg, cfg)  # [B, K, G, S_pad, D], [B, K, G, S_pad]; +inf for empty rows
+    o, lse = _forward(q_t, k_t, v_t, seg, cfg, sinks)  # [B, K, G, S_pad, D], [B, K, G, S_pad]; +inf for empty rows
     o = jnp.swapaxes(o.reshape(b, h, cfg.padded_len, d)[:, :, :s], 1, 2)
     lse = lse.reshape(b, h, cfg.padded_len)[:, :, :s]
     return o, jnp.where(lse == jnp.inf, -jnp.inf, lse)

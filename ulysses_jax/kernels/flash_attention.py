@@ -16,6 +16,10 @@ Causal: KV blocks entirely in a query block's future are skipped by the loop bou
 (:func:`kv_block_bound`, :func:`q_block_range`). Every visited block applies the elementwise mask (an
 iota compare and a select); only blocks on the diagonal, at document edges or at the padded end
 actually lose entries to it.
+Attention sinks (``kernels/sinks.py``), only when given: the forward kernel reads each head's sink (base 2) and starts
+its online softmax from it (running max = sink, denominator 1: a key whose value is zero), so ``O`` and ``L`` include
+it; the backward kernels are unchanged (``L`` and ``delta`` from the corrected output are all they need), and the
+sinks' own gradient is one jnp reduction (``sinks.sink_grad``). Without sinks no operand or instruction is added.
 
 On GPU ``pallas_call`` lowers through Triton (deprecated in jax 0.11 in favour of Mosaic GPU, but still
 working); the Triton compiler params must be passed explicitly, since jax >= 0.10 routes a
@@ -47,6 +51,7 @@ from ulysses_jax.kernels.flash_blocks import (
     launch,
     next_pow2,
 )
+from ulysses_jax.kernels.sinks import check_sinks, sink_grad, vary_like
 from ulysses_jax.kernels.window import check_window, kv_tiles, q_tiles
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) underflows to 0, never NaN
@@ -165,9 +170,9 @@ def _compiler_params(cfg: Config, kernel: int, head_dim: int):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cfg: Config):
+def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, sink_ref, o_ref, lse_ref, *, cfg: Config):
     # q_ref [Bq, D] | k_ref, v_ref [S, D] (this head's KV head) | q_seg_ref, k_seg_ref [S] or None
-    # o_ref [Bq, D] | lse_ref [Bq]
+    # sink_ref [Bq] (this head's sink in base 2, repeated) or None | o_ref [Bq, D] | lse_ref [Bq]
     bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
     qi = pl.program_id(0)
     q = q_ref[...]
@@ -190,6 +195,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cf
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
+    if sink_ref is not None:  # the sink: one more logit whose value vector is zero (a -inf sink: none)
+        sink = sink_ref[...]
+        init = (init[0], sink, jnp.where(sink == -jnp.inf, 0.0, 1.0))
     bounds = dict(block_q=bq, block_k=bk, seq_len=cfg.seq_len, causal=cfg.causal, window=cfg.window,
                   offset=cfg.offset)
     acc, m, l = lax.fori_loop(kv_block_start(qi, **bounds), kv_block_bound(qi, **bounds), body, init)
@@ -202,24 +210,27 @@ def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, *, cf
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(l))
 
 
-def forward(q, k, v, seg, cfg: Config):
-    """q [B, S, H, D], k/v [B, S, Hkv, D], seg (query ids, key ids) [B, S] each | None
-    -> (O [B, S, H, D], L [B, H, S] float32)."""
+def forward(q, k, v, seg, cfg: Config, sinks=None):
+    """q [B, S, H, D], k/v [B, S, Hkv, D], seg (query ids, key ids) [B, S] each | None, sinks [H] | None
+    -> (O [B, S, H, D], L [B, H, S] float32, base 2; with sinks, theirs in both)."""
     b, s, h, d = q.shape
     bq, g = cfg.blocks.block_q, cfg.group
     whole_kv = pl.BlockSpec((None, s, None, d), lambda i, bi, hi: (bi, 0, lax.div(hi, g), 0))
     q_block = pl.BlockSpec((None, bq, None, d), lambda i, bi, hi: (bi, i, hi, 0))
     seg_spec = None if seg is None else pl.BlockSpec((None, s), lambda i, bi, hi: (bi, 0))
+    sink_spec = None if sinks is None else pl.BlockSpec((None, bq), lambda i, bi, hi: (hi, 0))
+    if sinks is not None:  # [H, Bq]: each head's sink in base 2, repeated over a query block's rows
+        sinks = jnp.broadcast_to((sinks.astype(jnp.float32) * LOG2_E)[:, None], (h, bq))
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(s // bq, b, h),
-        in_specs=[q_block, whole_kv, whole_kv, seg_spec, seg_spec],
+        in_specs=[q_block, whole_kv, whole_kv, seg_spec, seg_spec, sink_spec],
         out_specs=[q_block, pl.BlockSpec((None, None, bq), lambda i, bi, hi: (bi, hi, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, cfg.out_dtype(q.dtype)), jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         compiler_params=_compiler_params(cfg, 0, d),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
-    )(q, k, v, *_segments(seg))
+    )(q, k, v, *_segments(seg), sinks)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,7 +244,8 @@ def _segments(seg) -> tuple:
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None, window: int | None = None):
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None, window: int | None = None,
+                    sinks=None):
     """Memory-efficient exact attention.
 
     q: [B, S, H, D]; k, v: [B, S, Hkv, D] with H % Hkv == 0 (MHA, GQA, MQA; KV heads are never
@@ -243,7 +255,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     is a GPU; callers that know the target pass it (``attention`` does: compile-only GPU devices need
     ``False``). Any S works (padded to a block multiple inside, padded keys masked); any D (zero-padded
     to a power of two >= 16). Returns [B, S, H, D] in q.dtype. On GPU, tiles that need more shared
-    memory than a block has (:func:`shared_memory_bytes`) raise ValueError before anything compiles.
+    memory than a block has (:func:`shared_memory_bytes`) raise ValueError before anything compiles. ``sinks``:
+    ``[H]`` attention-sink logits (``kernels/sinks.py``), differentiable, or None.
     """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,H,D] and k, v [B,S,Hkv,D]; got {q.shape=}, {k.shape=}, {v.shape=}")
@@ -256,6 +269,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if segment_ids is not None and segment_ids.shape != (b, s):
         raise ValueError(f"segment_ids must have shape {(b, s)}; got {segment_ids.shape}")
+    sinks = None if check_sinks(sinks, h) is None else vary_like(sinks, q)
     if interpret is None:
         interpret = jax.devices()[0].platform != "gpu"
     blocks = fit_blocks(block_sizes or default_block_sizes(d, q.dtype), s)
@@ -275,27 +289,28 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=Non
     if seg is not None:  # [B, S] -> [B, S_pad]; -1 for padding (the length mask hides it anyway)
         seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, s_pad - s)), constant_values=-1)
         seg = (seg, seg)  # queries and keys of one sequence: the same ids
-    out = _flash(pad(q), pad(k), pad(v), seg, cfg)
+    out = _flash(pad(q), pad(k), pad(v), seg, sinks, cfg)
     return out[:, :s, :, :d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, cfg: Config):
-    return forward(q, k, v, seg, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg, sinks, cfg: Config):
+    return forward(q, k, v, seg, cfg, sinks)[0]
 
 
-def _flash_fwd(q, k, v, seg, cfg: Config):
-    out, lse = forward(q, k, v, seg, cfg)
-    return out, (q, k, v, seg, out, lse)
+def _flash_fwd(q, k, v, seg, sinks, cfg: Config):
+    out, lse = forward(q, k, v, seg, cfg, sinks)
+    return out, (q, k, v, seg, sinks, out, lse)
 
 
 def _flash_bwd(cfg: Config, res, do):
-    q, k, v, seg, out, lse = res
+    q, k, v, seg, sinks, out, lse = res
     # delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij: [B, S, H] -> [B, H, S], float32
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     dk, dv = backward_dkv(q, k, v, seg, do, lse, delta, cfg)
     dq = backward_dq(q, k, v, seg, do, lse, delta, cfg)
-    return dq, dk, dv, None if seg is None else (None, None)
+    dsinks = None if sinks is None else sink_grad(sinks, lse * math.log(2.0), delta)  # L is base 2
+    return dq, dk, dv, None if seg is None else (None, None), dsinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -404,11 +419,6 @@ def backward_dq(q, k, v, seg, do, lse, delta, cfg: Config):
         interpret=cfg.interpret,
         name="flash_attention_dq",
     )(q, k, v, *_segments(seg), do, lse, delta)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Ring steps: one (query block, KV block) pair, with the log-sum-exp (ring.LocalKernel)
-# ---------------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -56,18 +56,18 @@ def _pair_pad(cfg: Config, head_dim: int):
 
 
 def pair_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, interpret: bool | None = None,
-                 float32: bool = True, window: int | None = None, offset: int = 0):
+                 float32: bool = True, window: int | None = None, offset: int = 0, sinks=None):
     """One ring pair: ``o [b, s, H, D]`` float32 (``float32=False``: in q's dtype), normalised (0 for a row that sees
     no key), and ``lse [b, H, s]`` float32 in natural log (``-inf`` there). ``causal`` is the aligned mask: query and
     key positions coincide (``ring.py`` asks for it only then, or, with a ``window``, where they differ by the static
-    ``offset``), so the positions themselves are not read."""
+    ``offset``), so the positions themselves are not read. ``sinks [H]``: in the softmax, ``o`` and ``lse`` alike."""
     del q_pos, k_pos
     b, s, h, d = q.shape
     cfg = _pair_config(q, k, causal=causal, scale=scale, interpret=interpret, segment_ids=q_seg is not None,
                        float32=float32, window=window, offset=offset)
     pad, pad_ids = _pair_pad(cfg, d)
     seg = None if q_seg is None else (pad_ids(q_seg), pad_ids(k_seg))
-    o, lse2 = forward(pad(q), pad(k), pad(v), seg, cfg)
+    o, lse2 = forward(pad(q), pad(k), pad(v), seg, cfg, sinks)
     lse = jnp.where(lse2 == jnp.inf, -jnp.inf, lse2 * math.log(2.0))  # base 2 -> natural; empty rows -> -inf
     return o[:, :s, :, :d], lse[:, :, :s]
 

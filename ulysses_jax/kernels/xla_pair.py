@@ -3,12 +3,15 @@
 ``xla_forward`` returns the pair's normalised float32 output and natural-log log-sum-exp; ``xla_backward`` the pair's
 float32 gradients given the *global* log-sum-exp and ``delta = rowsum(dO * O)``. Masks come from the global positions
 given (causal, the sliding window of ``kernels/window.py``) and the segment ids; the contract is ``parallel/ring.py``'s.
+``sinks`` (``kernels/sinks.py``) join the forward's softmax; the backward needs none (the global ``lse`` has them).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+
+from ulysses_jax.kernels.sinks import with_sinks
 
 _HIGHEST = lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -36,9 +39,10 @@ def _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale, window=None):
     return (s if mask is None else jnp.where(mask, s, -jnp.inf)), q_bqkgd
 
 
-def xla_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset: int = 0):
-    """-> ``o [b, sq, H, D]`` float32 (0 for rows that see no key), ``lse [b, H, sq]`` float32 (-inf there).
-    Masks by the positions given (``offset`` is what they imply; not read)."""
+def xla_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: float, window=None, offset: int = 0,
+                sinks=None):
+    """-> ``o [b, sq, H, D]`` float32 (0 for rows that see no key), ``lse [b, H, sq]`` float32 (-inf there; with
+    ``sinks [H]``, the sink's logit in both). Masks by the positions given (``offset`` is what they imply; not read)."""
     b, sq, h, d = q.shape
     s, _ = _logits(q, k, q_pos, k_pos, q_seg, k_seg, causal, scale, window)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -47,7 +51,7 @@ def xla_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, *, causal: bool, scale: flo
     den = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("bkgqs,bskd->bqkgd", p / jnp.where(den > 0, den, 1.0), v.astype(_F32), precision=_HIGHEST)
     lse = jnp.where(den > 0, m + jnp.log(den), -jnp.inf)  # [b, Hkv, G, sq, 1]
-    return o.reshape(b, sq, h, d), lse.reshape(b, h, sq)
+    return with_sinks(o.reshape(b, sq, h, d), lse.reshape(b, h, sq), sinks)
 
 
 def xla_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, do, lse, delta, *, causal: bool, scale: float, window=None,

@@ -40,9 +40,11 @@ residual add; its backward first runs the chunks' projections again from ``O`` (
 through the norm, then the groups as above. It needs ``O``, so ``attn_recompute`` is refused with ``post_norms``.
 
 Kernels: ``xla``, ``blockwise``, ``pallas`` through ``ring.ring_kernel`` (with the log-sum-exp); ``cudnn`` has none, so
-its backward re-runs its forward (``jax.vjp``). Needs a mesh without a ring (a ring device's tokens are the ring's
-zigzag share, which these buffers do not model). Runs in ``shard_map``; parameters arrive at rest (FSDP) and are
-gathered here, their gradients reduce-scattered by the gather's transpose.
+its backward re-runs its forward (``jax.vjp``). Attention sinks (gpt-oss, ``params["sinks"] [heads]``, not cuDNN):
+cut per group like the query heads; each device's kernel takes its heads', its backward their gradient. Needs a mesh
+without a ring (a ring device's tokens are the ring's zigzag share, which these buffers do not model). Runs in
+``shard_map``; parameters arrive at rest (FSDP) and are gathered here, their gradients reduce-scattered by the gather's
+transpose.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.attention import attention, device_platform, resolve_impl
+from ulysses_jax.kernels.sinks import sink_grad
 from ulysses_jax.model.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.model.layers import apply_rope, norm_scale, rms_norm, rope_frequencies
@@ -80,6 +83,7 @@ PARAMS = {
     "q_norm": (("head_dim",), None),
     "k_norm": (("head_dim",), None),
     "post_norm": (("embed",), 0),  # Gemma 3 (post_norms): the post-attention norm's scale
+    "sinks": (("heads",), None),  # gpt-oss: one attention-sink logit per query head
 }
 _F32 = jnp.float32
 
@@ -297,7 +301,12 @@ class _Spec:
         """The post-attention norm of a chunk ``y [b, c, D]`` (Gemma 3; ``scale`` at rest, float32)."""
         return rms_norm(y, norm_scale(scale, self.cfg), self.cfg.rms_eps)
 
-    def kernel_forward(self, q, k, v, seg):
+    def sinks(self, wg: dict):
+        """This device's heads' sinks ``[size]`` from a group's weights (``wg["sinks"]``: ``[sp * size]``), or None."""
+        return jax.lax.dynamic_slice_in_dim(wg["sinks"], jax.lax.axis_index(SP) * self.groups.size, self.groups.size
+                                            ) if "sinks" in wg else None
+
+    def kernel_forward(self, q, k, v, seg, sinks=None):
         """``(o, lse)``: ``o`` in q's dtype, ``lse [b, heads, S]`` float32 (``None`` for cuDNN)."""
         if self.impl == "cudnn":
             return attention(q, k, v, causal=True, segment_ids=seg, scale=self.scale, impl="cudnn",
@@ -305,14 +314,15 @@ class _Spec:
                              max_documents=self.cfg.attn_max_documents), None
         pos = jnp.arange(q.shape[1], dtype=jnp.int32)  # token indices: only the xla kernel reads them
         o, lse = ring_kernel(self.impl, self.platform, float32=False).forward(
-            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale, **self.window_kw)
+            q, k, v, pos, pos, seg, seg, causal=True, scale=self.scale, **self.window_kw,
+            **({} if sinks is None else {"sinks": sinks}))
         return o.astype(q.dtype), lse
 
     @property
     def window_kw(self) -> dict:
         return {} if self.window is None else {"window": self.window}
 
-    def kernel_backward(self, q, k, v, seg, o, lse, do):
+    def kernel_backward(self, q, k, v, seg, o, lse, do, sinks=None):  # (dq, dk, dv[, the sinks' gradient])
         if self.impl == "cudnn":  # no log-sum-exp to start from: its forward again
             _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=True, segment_ids=seg, scale=self.scale,
                                                        impl="cudnn", platform=self.platform, window=self.window,
@@ -322,7 +332,8 @@ class _Spec:
         delta = jnp.einsum("bshd,bshd->bhs", o.astype(_F32), do.astype(_F32))
         grads = ring_kernel(self.impl, self.platform, float32=False).backward(
             q, k, v, pos, pos, seg, seg, do, lse, delta, causal=True, scale=self.scale, **self.window_kw)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+        return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v))), *([] if sinks is None else [sink_grad(
+            sinks, lse, delta)]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -339,8 +350,9 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
 
     def group(t, carry):
         o, lse = carry
-        q, k, v = fill_in(spec.project, n, sp, x, pos, group_weights(w, groups, t))
-        o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+        wg = group_weights(w, groups, t)
+        q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+        o_t, lse_t = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
         o = _row_major(jax.lax.dynamic_update_slice_in_dim(o, o_t.astype(o.dtype), t * groups.size, axis=2))
         return o, lse if lse is None else jax.lax.dynamic_update_slice_in_dim(lse, lse_t[None], t, axis=0)
 
@@ -362,14 +374,17 @@ def _sublayer_bwd(spec: _Spec, res, ct):
         wg = group_weights(w, groups, t)
         q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
         if o is None:  # recompute: this group's output and log-sum-exp again
-            o_t, lse_t = spec.kernel_forward(q, k, v, seg)
+            o_t, lse_t = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
         else:
             o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
             lse_t = None if lse is None else lse[t]
         do, dwo = grad_out(n, sp, o_t, ct_out, wg["wo"])
-        grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do)
-        w_in = {name: a for name, a in wg.items() if name != "wo"}
-        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads, dx)
+        grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do, spec.sinks(wg))
+        w_in = {name: a for name, a in wg.items() if name not in ("wo", "sinks")}
+        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads[:3], dx)
+        if "sinks" in wg:  # this device's heads' share of the group's slots; shard_map sums over devices
+            dwg["sinks"] = jnp.zeros(wg["sinks"].shape, _F32).at[jax.lax.axis_index(SP) * groups.size + jnp.arange(
+                groups.size)].set(grads[3].astype(_F32))
         (dw_t,) = jax.linear_transpose(lambda w: group_weights(w, groups, t), w32)({**dwg, "wo": dwo})
         return dx, sum_f32(dw, dw_t)
 
@@ -406,7 +421,7 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
     impl = resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim,
-                        has_segment_ids=segment_ids_BS is not None, platform=platform)
+                        has_segment_ids=segment_ids_BS is not None, platform=platform, sinks="sinks" in params)
     groups = head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), head_chunk)
     spec = _Spec(cfg, groups, n, impl, platform, recompute, kind)
     over_data = cfg.shard_params_over_data

@@ -9,6 +9,8 @@ Attention around them is ``ulysses.py``; the ring that needs them across nodes i
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ulysses_jax.parallel.head_layout import HeadLayout
 
@@ -21,6 +23,13 @@ def seq_to_heads(x: jax.Array, axis_name: str) -> jax.Array:
 def heads_to_seq(x: jax.Array, axis_name: str) -> jax.Array:
     """``[B, S, H/P, D] -> [B, S/P, H, D]``: one all-to-all, the inverse of ``seq_to_heads``."""
     return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def local_sinks(sinks: jax.Array, layout: HeadLayout, axis_name: str) -> jax.Array:
+    """``sinks [H]`` -> ``[hq]``: the attention sinks of this device's query heads after ``seq_to_heads`` (inside
+    ``shard_map``); a dummy head gets head 0's, which changes nothing (its output is dropped, its gradient zero)."""
+    table = np.maximum(np.asarray(layout.q_slots), 0).reshape(layout.sp, layout.heads_per_device)
+    return jnp.take(sinks, jnp.asarray(table, jnp.int32)[jax.lax.axis_index(axis_name)])
 
 
 def exchange_bytes(layout: HeadLayout, *, batch: int, seq_len: int, head_dim: int, itemsize: int,

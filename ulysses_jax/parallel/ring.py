@@ -51,6 +51,10 @@ with the usual aligned causal flag serves. Three kernels (:func:`ring_kernel` pi
 ``PALLAS_KERNEL``, our FlashAttention kernels (``kernels/flash_attention.py``: ``pair_forward`` /
 ``pair_backward``, the same Triton kernels with float32 outputs, separate query and key segment ids and the
 log-sum-exp converted from base 2), in Pallas interpret mode off GPUs (``PALLAS_INTERPRET_KERNEL``).
+
+Attention sinks (``kernels/sinks.py``): the sink enters once, as the accumulator's starting point (output 0, lse the
+sink: a key of value zero), never through a step's kernel; the backward hands every pair the global lse and delta,
+which include it, and adds the sinks' own gradient once.
 """
 
 from __future__ import annotations
@@ -68,8 +72,9 @@ from jax import lax
 from ulysses_jax.kernels import blockwise, flash_pair
 from ulysses_jax.kernels.xla_pair import xla_backward, xla_forward
 from ulysses_jax.kernels.attention import check_qkv
+from ulysses_jax.kernels.sinks import check_sinks, sink_grad, vary_like
 from ulysses_jax.kernels.window import FULL, MASKED, SKIP, block_kind, check_window
-from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
+from ulysses_jax.parallel.exchange import heads_to_seq, local_sinks, seq_to_heads
 from ulysses_jax.parallel.head_layout import HeadLayout
 
 ORDERS = ("zigzag", "contiguous")
@@ -284,12 +289,14 @@ def _window_kw(cfg: _Config, causal: bool, offset: int) -> dict:
     return dict(window=cfg.window, offset=offset) if causal and cfg.window is not None else {}
 
 
-def _ring_forward(q, k, v, seg, cfg: _Config):
+def _ring_forward(q, k, v, seg, cfg: _Config, sinks=None):
     tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
     q_pos, (kinds, offsets) = cfg.positions(tokens, rank), cfg.schedule(tokens)
     n = kinds.shape[-1]  # chunks per block
     qs, q_poss, q_segs = _split(q, n, 1), _split(q_pos, n, 0), _split(seg, n, 1)
     acc = [(jnp.zeros_like(c, _F32), jnp.full_like(jnp.swapaxes(c[..., 0], 1, 2), -jnp.inf, _F32)) for c in qs]
+    if sinks is not None:  # the sinks start the merge: output 0 with the sink's logit as log-sum-exp
+        acc = [(o, jnp.zeros_like(lse) + sinks.astype(_F32)[None, :, None]) for o, lse in acc]
     kv, kv_seg = jnp.stack([k, v]), seg  # [2, b, s, Hkv, D]: K and V cross in one permute
     steps = active_steps(kinds, 1)  # steps no rank needs (outside every window) are skipped whole
     for t, t_next in zip(steps, steps[1:] + [None]):
@@ -313,18 +320,18 @@ def _ring_forward(q, k, v, seg, cfg: _Config):
     return out, jnp.concatenate([lse for _, lse in acc], axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ring(q, k, v, seg, cfg: _Config):
-    return _ring_forward(q, k, v, seg, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, seg, sinks, cfg: _Config):
+    return _ring_forward(q, k, v, seg, cfg, sinks)[0]
 
 
-def _ring_fwd(q, k, v, seg, cfg: _Config):
-    out, lse = _ring_forward(q, k, v, seg, cfg)
-    return out, (q, k, v, seg, out, lse)
+def _ring_fwd(q, k, v, seg, sinks, cfg: _Config):
+    out, lse = _ring_forward(q, k, v, seg, cfg, sinks)
+    return out, (q, k, v, seg, sinks, out, lse)
 
 
 def _ring_bwd(cfg: _Config, res, do):
-    q, k, v, seg, out, lse = res
+    q, k, v, seg, sinks, out, lse = res
     tokens, rank = q.shape[1], lax.axis_index(cfg.axis_name)
     q_pos, (kinds, offsets) = cfg.positions(tokens, rank), cfg.schedule(tokens)
     n = kinds.shape[-1]  # chunks per block
@@ -359,14 +366,16 @@ def _ring_bwd(cfg: _Config, res, do):
     if steps[-1] % cfg.ring:
         dkv = cfg.rotate(dkv, steps[-1])  # the last holder is rank owner - t_last: one hop home
     dq = jnp.concatenate(dqs, axis=1).astype(q.dtype)
-    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+    dsinks = None if sinks is None else sink_grad(sinks, lse, delta)
+    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, dsinks
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=None, scale: float | None = None,
-                   order: str = "zigzag", kernel: LocalKernel = XLA_KERNEL, window: int | None = None) -> jax.Array:
+                   order: str = "zigzag", kernel: LocalKernel = XLA_KERNEL, window: int | None = None,
+                   sinks=None) -> jax.Array:
     """Exact attention over the sequence split on ``axis_name``; call inside ``shard_map``.
 
     Local blocks: ``q [b, s, H, D]``, ``k, v [b, s, Hkv, D]``, ``segment_ids [b, s]`` integers or ``None``,
@@ -374,6 +383,7 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=
     S, R)`` (``zigzag_order`` for ``"zigzag"``) and split contiguously over the axis. Returns the local
     output ``[b, s, H, D]`` in the input dtype, in the same permuted order. Differentiable (ring backward).
     ``window``: a causal sliding window over the global positions; steps outside every rank's window are skipped.
+    ``sinks``: ``[H]`` attention-sink logits of the local heads (``kernels/sinks.py``), or None.
     """
     check_qkv(q, k, v, segment_ids)
     ring = lax.axis_size(axis_name)
@@ -385,7 +395,8 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=
                          f"(the sequence divisible by 2 * {axis_name} = {2 * ring})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = check_window(window, causal=causal)
-    return _ring(q, k, v, segment_ids, _Config(axis_name, ring, order, causal, scale, kernel, window))
+    sinks = None if check_sinks(sinks, q.shape[2]) is None else vary_like(sinks, q)
+    return _ring(q, k, v, segment_ids, sinks, _Config(axis_name, ring, order, causal, scale, kernel, window))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -395,14 +406,15 @@ def ring_attention(q, k, v, *, axis_name: str, causal: bool = True, segment_ids=
 
 def ulysses_ring_local(q, k, v, segment_ids=None, *, sp_axis: str, ring_axis: str, layout: HeadLayout,
                        causal: bool = True, scale: float | None = None, order: str = "zigzag",
-                       kernel: LocalKernel = XLA_KERNEL, window: int | None = None) -> jax.Array:
+                       kernel: LocalKernel = XLA_KERNEL, window: int | None = None, sinks=None) -> jax.Array:
     """Ulysses inside an ``sp`` group, ring attention across ``ring``: the body of a ``shard_map`` over both.
 
     Local ``q [b, S/(R·P), H, D]``, ``k, v [b, S/(R·P), Hkv, D]``, ``segment_ids [b, S/(R·P)]``: the global
     sequence permuted by ``sequence_order(order, S, R)`` and split over ``(ring_axis, sp_axis)`` jointly,
     ring-major (``P(batch, (ring_axis, sp_axis))``). ``layout = plan_heads(H, Hkv, P)``. The first all-to-all
     gives ``[b, S/R, hq, D]`` queries and ``[b, S/R, k_loc, D]`` KV heads (segment ids all-gathered over
-    ``sp``), the ring runs on those, the second all-to-all returns ``[b, S/(R·P), H, D]``.
+    ``sp``), the ring runs on those, the second all-to-all returns ``[b, S/(R·P), H, D]``. ``sinks``: all ``[H]``
+    heads' (replicated); each device takes its query heads'.
     """
     sp, d = layout.sp, q.shape[-1]
     hq, kl = layout.heads_per_device, layout.kv_per_device
@@ -414,6 +426,7 @@ def ulysses_ring_local(q, k, v, segment_ids=None, *, sp_axis: str, ring_axis: st
     if segment_ids is not None:
         segment_ids = lax.all_gather(segment_ids, sp_axis, axis=1, tiled=True)  # [b, S/R]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    sinks = None if sinks is None else local_sinks(sinks, layout, sp_axis)
     o = ring_attention(ql, kl_, vl, axis_name=ring_axis, causal=causal, segment_ids=segment_ids, scale=scale,
-                       order=order, kernel=kernel, window=window)
+                       order=order, kernel=kernel, window=window, sinks=sinks)
     return layout.ungather_out(heads_to_seq(o, sp_axis))

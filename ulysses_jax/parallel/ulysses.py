@@ -26,6 +26,9 @@ in the zigzag order (causal load balance): ``ulysses_attention`` permutes global
 the order of the output, unless ``permuted=True`` says they already are in ``ring_token_order(S, R)`` (what
 the model does: it permutes tokens, positions, segment ids and labels once at its input). Ring size 1 is
 the plain Ulysses path, unchanged.
+
+Attention sinks (``sinks [H]``, ``kernels/sinks.py``) enter replicated; after the exchange each device uses its own
+query heads' (``exchange.local_sinks``), and their gradient sums over devices by ``shard_map``'s transpose.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.attention import attention, check_qkv, device_platform, resolve_impl
+from ulysses_jax.kernels.sinks import check_sinks
 from ulysses_jax.kernels.window import check_window
-from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
+from ulysses_jax.parallel.exchange import heads_to_seq, local_sinks, seq_to_heads
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.parallel.kept import kept_attention
 from ulysses_jax.parallel.ring import (
@@ -117,6 +121,7 @@ def ulysses_attention(
     window: int | None = None,
     max_documents: int | None = None,
     keep: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention on global ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with the sequence split over ``axis_name``
     (and ``ring_axis`` when the mesh has it with more than one device: Ulysses x ring, see the module doc).
@@ -125,26 +130,29 @@ def ulysses_attention(
     ``keep``: the local attention is ``parallel/kept.py``'s, its output and log-sum-exp kept for the backward under a
     remat policy that saves them; not with a ring; ``window``: a causal sliding window; each device holds the
     whole sequence of its heads, so nothing else changes; with a ring, ring steps outside it are skipped). The batch
-    is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]`` sharded
-    as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
+    is split over the mesh's other non-trivial axes. Inputs may come in any sharding; the output is ``[B, S, H, D]``
+    sharded as ``P(batch_axes, axis_name)`` (``P(batch_axes, (ring_axis, axis_name))`` with a ring). With a ring,
     ``impl`` picks the local kernel of each ring step (``"xla"``, ``"blockwise"``, ``"pallas"``; ``"auto"``: pallas
     on GPUs, blockwise elsewhere), and
-    ``permuted=True`` means inputs (and the output) are in ``ring_token_order(S, R)``. Raises ``ValueError``
+    ``permuted=True`` means inputs (and the output) are in ``ring_token_order(S, R)``. ``sinks``: ``[H]``
+    attention-sink logits (gpt-oss; every impl but cuDNN), replicated on the mesh. Raises ``ValueError``
     for a sequence length not divisible by the axis sizes, a batch not divisible by the batch axes, or
     shapes that do not fit.
     """
     axes, sp = check_ulysses(q, k, v, segment_ids, mesh, axis_name, ring_axis)
     window = check_window(window, causal=causal)
     b, s, h, d = q.shape
+    sinks = check_sinks(sinks, h)
     ring = ring_size(mesh, ring_axis)
     if ring > 1:
         if keep:
             raise ValueError("keep=True (attn_keep) is for Ulysses alone: with a ring, each ring step's partial "
                              "attention has its own backward; use a mesh with ring 1")
         return _ulysses_ring(q, k, v, segment_ids, mesh=mesh, axes=axes, sp_axis=axis_name, ring_axis=ring_axis,
-                             causal=causal, scale=scale, impl=impl, permuted=permuted, window=window)
+                             causal=causal, scale=scale, impl=impl, permuted=permuted, window=window, sinks=sinks)
     platform = device_platform(mesh)  # what the program is built for, not the machine it is traced on
-    impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None, platform=platform)
+    impl = resolve_impl(impl, dtype=q.dtype, head_dim=d, has_segment_ids=segment_ids is not None, platform=platform,
+                        sinks=sinks is not None)
     layout = plan_heads(h, k.shape[2], sp)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     spec = P(axes or None, axis_name, None, None)
@@ -155,8 +163,13 @@ def ulysses_attention(
     if segment_ids is not None:
         args.append(_place(segment_ids, NamedSharding(mesh, seg_spec)))
         in_specs.append(seg_spec)
+    if sinks is not None:
+        args.append(_place(sinks, NamedSharding(mesh, P())))
+        in_specs.append(P())
 
-    def local(q, k, v, seg=None):
+    def local(q, k, v, *rest):
+        seg = rest[0] if segment_ids is not None else None
+        sink = None if sinks is None else local_sinks(rest[-1], layout, axis_name)  # [hq]: this device's heads
         hq, kl = layout.heads_per_device, layout.kv_per_device
         bl, sl = q.shape[:2]
         parts = [
@@ -171,10 +184,10 @@ def ulysses_attention(
             seg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)  # [b, S]
         if keep:  # output and log-sum-exp named for the remat policy: the backward runs the kernel's backward only
             o = kept_attention(ql, kl_, vl, seg, causal=causal, scale=scale, impl=impl, platform=platform,
-                               window=window, max_documents=max_documents)
+                               window=window, max_documents=max_documents, sinks=sink)
         else:
             o = attention(ql, kl_, vl, causal=causal, segment_ids=seg, scale=scale, impl=impl, platform=platform,
-                          window=window, max_documents=max_documents)
+                          window=window, max_documents=max_documents, sinks=sink)
         o = heads_to_seq(o, axis_name)  # [b, S/P, P*hq, D]
         return layout.ungather_out(o)
 
@@ -190,7 +203,7 @@ def ulysses_attention(
 
 
 def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_axis: str, causal: bool, scale,
-                  impl: str, permuted: bool, window: int | None = None) -> jax.Array:
+                  impl: str, permuted: bool, window: int | None = None, sinks=None) -> jax.Array:
     """The ``ring > 1`` branch of :func:`ulysses_attention`: one ``shard_map`` over ``(ring_axis, sp_axis)``."""
     s, h, d = q.shape[1:]
     kernel = ring_kernel(impl, device_platform(mesh))
@@ -206,8 +219,15 @@ def _ulysses_ring(q, k, v, segment_ids, *, mesh: Mesh, axes, sp_axis: str, ring_
     if segment_ids is not None:
         args.append(_place(segment_ids, NamedSharding(mesh, seg_spec)))
         in_specs.append(seg_spec)
-    local = functools.partial(ulysses_ring_local, sp_axis=sp_axis, ring_axis=ring_axis, layout=layout, causal=causal,
-                              scale=scale, order="zigzag", kernel=kernel, window=window)
+    if sinks is not None:
+        args.append(_place(sinks, NamedSharding(mesh, P())))
+        in_specs.append(P())
+    ring_local = functools.partial(ulysses_ring_local, sp_axis=sp_axis, ring_axis=ring_axis, layout=layout,
+                                   causal=causal, scale=scale, order="zigzag", kernel=kernel, window=window)
+
+    def local(q, k, v, *rest):
+        return ring_local(q, k, v, rest[0] if segment_ids is not None else None,
+                          sinks=None if sinks is None else rest[-1])
     # Pallas kernels carry no varying-manual-axes annotations (as without a ring)
     out = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec,
                         check_vma=kernel not in (PALLAS_KERNEL, PALLAS_INTERPRET_KERNEL))(*args)
