@@ -12,9 +12,10 @@ the coordinator's address, the process count and this process's index (``None`` 
   Indexed Job; ``JAX_PROCESS_ID`` wins if given).
 
 ``initialize`` calls ``jax.distributed.initialize`` with those values (JAX's own detection off, so a one-task-per-node
-SLURM job is not cut to one GPU a node; outside both, JAX's detection: Open MPI, mpi4py) and starts the ``Watchdog``: each process posts a heartbeat into the
-coordination service's key-value store every second or so; process 0 watches every heartbeat, the others watch
-process 0's and its verdict. A process silent for ``--peer-timeout`` seconds is lost: every other process prints one
+SLURM job is not cut to one GPU a node; outside both, JAX's detection: Open MPI, mpi4py) and starts the
+``Watchdog``: each process posts a heartbeat into the coordination service's key-value store every
+``--peer-timeout / 10`` seconds (0.25 to 5); process 0 watches every heartbeat, the others watch process 0's and its
+verdict. A process silent for ``--peer-timeout`` seconds is lost: every other process prints one
 line naming it and the resume command, and exits with ``EXIT_PEER_LOST`` (no hang, no C++ abort: JAX's own heartbeat,
 which aborts with a stack trace, is set to fire later). ``peer_guard`` does the same for an error the lost peer causes
 in the main thread (a collective that fails at once, as gloo's does on CPU).
