@@ -16,6 +16,7 @@ from ulysses_jax.kernels.cudnn_packed import (
     default_max_documents,
     document_starts,
     packed_workspace_bytes,
+    padding,
     ragged_mask,
     resolve_max_documents,
     rows_not_described,
@@ -47,8 +48,9 @@ def test_ragged_offsets_stand_for_the_segment_mask(causal, seed):
         seg = jnp.asarray(packed_rows(rng, 4, s))
         m = m or max(int(documents_per_row(np.asarray(seg)).max(initial=0)), 1)
         seqlen, offsets, count = segments_to_ragged(seg, m)
-        np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)))
-        real = np.asarray(seg != 0)
+        zeros_row = ~np.asarray(seg).any(axis=1)  # a row of zeros is one document to cuDNN, as to the other kernels
+        np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)) + zeros_row)
+        real = np.asarray(seg != 0) | zeros_row[:, None]
         for window in (None, 3):
             want = np.asarray(attention_mask(s, causal=causal, segment_ids=seg, window=window))
             want = want & real[:, None, None, :, None] & real[:, None, None, None, :]
@@ -67,6 +69,12 @@ def test_ragged_layout_is_what_cudnn_reads():
     assert not bool(rows_not_described(seg, 3)) and bool(rows_not_described(seg, 2))
     # a change of id marks a new document even between equal neighbours further apart
     np.testing.assert_array_equal(document_starts(jnp.asarray([[4, 4, 6, 4, 0]])), [[1, 0, 1, 1, 0]])
+    # ids counted from 0: only the zeros after the last nonzero id are padding; a row of zeros is one document
+    seg = jnp.asarray([[0, 0, 1, 1, 2], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]], jnp.int32)
+    np.testing.assert_array_equal(padding(seg), [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    seqlen, offsets, count = segments_to_ragged(seg, 3)
+    np.testing.assert_array_equal(offsets, [[0, 2, 4, -1], [0, 2, -1, -1], [0, -1, -1, -1]])
+    np.testing.assert_array_equal(seqlen, [[2, 2, 1], [2, 1, -1], [5, -1, -1]])
 
 
 def test_rows_beyond_the_bound_are_refused_before_the_step():
@@ -133,7 +141,11 @@ def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m):
     text = _compiled_text(dev, "cudnn", h=h, hkv=hkv, window=window, max_documents=m)
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
     assert len(calls) == 2 and sum("Backward" in c for c in calls) == 1, calls
-    assert "xla.gpu.triton" not in text and '"__triton' not in text  # no Pallas kernel, no Triton fusion
+    # no Pallas kernel and no Triton matmul: XLA's only Triton fusions here are the [B, S] reductions that find each
+    # row's padding (kernels/cudnn_packed.padding)
+    assert "xla.gpu.triton" not in text and '"__triton_gemm' not in text
+    triton = [line for line in text.splitlines() if '"kind":"__triton"' in line]
+    assert all("reduce" in line.split("=")[0] for line in triton), triton
     if window:
         assert text.count("sliding_window_length") >= 2
     auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m)

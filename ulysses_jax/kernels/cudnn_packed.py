@@ -7,10 +7,13 @@ layout needs a Hopper GPU or later). ``segments_to_ragged`` turns the segment id
 inside the program.
 
 The segment-id convention it reads (``ulysses_jax/data/pipeline.py``): each document's tokens are contiguous, with
-an id different from its neighbours'; id ``0`` marks padding. The id values themselves are not used, only where
-they change: a document starts where the id differs from the token before (or at the row's start), unless that
-token is padding. Padding tokens belong to no document: cuDNN writes nothing meaningful there, so the output is
-zeroed at padding (their cotangent is zero under a loss that ignores them, so their gradients are zero too).
+an id different from its neighbours'; the zeros after a row's last nonzero id are padding (``padding``). The id
+values themselves are not used, only where they change: a document starts where the id differs from the token
+before (or at the row's start), unless that token is padding. So ids counted from 0 work (a leading run of 0 is a
+document), and so does a row of zeros (one document), as in the other kernels. Padding tokens belong to no
+document: cuDNN writes nothing meaningful there, so the output is zeroed at padding (their cotangent is zero under a
+loss that ignores them, so their gradients are zero too); the other kernels let padding attend to padding, so
+outputs at padding differ between kernels and mean nothing.
 
 The bound ``M`` is static: ``resolve_max_documents`` (0: by the row's length), ``M = 1`` takes cuDNN's padding mask
 (one document from the row's start) and no packed workspace, whose size ``packed_workspace_bytes`` gives for the
@@ -26,11 +29,18 @@ import jax
 import jax.numpy as jnp
 
 
+def padding(segment_ids: jax.Array) -> jax.Array:
+    """``[B, S]`` bool: the padding, the zeros after a row's last nonzero id (none in a row of zeros: one document)."""
+    pos = jnp.arange(segment_ids.shape[1])
+    last = jnp.max(jnp.where(segment_ids != 0, pos, -1), axis=1, keepdims=True)
+    return (pos > last) & (last >= 0)
+
+
 def document_starts(segment_ids: jax.Array) -> jax.Array:
-    """``[B, S]`` bool: the first token of each document (padding, id 0, starts none)."""
+    """``[B, S]`` bool: the first token of each document (padding starts none)."""
     prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=0)
     first = jnp.arange(segment_ids.shape[1]) == 0
-    return (segment_ids != 0) & (first | (segment_ids != prev))
+    return ~padding(segment_ids) & (first | (segment_ids != prev))
 
 
 def segments_to_ragged(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -51,7 +61,7 @@ def segments_to_ragged(segment_ids: jax.Array, max_segments: int) -> tuple[jax.A
     slot = jnp.where(starts, index, m + 1)
     offsets = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(pos, mode="drop")
     offsets = jnp.where(jnp.arange(m + 1) < m, offsets, -1)  # the (M+1)-th entry stays -1
-    real = (segment_ids != 0) & (index >= 0)
+    real = ~padding(segment_ids) & (index >= 0)
     lengths = jnp.zeros((b, m), jnp.int32).at[rows, jnp.where(real, index, m)].add(1, mode="drop")
     seqlen = jnp.where(jnp.arange(m) < count[:, None], lengths, -1)
     return seqlen, offsets, count
@@ -120,7 +130,7 @@ def _ragged(segment_ids, max_segments: int | None) -> tuple[dict, jax.Array]:
         return {}, jnp.zeros((), bool)
     m = resolve_max_documents(max_segments, segment_ids.shape[1])
     if m <= 1:
-        real = segment_ids != 0
+        real = ~padding(segment_ids)
         count = jnp.sum(document_starts(segment_ids), axis=1)
         seqlen = jnp.sum(real, axis=1, dtype=jnp.int32)
         return dict(q_seqlen=seqlen, kv_seqlen=seqlen), jnp.any((count > 1) | ((count == 1) & ~real[:, 0]))
@@ -167,7 +177,7 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
 def around_packed(call, q, k, v, segment_ids, max_segments: int | None) -> jax.Array:
     """``call(q, k, v)`` on packed rows as every cuDNN path needs it: Q, K, V zeroed at padding (their gradients
     there exactly zero), the output zeroed there, all NaN when a row is beyond the bound (``rows_not_described``)."""
-    mask = (segment_ids != 0)[:, :, None, None]
+    mask = ~padding(segment_ids)[:, :, None, None]
     q, k, v = (jnp.where(mask, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
     out = jnp.where(mask, call(q, k, v), jnp.zeros((), q.dtype))
     return jnp.where(rows_not_described(segment_ids, max_segments), jnp.full((), jnp.nan, out.dtype), out)
