@@ -32,10 +32,12 @@ def test_presets_have_the_published_parameter_count(name):
 
 
 def test_preset_features():
-    assert set(PRESETS) == {"tiny", "gemma3-4b", *PUBLISHED}  # gemma3-4b: the text model of a vision-language one
+    # gemma3-4b: the text model of a vision-language one; the mixtures of experts: tests/test_moe.py
+    assert set(PRESETS) == {"tiny", "gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
-    assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", *gemma}
+    assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
+                                                            "tiny-moe", *gemma}
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
         "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b", *gemma

@@ -22,6 +22,7 @@ from ulysses_jax.train.step import (
     make_schedule,
     make_train_step,
     state_shardings,
+    zero_sums,
 )
 
 CFG = dataclasses.replace(ModelConfig.from_preset("tiny"), num_layers=1, compute_dtype="float32")
@@ -121,7 +122,7 @@ def test_grad_accumulation_adds_in_float32(seed):
 
     def grad_known(p, micro):
         g = known[micro["m"][0, 0]]
-        return (jnp.float32(0), jnp.int32(0)), jax.tree.map(lambda x: jnp.full(x.shape, g, x.dtype), p)
+        return (jnp.float32(0), zero_sums(0)), jax.tree.map(lambda x: jnp.full(x.shape, g, x.dtype), p)
 
     _, grads = jax.jit(lambda p, b: accumulate(grad_known, p, b, accum, mesh))(params, batch)
     want = np.asarray(known, np.float64).sum()
@@ -132,11 +133,12 @@ def test_grad_accumulation_adds_in_float32(seed):
 
     # (2) the model: each micro-batch's gradient is bfloat16 (the parameters'), their sum float32
     grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
-    (total, count), grads = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum, mesh))(params, batch)
+    (total, sums), grads = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum, mesh))(params, batch)
     f32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     graphdef32 = init_state(CFG, mesh, optax.sgd(1.0), seed=0)[0]
-    (total32, count32), ref = jax.jit(jax.value_and_grad(lambda p, b: _loss_sums(graphdef32, p, b), has_aux=True))(
+    (total32, sums32), ref = jax.jit(jax.value_and_grad(lambda p, b: _loss_sums(graphdef32, p, b), has_aux=True))(
         f32, batch)
+    count, count32 = sums["count"], sums32["count"]
     assert int(count) == int(count32) == int((batch["labels"] >= 0).sum())
     np.testing.assert_allclose(float(total), float(total32), rtol=1e-5)
     for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref)):

@@ -8,7 +8,8 @@ Settings come, each overriding the one before, from the defaults, the run's reco
 Exit status: 0 done; 1 ``plan``'s verdict is OVER (it prints the ``--memory auto`` command to try); 2 a user error,
 found before anything is written (one line, ``error: ...``); 3 the loss became
 NaN or infinite (nothing saved; the last good checkpoint is named); 75 stopped by SIGTERM or SIGINT after saving a
-checkpoint (``--resume`` continues exactly); 130 stopped at once by a second signal.
+checkpoint (``--resume`` continues exactly); 69 another process of a multi-process job was lost (one line names it;
+restart the job with ``--resume``: ``train/cluster.py``); 130 stopped at once by a second signal.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import tyro
 
 from ulysses_jax.parallel.head_layout import plan_heads
-from ulysses_jax.train import runconfig
+from ulysses_jax.train import cluster, runconfig
 from ulysses_jax.train.config import PRESET_AND_HF, TrainConfig
 from ulysses_jax.train.devices import apply_memory_pool
 from ulysses_jax.evaluation.evaluate import EvalConfig
@@ -71,9 +72,12 @@ def _setup_devices(cfg) -> None:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)  # only affects the CPU backend
     except RuntimeError:  # backends already initialised (called in-process): keep the devices there are
         pass
-    if cfg.distributed or cfg.coordinator_address is not None:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only: lets fake devices talk
-        jax.distributed.initialize(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    job = cluster.initialize(distributed=cfg.distributed, coordinator_address=cfg.coordinator_address,
+                             num_processes=cfg.num_processes, process_id=cfg.process_id,
+                             peer_timeout=getattr(cfg, "peer_timeout", cluster.DEFAULT_PEER_TIMEOUT),
+                             run_dir=cfg.run_dir if isinstance(cfg, TrainConfig) else None)
+    if job:
+        print(f"Job: {job}")
     if jax.default_backend() == "cpu":
         print(f"No accelerator found: running on {jax.device_count()} fake CPU devices (--cpu-devices to change).")
     else:
@@ -243,6 +247,14 @@ def _train(cfg: TrainConfig) -> int:
         f"on mesh {dict(run.mesh.shape)}: {run.batch_size} x {cfg.seq_len} tokens per step, "
         f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m, run.mesh)}"
     )
+    if m.num_experts:
+        from ulysses_jax.model.flops import active_param_count, param_count
+        from ulysses_jax.model.moe import resolve_impl
+
+        print(f"Experts: {m.num_experts}, top-{m.experts_per_token}, in {len(m.sparse_layers)} of {m.num_layers} "
+              f"layers ({param_count(m) / 1e6:,.1f}M parameters, {active_param_count(m) / 1e6:,.1f}M active per "
+              f"token); grouped matmul {m.moe_impl} -> {resolve_impl(m.moe_impl, run.mesh)}; load-balancing loss "
+              f"weight {m.router_aux_loss_coef:g} (--router-aux-loss-coef)")
     layout = plan_heads(m.num_heads, m.num_kv_heads, run.mesh.shape["sp"])
     if layout.wasted_fraction:
         print(f"note: {m.num_heads} heads on sp={layout.sp} pads heads: {layout.wasted_fraction:.0%} of attention "
@@ -389,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     if isinstance(cfg, PlanConfig):
         return _plan(cfg, list(sys.argv[2:] if argv is None else argv[1:]))
-    if isinstance(cfg, ExportConfig):
-        return _export(cfg)
-    return _train(cfg) if isinstance(cfg, TrainConfig) else _eval(cfg)
+    with cluster.peer_guard():  # a collective failed by a lost process: one line and exit 69, not a traceback
+        if isinstance(cfg, ExportConfig):
+            return _export(cfg)
+        return _train(cfg) if isinstance(cfg, TrainConfig) else _eval(cfg)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,31 @@ class Entry:
     dims: str
     hf: str  # ``{i}``: the layer number, for parameters of the stacked block
     hf_dims: str
-    when: str | None = None  # what must hold: "untied", "qkv_bias", "qk_norm", "post_norms" or "pre_norms"
+    when: str | None = None  # what must hold: "untied", "qkv_bias", "qk_norm", "post_norms", "pre_norms", "dense",
+    # "qwen_moe", "mixtral" (the expert tables; "dense" and these are also the layers that have the tensor)
 
     @property
     def stacked(self) -> bool:
         return self.param.startswith("blocks.")
+
+    @property
+    def experts(self) -> bool:
+        """One HF tensor per expert (``{j}`` in the name), stacked on our ``E`` dimension (the router has an ``E``
+        dimension too, in one tensor)."""
+        return "{j}" in self.hf
+
+    @property
+    def per_tensor(self) -> Entry:
+        """This entry for one HF tensor: without our ``E`` dimension for an experts' entry."""
+        return dataclasses.replace(self, dims=self.dims.replace("E", "")) if self.experts else self
+
+    def layers(self, cfg: ModelConfig) -> list[int]:
+        """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP."""
+        if self.when in ("qwen_moe", "mixtral"):
+            return list(cfg.sparse_layers)
+        if self.when == "dense":
+            return [i for i in range(cfg.num_layers) if i not in cfg.sparse_layers]
+        return list(range(cfg.num_layers))
 
     def hf_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         return tuple(math.prod(sizes[c] for c in g) for g in self.hf_dims.split(","))
@@ -100,9 +120,18 @@ TABLE: tuple[Entry, ...] = (
     Entry("blocks.post_attn_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "post_norms"),
     Entry("blocks.mlp_norm.scale", "D", _L + "pre_feedforward_layernorm.weight", "D", "post_norms"),
     Entry("blocks.post_mlp_norm.scale", "D", _L + "post_feedforward_layernorm.weight", "D", "post_norms"),
-    Entry("blocks.mlp.w_gate_DF", "DF", _L + "mlp.gate_proj.weight", "F,D"),
-    Entry("blocks.mlp.w_up_DF", "DF", _L + "mlp.up_proj.weight", "F,D"),
-    Entry("blocks.mlp.w_down_FD", "FD", _L + "mlp.down_proj.weight", "D,F"),
+    Entry("blocks.mlp.w_gate_DF", "DF", _L + "mlp.gate_proj.weight", "F,D", "dense"),
+    Entry("blocks.mlp.w_up_DF", "DF", _L + "mlp.up_proj.weight", "F,D", "dense"),
+    Entry("blocks.mlp.w_down_FD", "FD", _L + "mlp.down_proj.weight", "D,F", "dense"),
+    # mixtures of experts: the router and one tensor per expert {j} (G: an expert's width, moe_mlp_dim)
+    Entry("blocks.moe.w_router_DE", "DE", _L + "mlp.gate.weight", "E,D", "qwen_moe"),
+    Entry("blocks.moe.w_gate_EDF", "EDG", _L + "mlp.experts.{j}.gate_proj.weight", "G,D", "qwen_moe"),
+    Entry("blocks.moe.w_up_EDF", "EDG", _L + "mlp.experts.{j}.up_proj.weight", "G,D", "qwen_moe"),
+    Entry("blocks.moe.w_down_EFD", "EGD", _L + "mlp.experts.{j}.down_proj.weight", "D,G", "qwen_moe"),
+    Entry("blocks.moe.w_router_DE", "DE", _L + "block_sparse_moe.gate.weight", "E,D", "mixtral"),
+    Entry("blocks.moe.w_gate_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w1.weight", "G,D", "mixtral"),
+    Entry("blocks.moe.w_up_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w3.weight", "G,D", "mixtral"),
+    Entry("blocks.moe.w_down_EFD", "EGD", _L + "block_sparse_moe.experts.{j}.w2.weight", "D,G", "mixtral"),
     Entry("final_norm.scale", "D", "model.norm.weight", "D"),
     Entry("lm_head_VD", "VD", "lm_head.weight", "V,D", "untied"),
 )
@@ -110,17 +139,27 @@ TABLE: tuple[Entry, ...] = (
 
 def entries(cfg: ModelConfig) -> list[Entry]:
     """The rows of ``TABLE`` that a model with ``cfg`` has."""
+    qwen_moe = bool(cfg.num_experts) and export_architecture(cfg) == "Qwen3MoeForCausalLM"
     have = {None: True, "untied": not cfg.tie_embeddings, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
-            "post_norms": cfg.post_norms, "pre_norms": not cfg.post_norms}
+            "post_norms": cfg.post_norms, "pre_norms": not cfg.post_norms, "dense": cfg.has_dense_mlp,
+            "qwen_moe": qwen_moe, "mixtral": bool(cfg.num_experts) and not qwen_moe}
     return [e for e in TABLE if have[e.when]]
 
 
 def letter_sizes(cfg: ModelConfig) -> dict[str, int]:
-    return dict(V=cfg.vocab_size, D=cfg.hidden, N=cfg.num_heads, K=cfg.num_kv_heads, H=cfg.head_dim, F=cfg.mlp_dim)
+    return dict(V=cfg.vocab_size, D=cfg.hidden, N=cfg.num_heads, K=cfg.num_kv_heads, H=cfg.head_dim, F=cfg.mlp_dim,
+                E=cfg.num_experts, G=cfg.expert_mlp_dim)
+
+
+def tensor_name(entry: Entry, layer: int | None = None, expert: int | None = None) -> str:
+    return entry.hf.format(i=layer, j=expert) if entry.stacked else entry.hf
 
 
 def hf_names(entry: Entry, cfg: ModelConfig) -> list[str]:
-    return [entry.hf.format(i=i) for i in range(cfg.num_layers)] if entry.stacked else [entry.hf]
+    if not entry.stacked:
+        return [entry.hf]
+    experts = range(cfg.num_experts) if entry.experts else [None]
+    return [tensor_name(entry, i, j) for i in entry.layers(cfg) for j in experts]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,9 +267,16 @@ def _read_block(folder, entry: Entry, cfg: ModelConfig, cut: tuple[slice, ...], 
     if not entry.stacked:
         return np.ascontiguousarray(_read_layer(folder, entry.hf, entry, sizes, cut), dtype)
     layers, cut = range(cut[0].start, cut[0].stop), cut[1:]
-    out = np.empty((len(layers), *(s.stop - s.start for s in cut)), dtype)
-    for j, i in enumerate(layers):
-        out[j] = _read_layer(folder, entry.hf.format(i=i), entry, sizes, cut)  # converts the dtype
+    out = np.zeros((len(layers), *(s.stop - s.start for s in cut)), dtype)  # zeros: a layer of the other MLP kind
+    held = set(entry.layers(cfg))
+    for n, i in enumerate(layers):
+        if i not in held:
+            continue
+        if entry.experts:  # one HF tensor per expert of the block's E range
+            for m, j in enumerate(range(cut[0].start, cut[0].stop)):
+                out[n, m] = _read_layer(folder, tensor_name(entry, i, j), entry.per_tensor, sizes, cut[1:])
+        else:
+            out[n] = _read_layer(folder, tensor_name(entry, i), entry, sizes, cut)  # converts the dtype
     return out
 
 
@@ -322,16 +368,18 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
     arch = export_architecture(cfg, src_cfg.get("architectures"))
     sizes, itemsize = letter_sizes(cfg), jnp.dtype(dtype).itemsize
     rows = [e for e in entries(cfg) if not e.stacked]
-    order = [(rows[0], None)] + [(e, i) for i in range(cfg.num_layers) for e in entries(cfg) if e.stacked]
-    order += [(e, None) for e in rows[1:]]
+    order = [(rows[0], None, None)] + [
+        (e, i, j) for i in range(cfg.num_layers) for e in entries(cfg) if e.stacked and i in e.layers(cfg)
+        for j in (range(cfg.num_experts) if e.experts else [None])]
+    order += [(e, None, None) for e in rows[1:]]
     shards: list[list] = [[]]
     used = 0
-    for entry, i in order:
+    for entry, i, j in order:
         n = math.prod(entry.hf_shape(sizes)) * itemsize
         if shards[-1] and used + n > max_shard_bytes:
             shards.append([])
             used = 0
-        shards[-1].append((entry, i))
+        shards[-1].append((entry, i, j))
         used += n
     writer = jax.process_index() == 0
     if jax.process_count() > 1:  # every process has checked the folder before process 0 writes into it
@@ -345,11 +393,13 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
     weight_map, total = {}, 0
     for file, shard in zip(names, shards):
         tensors = {}
-        for entry, i in shard:
+        for entry, i, j in shard:
             x = params[entry.param]
-            x = _fetch(x if i is None else _layer(x, i))
-            name = entry.hf if i is None else entry.hf.format(i=i)
-            tensors[name] = np.ascontiguousarray(entry.to_hf(x, sizes).astype(jnp.dtype(dtype)))
+            if j is None or j == 0:  # a layer's experts are fetched once, with its first expert
+                fetched = _fetch(x if i is None else _layer(x, i))
+            name = tensor_name(entry, i, j)
+            one = fetched if j is None else fetched[j]
+            tensors[name] = np.ascontiguousarray(entry.per_tensor.to_hf(one, sizes).astype(jnp.dtype(dtype)))
             weight_map[name] = file
             total += tensors[name].nbytes
         if writer:

@@ -1,7 +1,7 @@
 """Loops over chunks of a device's local sequence, with buffers XLA keeps in the loop and a backward of their own.
 
-Used inside ``shard_map`` by the tiled sublayers (``transformer.tiled_swiglu``, ``tiled_attention.py``): activations are
-``[b, s, ...]`` per device and a chunk is ``c`` consecutive of its ``s`` tokens.
+Used inside ``shard_map`` by the tiled sublayers (``mlp.tiled_swiglu``, ``moe.py``, ``tiled_attention.py``):
+activations are ``[b, s, ...]`` per device and a chunk is ``c`` consecutive of its ``s`` tokens.
 
 Two facts of the compiled H100 program shape this module (read from its buffer assignment, Llama-3.1-8B at 8M tokens
 on 8 GPUs):

@@ -17,6 +17,16 @@ Presets carry the shapes of the published checkpoints (Hugging Face ``config.jso
 | gemma3-1b    | 26     | 1152   | 4     | 1  | 256      | 6912  | 262144 | 1e6    | -          | yes  | Gemma 3  |
 | gemma3-4b    | 34     | 2560   | 8     | 4  | 256      | 10240 | 262208 | 1e6    | linear x8  | yes  | Gemma 3  |
 
+Mixtures of experts (``model/moe.py``; ``mlp`` above is the expert's width here):
+
+| preset        | layers | hidden | heads | kv | head_dim | experts | top-k | expert mlp | vocab  | total / active |
+|---------------|--------|--------|-------|----|----------|---------|-------|------------|--------|----------------|
+| qwen3-30b-a3b | 48     | 2048   | 32    | 4  | 128      | 128     | 8     | 768        | 151936 | 30.5B / 3.3B   |
+| mixtral-8x7b  | 32     | 4096   | 32    | 8  | 128      | 8       | 2     | 14336      | 32000  | 46.7B / 12.9B  |
+
+Both renormalise the top-k weights; Qwen3-30B-A3B has qk-norm and every layer sparse; ``tiny-moe`` (CPU-sized) has one
+dense layer among three sparse ones.
+
 Gemma 3 (text; the 4B's language model): five local layers of a sliding window (512 tokens for 1B, 1024 for 4B) to one
 global, local RoPE base 10000, norms around both sublayers with (1 + w), qk-norm, GeGLU (tanh GELU), embeddings times
 sqrt(hidden), attention scale 1/sqrt(256).
@@ -52,13 +62,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ulysses_jax.model import hf_config
-from ulysses_jax.model import layer_kinds
+from ulysses_jax.model import hf_config, layer_kinds
 from ulysses_jax.model.layer_kinds import check_layers
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("llama3", "linear")
+MOE_IMPLS = ("auto", "pallas", "ragged_dot")  # the experts' grouped matmul (model/moe.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +146,14 @@ class ModelConfig:
     mlp_activation: str = "silu"
     scale_embeddings: bool = False  # embeddings times sqrt(hidden)
     query_pre_attn_scalar: float = 0.0  # attention scale 1/sqrt(this); 0: head_dim
+    # Mixture of experts (Qwen3-MoE, Mixtral; model/moe.py): 0 experts = a dense MLP in every layer
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k of the router
+    moe_mlp_dim: int = 0  # an expert's MLP width; 0: mlp_dim (Mixtral). mlp_dim is the dense layers' width
+    router_renormalize: bool = False  # the top-k weights renormalised to sum to 1 (Qwen3 norm_topk_prob; Mixtral)
+    dense_layers: tuple[int, ...] = ()  # with experts: the layers whose MLP is dense (Qwen3 mlp_only_layers)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training objective
+    moe_impl: str = "auto"  # grouped matmul: auto (pallas on GPUs, ragged_dot elsewhere), pallas, ragged_dot
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -193,7 +211,55 @@ class ModelConfig:
                              "too (tokens per chunk, e.g. 4096)")
         if isinstance(self.layer_pattern, list):  # from JSON (run.json)
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+        if isinstance(self.dense_layers, list):
+            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         check_layers(self)
+        self._check_experts()
+
+    def _check_experts(self):
+        e, k = self.num_experts, self.experts_per_token
+        for field in ("num_experts", "experts_per_token", "moe_mlp_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{field} ({value!r}) must be 0 or a positive integer")
+        if e == 0:
+            if k or self.dense_layers or self.moe_mlp_dim:
+                raise ValueError(f"experts_per_token ({k}), moe_mlp_dim ({self.moe_mlp_dim}) and dense_layers "
+                                 f"({list(self.dense_layers)}) describe experts, but num_experts is 0; set num_experts")
+            return
+        if e < 2:
+            raise ValueError(f"num_experts ({e}) must be at least 2 for a mixture of experts (0: a dense MLP)")
+        if not 1 <= k <= e:
+            raise ValueError(f"experts_per_token ({k}) must be between 1 and num_experts ({e})")
+        bad = [i for i in self.dense_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad or len(set(self.dense_layers)) != len(self.dense_layers):
+            raise ValueError(f"dense_layers {list(self.dense_layers)} must be distinct layer indices in "
+                             f"0..{self.num_layers - 1}")
+        if len(self.dense_layers) == self.num_layers:
+            raise ValueError(f"dense_layers lists every layer ({self.num_layers}); set num_experts 0 for a dense model")
+        if self.post_norms:
+            raise ValueError("experts (num_experts) with post_norms (Gemma 3) are not modelled; drop one")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl {self.moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef ({self.router_aux_loss_coef}) must be >= 0")
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        """An expert's MLP width (``moe_mlp_dim``, or ``mlp_dim`` when 0)."""
+        return self.moe_mlp_dim or self.mlp_dim
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether some layer has a dense MLP (every layer of a model without experts)."""
+        return len(self.sparse_layers) < self.num_layers
 
     @property
     def window_kinds(self) -> tuple:
@@ -300,6 +366,21 @@ PRESETS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(
         name="mistral-7b", vocab_size=32_768, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151_936, num_layers=48, hidden=2048, num_heads=32, num_kv_heads=4,
+        head_dim=128, mlp_dim=6144, qk_norm=True, max_seq_len=40_960, num_experts=128, experts_per_token=8,
+        moe_mlp_dim=768, router_renormalize=True, router_aux_loss_coef=0.001, **_QWEN,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32_000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768, num_experts=8,
+        experts_per_token=2, router_renormalize=True, router_aux_loss_coef=0.02,
+    ),
+    "tiny-moe": ModelConfig(
+        name="tiny-moe", vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32,
+        mlp_dim=768, rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32", qk_norm=True, num_experts=8,
+        experts_per_token=2, moe_mlp_dim=128, router_renormalize=True, dense_layers=(0,), router_aux_loss_coef=0.001,
     ),
     "gemma3-1b": ModelConfig(
         name="gemma3-1b", vocab_size=262_144, num_layers=26, hidden=1152, num_heads=4, num_kv_heads=1, mlp_dim=6912,

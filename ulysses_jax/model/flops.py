@@ -4,8 +4,9 @@ Model FLOPs of one training step (forward + backward; rematerialisation is *not*
 for MFU):
 
   * matmuls: ``6 * P_mm * tokens``, where ``P_mm`` counts the weights that enter a matmul: q, k, v, o
-    projections and the three MLP matrices of every layer, plus the ``V x D`` unembedding (its matmul runs
-    whether or not it is tied to the embedding). The embedding lookup (a gather), norms, biases, RoPE and
+    projections and the three MLP matrices of every layer (of a sparse layer: its router and the ``k`` experts a
+    token visits, the active parameters), plus the ``V x D`` unembedding (its matmul runs whether or not it is tied
+    to the embedding). The embedding lookup (a gather), norms, biases, RoPE and
     the softmax are left out: they are elementwise, well under 1% at these sizes.
   * attention scores: per layer, ``Q K^T`` and ``P V`` each cost ``2 * B * S^2 * N * H`` forward, so
     ``12 * L * B * S^2 * N * H`` forward + backward, halved when causal (only the unmasked half counts,
@@ -31,20 +32,37 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 
-def layer_matmul_params(cfg: ModelConfig) -> int:
-    d, n, k, h, f = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    return d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+def mlp_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
+    """Matmul weights of the MLPs, averaged over the layers: a dense layer's ``3 D F``; a sparse layer's router
+    ``D E`` and, per token, its ``k`` experts' ``3 D F_e`` (``active``) or all ``E`` of them."""
+    d = cfg.hidden
+    sparse = len(cfg.sparse_layers)
+    experts = cfg.experts_per_token if active else cfg.num_experts
+    per_sparse = d * cfg.num_experts + experts * 3 * d * cfg.expert_mlp_dim
+    return ((cfg.num_layers - sparse) * 3 * d * cfg.mlp_dim + sparse * per_sparse) / cfg.num_layers
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """``P_mm``: weights that enter a matmul, the unembedding included (module doc)."""
+def layer_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
+    """Matmul weights one token passes through in an average layer (``active``: a sparse layer's k experts only)."""
+    d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return d * n * h + 2 * d * k * h + n * h * d + mlp_matmul_params(cfg, active=active)
+
+
+def matmul_params(cfg: ModelConfig) -> float:
+    """``P_mm``: weights that enter a matmul per token, the unembedding included (module doc); the active experts."""
     return cfg.num_layers * layer_matmul_params(cfg) + cfg.vocab_size * cfg.hidden
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: ``param_count`` with a sparse layer's ``k`` experts in place of all ``E``."""
+    unused = len(cfg.sparse_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden * cfg.expert_mlp_dim
+    return param_count(cfg) - unused
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Distinct parameters (a tied unembedding counted once): what the published model cards report."""
     d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = layer_matmul_params(cfg) + 2 * d
+    per_layer = round(layer_matmul_params(cfg, active=False)) + 2 * d
     per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
     per_layer += 2 * h if cfg.qk_norm else 0
     per_layer += 2 * d if cfg.post_norms else 0

@@ -11,6 +11,7 @@ import json
 import pathlib
 
 from ulysses_jax.model.gemma import gemma_fields, gemma_hf_config, hf_layer_types, layer_fields
+from ulysses_jax.model.hf_moe import moe_architecture, moe_fields, moe_hf_config
 
 ARCHITECTURES = {  # config.json "architectures" -> "model_type"
     "LlamaForCausalLM": "llama",
@@ -18,12 +19,16 @@ ARCHITECTURES = {  # config.json "architectures" -> "model_type"
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # ModelConfig fields that config.json decides (the others, e.g. compute_dtype or remat, are training choices).
 HF_CONFIG_FIELDS = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                     "rope_theta", "rope_scaling", "rms_eps", "tie_embeddings", "qk_norm", "qkv_bias", "sliding_window",
                     "layer_pattern", "rope_local_theta", "post_norms", "norm_plus_one", "mlp_activation",
-                    "scale_embeddings", "query_pre_attn_scalar")
+                    "scale_embeddings", "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_mlp_dim",
+                    "router_renormalize", "dense_layers")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -120,9 +125,10 @@ def config_fields(path) -> dict:
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         mlp_dim=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         rms_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qk_norm=arch == "Qwen3ForCausalLM", qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch in _QWEN3, qkv_bias=arch == "Qwen2ForCausalLM",
     )
     fields.update(extra)
+    fields.update(moe_fields(raw, where, arch, layers))
     if isinstance(raw.get("max_position_embeddings"), int):
         fields["max_seq_len"] = raw["max_position_embeddings"]
     return fields
@@ -132,11 +138,11 @@ def config_fields(path) -> dict:
 def _window_fields(raw: dict, where, arch: str, layers: int) -> dict:
     """Sliding windows of the Llama-family configs: Mistral's ``sliding_window`` (every layer; transformers' default
     4096 when absent), Qwen2/Qwen3's ``use_sliding_window`` from layer ``max_window_layers`` on (or ``layer_types``)."""
-    if arch == "MistralForCausalLM":
-        window = raw.get("sliding_window", 4096)
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # transformers' defaults: Mistral 4096, Mixtral none
+        window = raw.get("sliding_window", 4096 if arch == "MistralForCausalLM" else None)
         derived = ["full_attention" if window is None else "sliding_attention"] * layers
         return layer_fields({**raw, "layer_types": None}, where, layers, 4096, derived)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", *_QWEN3):
         if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
             return layer_fields({**raw, "layer_types": None}, where, layers, None, None)
         start = raw.get("max_window_layers", 28)
@@ -152,6 +158,8 @@ def export_architecture(cfg, hint=None) -> str:
     (``hint``, name, or a window on every layer), Llama."""
     if cfg.post_norms:
         return "Gemma3ForCausalLM"
+    if cfg.num_experts:
+        return moe_architecture(cfg)
     mixed = cfg.sliding_window and "global" in (cfg.layer_pattern or ("local",))
     if mixed and not (cfg.qk_norm or cfg.qkv_bias):
         raise ValueError("a model mixing local and global layers without q/k/v bias or qk-norm has no Hugging Face "
@@ -183,11 +191,11 @@ def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
             "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_position},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
     }
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("LlamaForCausalLM", *_QWEN3):
         out["attention_bias"] = False
     if arch == "LlamaForCausalLM":
         out["mlp_bias"] = False
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", *_QWEN3):
         out["use_sliding_window"] = bool(cfg.sliding_window)
         if cfg.sliding_window:
             types = hf_layer_types(cfg)
@@ -195,6 +203,8 @@ def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
             out["max_window_layers"] = types.index("sliding_attention")
     if arch != "LlamaForCausalLM":
         out["sliding_window"] = cfg.sliding_window or None
+    if cfg.num_experts:
+        out.update(moe_hf_config(cfg, arch))
     return _token_ids(out, source)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.model.config import local_chunks
+from ulysses_jax.model.moe import aux_loss, expert_load
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
 
@@ -37,9 +38,11 @@ IGNORE = -1
 
 
 class LossOutput(NamedTuple):
-    loss: jax.Array  # sum / max(count, 1), float32
+    loss: jax.Array  # sum / max(count, 1), float32; with experts + router_aux_loss_coef * aux_loss (the objective)
     sum: jax.Array  # sum of per-token losses over the global batch, float32
     count: jax.Array  # number of valid (non-negative) labels in the global batch, int32
+    aux_loss: jax.Array | None = None  # with experts: the load-balancing loss, unweighted (model/moe.py)
+    expert_load: jax.Array | None = None  # with experts: top-k assignments per expert over the sparse layers [E]
 
 
 def shift_labels(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None = None) -> jax.Array:
@@ -103,12 +106,14 @@ def tiled_cross_entropy_sum(
     return fn(h_BSD, w_VD, labels_BS)
 
 
-def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None) -> LossOutput:
+def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, router=None) -> LossOutput:
     """Token-weighted mean cross-entropy of ``model`` on ``batch`` over the whole global batch.
 
     ``batch``: ``tokens`` and ``labels`` ``[B, S]`` (labels already shifted, negative = ignored), optional
-    ``segment_ids`` and ``positions``. ``hidden``: the model's ``hidden_states`` if already computed.
-    Tiled when ``model.config.loss_chunk > 0``. Returns ``LossOutput(loss, sum, count)``.
+    ``segment_ids`` and ``positions``. ``hidden``: the model's ``hidden_states`` if already computed (with experts,
+    ``router``: the ``RouterStats`` computed with them, else no load-balancing loss). Tiled when
+    ``model.config.loss_chunk > 0``. Returns ``LossOutput``: with experts the load-balancing loss too, and ``loss``
+    adds it weighted by ``router_aux_loss_coef``, as transformers' models do.
     """
     tokens_BS, labels_BS = batch["tokens"], batch["labels"]
     if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
@@ -117,8 +122,11 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None) -> L
     ordered = model.ring_order(batch) if hidden is None and hasattr(model, "ring_order") else None
     if ordered is not None:
         labels_BS = ordered["labels"]
-        hidden = model.hidden_states(ordered["tokens"], positions=ordered["positions"],
-                                     segment_ids=ordered.get("segment_ids"), permuted=True)
+        hidden, router = model.hidden_and_router(ordered["tokens"], positions=ordered["positions"],
+                                                 segment_ids=ordered.get("segment_ids"), permuted=True)
+    elif hidden is None and hasattr(model, "hidden_and_router"):
+        hidden, router = model.hidden_and_router(tokens_BS, positions=batch.get("positions"),
+                                                 segment_ids=batch.get("segment_ids"))
     elif hidden is None:
         hidden = model.hidden_states(tokens_BS, positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
     cfg = model.config
@@ -129,4 +137,8 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None) -> L
         )
     else:
         total, count = cross_entropy_sum(model.logits(hidden), labels_BS)
-    return LossOutput(total / jnp.maximum(count, 1).astype(jnp.float32), total, count)
+    mean = total / jnp.maximum(count, 1).astype(jnp.float32)
+    if router is None:
+        return LossOutput(mean, total, count)
+    aux = aux_loss(router)
+    return LossOutput(mean + cfg.router_aux_loss_coef * aux, total, count, aux, expert_load(router))

@@ -53,26 +53,23 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.model import host_offload
-from ulysses_jax.model.chunked import chunk_map
-from ulysses_jax.model.config import ModelConfig, local_chunks
+from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.layers import (
     ParamMaker,
     RMSNorm,
     apply_rope,
     default_positions,
-    mlp_activation,
-    norm_scale,
-    rms_norm,
     rope_frequencies,
     use,
 )
+from ulysses_jax.model.mlp import MLP
+from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
-from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, RING, SEQ, SP
-from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain, fsdp_axes, gather_param
+from ulysses_jax.parallel.mesh import MESH_AXES, RING, SP
+from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain
 from ulysses_jax.parallel.ulysses import ring_token_order, ulysses_attention
 
 RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
@@ -122,82 +119,6 @@ class Attention(nnx.Module):
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
 
 
-def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu):
-    """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3)."""
-    h_BSF = act(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
-    return h_BSF @ w_down_FD
-
-
-def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
-                 norm: tuple[jax.Array, float] | None = None, post_norm: jax.Array | None = None,
-                 activation=jax.nn.silu):
-    """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
-
-    Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
-    chunking moves nothing between devices. Weights arrive in their at-rest layout and are all-gathered
-    here (the FSDP gather; its transpose is the reduce-scatter of the gradient). Only one chunk's
-    ``[b, chunk, F]`` intermediates exist at a time, forward and backward (``chunked.chunk_map``: each chunk
-    recomputed in the backward).
-
-    ``norm=(scale, eps)``: the whole sublayer ``x + swiglu(rms_norm(x))`` per chunk (``scale`` at rest), so that
-    neither the normed input nor its gradient exists for the whole local sequence. ``post_norm`` (a scale at rest, with
-    ``norm``; Gemma 3): ``x + rms_norm(swiglu(rms_norm(x)), post_norm)`` per chunk, the MLP's output normed before the
-    residual add as in the plain block.
-    """
-    if post_norm is not None and norm is None:
-        raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
-    wa = fsdp_axes(over_data)
-    act = P((DATA, FSDP), SEQ, None)
-
-    scales = ([norm[0]] if norm else []) + ([post_norm] if post_norm is not None else [])  # at rest
-
-    def sublayer(xc, ws):  # one chunk: x + [post_norm](mlp(norm(x)))
-        y = swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3], act=activation)
-        return xc + (rms_norm(y, ws[4], norm[1]) if post_norm is not None else y)
-
-    def local(x_bsD, wg, wu, wd, *scale):
-        wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
-        wd = gather_param(wd, 1, over_data=over_data)
-        n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
-        if scale:
-            gs = tuple(gather_param(g, 0, over_data=over_data) for g in scale)
-            return chunk_map(sublayer, n, x_bsD, (wg, wu, wd, *gs))
-        return chunk_map(lambda xc, ws: swiglu(xc, *ws, act=activation), n, x_bsD, (wg, wu, wd))
-
-    specs = (act, P(wa, None), P(wa, None), P(None, wa), *[P(wa)] * len(scales))
-    # chunk_map's backward carries no varying-manual-axes types
-    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
-    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *scales)
-
-
-class MLP(nnx.Module):
-    def __init__(self, make: ParamMaker):
-        self.cfg, self.mesh = make.cfg, make.mesh
-        d, f = self.cfg.hidden, self.cfg.mlp_dim
-        self.w_gate_DF = make("mlp.w_gate", (d, f), ("embed", "mlp"))
-        self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
-        self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
-
-    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None):
-        """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
-        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``."""
-        cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
-        ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
-        post = None if post_norm is None else norm_scale(post_norm.scale.get_value(), cfg)
-        return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
-                            over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
-                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post)
-
-    def __call__(self, x_BSD):
-        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        if cfg.mlp_chunk:
-            ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
-            return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
-                                over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg))
-        ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
-        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg)), mesh, ("batch", "seq", "embed"))
-
-
 def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
     """``x_BSD`` unchanged, pinned to the row-major layout on each device.
 
@@ -220,14 +141,20 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         self.attn = Attention(make)
         self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
-        self.mlp = MLP(make)
+        if make.cfg.has_dense_mlp:
+            self.mlp = MLP(make)
+        if make.cfg.num_experts:  # a model mixing dense and sparse layers holds both for every layer (module doc)
+            self.moe = MoE(make)
         if make.cfg.post_norms:  # Gemma 3: each sublayer's output normed before the residual add
             self.post_attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
             self.post_mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None):
-        """``kind``: this layer's index into ``cfg.window_kinds`` (traced under the layer scan): a ``lax.switch``
-        runs the attention sublayer of that kind; ``None`` with a single kind."""
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None):
+        """``(x, router sums)``: the layer's output and, with experts, its ``(assigned [E], prob sums [E], tokens)``
+        (``moe.py``; ``()`` without experts). ``kind``: this layer's index into ``cfg.window_kinds`` (traced under the
+        layer scan): a ``lax.switch`` runs the attention sublayer of that kind; ``None`` with a single kind.
+        ``sparse``: whether this layer's MLP is the experts (traced; needed when the model mixes dense and sparse
+        layers); ``valid_BS``: the tokens the router statistics count."""
         cfg = self.attn.cfg
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
         branches = [functools.partial(self._attention, kind=i) for i in range(len(cfg.window_kinds))]
@@ -238,6 +165,27 @@ class Block(nnx.Module):
         else:
             h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
+        if not cfg.num_experts:
+            return self._dense(h_BSD), ()
+        if valid_BS is None:
+            valid_BS = jnp.ones(h_BSD.shape[:2], bool)
+
+        def experts(h_BSD):
+            out, sums = self.moe.residual(h_BSD, valid_BS, self.mlp_norm.scale.get_value())
+            return constrain(out, self.mesh, ("batch", "seq", "embed")), sums
+
+        if not cfg.has_dense_mlp:
+            return experts(h_BSD)
+        if sparse is None:
+            raise ValueError(f"this model mixes dense layers {list(cfg.dense_layers)} with sparse ones; pass the "
+                             f"layer's sparse flag")
+        e = cfg.num_experts
+        nothing = (jnp.zeros(e, jnp.float32), jnp.zeros(e, jnp.float32), jnp.zeros((), jnp.float32))
+        return jax.lax.cond(sparse, experts, lambda h: (self._dense(h), nothing), h_BSD)
+
+    def _dense(self, h_BSD):
+        """``h + mlp(norm(h))`` (with ``post_norms``: ``h + post_norm(mlp(norm(h)))``), tiled with ``mlp_chunk``."""
+        cfg = self.attn.cfg
         if cfg.mlp_chunk:  # the norms and the residual inside the chunks too
             post = self.post_mlp_norm if cfg.post_norms else None
             return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post), self.mesh, ("batch", "seq", "embed"))
@@ -353,6 +301,12 @@ class Transformer(nnx.Module):
 
         ``permuted=True`` (meaningful with a ring): the inputs are already in the ring's token order
         (``ring_order``; give ``positions``) and the output stays in it."""
+        return self.hidden_and_router(tokens, positions, segment_ids, permuted=permuted)[0]
+
+    def hidden_and_router(self, tokens: jax.Array, positions: jax.Array | None = None,
+                          segment_ids: jax.Array | None = None, *, permuted: bool = False):
+        """``(hidden_states(...), RouterStats)`` of the sparse layers (``None`` without experts); the router counts
+        the tokens whose segment id is not 0 (0 is padding in the data pipeline), every token without segment ids."""
         cfg, mesh = self.config, self.mesh
         tokens_BS, positions_BS, segment_ids_BS = tokens, positions, segment_ids
         if tokens_BS.ndim != 2:
@@ -379,16 +333,18 @@ class Transformer(nnx.Module):
             x_BSD = x_BSD * jnp.asarray(cfg.hidden**0.5, cfg.compute_jnp_dtype)
         x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
         graphdef, blocks = nnx.split(self.blocks)
-        # each layer's attention kind (model/layer_kinds.py) travels through the scan with its parameters
-        stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32))
+        # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
+        sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
+        stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L))
+        valid_BS = None if segment_ids_BS is None else segment_ids_BS != 0
 
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
-            layer_state, kind = layer_state
+            layer_state, kind, sparse = layer_state
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
             if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
                 layer_state = host_offload.stream_in(layer_state)
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS, kind)
+            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":
@@ -397,7 +353,7 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=inner, prevent_cse=False)
 
         def layers(x_BSD, st):  # the layers of ``st``, stacked on its leading axis, one after the other
-            return jax.lax.scan(lambda x, s: (layer(x, s, positions_BS, segment_ids_BS), None), x_BSD, st)[0]
+            return jax.lax.scan(lambda x, s: layer(x, s, positions_BS, segment_ids_BS), x_BSD, st)
 
         if every > 1:
             # groups of ``every`` layers: the policy keeps (or offloads) each group's input only; a group's
@@ -405,13 +361,17 @@ class Transformer(nnx.Module):
             group = jax.checkpoint(lambda x, st: layers(checkpoint_name(x, GROUP_INPUT), st),
                                    policy=remat_policy(cfg.remat, mesh, GROUP_INPUT, cfg.attn_keep), prevent_cse=False)
             grouped = jax.tree.map(lambda a: a.reshape(a.shape[0] // every, every, *a.shape[1:]), stacked)
-            x_BSD = jax.lax.scan(lambda x, st: (group(x, st), None), x_BSD, grouped)[0]
+            x_BSD, sums = jax.lax.scan(group, x_BSD, grouped)
+            sums = jax.tree.map(lambda a: a.reshape(a.shape[0] * every, *a.shape[2:]), sums)
         else:
-            x_BSD = layers(x_BSD, stacked)
+            x_BSD, sums = layers(x_BSD, stacked)
         h_BSD = self.final_norm(x_BSD)
         if perm is not None and not permuted:
             h_BSD = constrain(h_BSD[:, np.argsort(perm)], mesh, ("batch", "seq", "embed"))
-        return h_BSD
+        if not cfg.num_experts:
+            return h_BSD, None
+        rows = np.asarray(cfg.sparse_layers)  # the dense layers' rows are zeros: left out, as transformers does
+        return h_BSD, RouterStats(sums[0][rows], sums[1][rows], sums[2][rows[0]])
 
     def logits(self, h_BSD: jax.Array) -> jax.Array:
         w_VD = use(self.unembedding, self.mesh, self.config.compute_jnp_dtype)

@@ -40,6 +40,7 @@ LOGICAL_AXES: dict[str, tuple[object, object]] = {
     "kv_heads": (None, None),
     "head_dim": (None, None),
     "mlp": (None, None),
+    "experts": (None, None),  # a mixture's experts: whole on every device, gathered over embed like the rest
     "layers": (None, None),  # the stacked-layers axis of the scanned block's parameters
 }
 

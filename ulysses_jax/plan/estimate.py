@@ -124,11 +124,15 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
                                         head_dim=model.head_dim)
     if redo_attn is None or not layer_mm:
         return None
-    redo_mm = max((work.dot_flops - 3 * (layer_mm + head_mm)) / layer_mm, 0.0)
+    total = work.dot_flops + work.grouped_flops
+    redo_mm = max((total - 3 * (layer_mm + head_mm)) / layer_mm, 0.0)
     note = (f"re-runs counted from the compiled program: attention forward {1 + redo_attn:.2f}x per layer "
-            f"({work.attention_forward_calls} kernel runs), matmuls {work.dot_flops / (layer_mm + head_mm):.2f}x the "
+            f"({work.attention_forward_calls} kernel runs), matmuls {total / (layer_mm + head_mm):.2f}x the "
             f"model's forward ({redo_mm:.2f} forwards of the layers again)")
-    return work.dot_flops, redo_mm, redo_attn, note
+    if work.grouped_flops:
+        note += (f"; the experts' grouped matmul kernels {work.grouped_flops / total:.0%} of the matmul FLOPs, taken "
+                 f"at the dense GEMM rate (their speed not measured)")
+    return total, redo_mm, redo_attn, note
 
 
 def step_estimate(p, model, kernel: str) -> dict:

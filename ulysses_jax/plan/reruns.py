@@ -6,7 +6,9 @@ nested checkpoints (``--remat-every k`` re-runs a group's forward and then each 
 kernel that is not a saveable dot, or a tiled loss that re-runs the unembedding. Attention kernels counted: cuDNN's
 fused attention (``__cudnn$fmha*`` custom calls) and our Pallas kernel (Triton custom calls named
 ``flash_attention_fwd``); attention written as XLA ops (``xla``, ``blockwise``) is not told apart from other matmuls,
-so the estimate keeps its flag rule there.
+so the estimate keeps its flag rule there. The experts' grouped matmuls (``kernels/grouped_matmul.py``: Triton custom
+calls named ``grouped_matmul``, ``grouped_matmul_dx``, ``grouped_matmul_dw``) are matmuls too: ``2 x rows x K x N``
+each, padding rows included, counted apart (``grouped_flops``) and added to the dots' FLOPs by the estimate.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class ProgramWork:
     attention_forward_work: float  # sum over forward kernel runs of B * heads * S_q * S_kv * head_dim
     attention_forward_calls: int  # forward kernel runs per step
     attention_kernel: str | None  # "cudnn", "pallas" or None (no attention kernel found)
+    grouped_flops: float = 0.0  # the experts' grouped matmul kernels, per device per step
 
 
 def _dims(type_text: str) -> list[int]:
@@ -54,7 +57,7 @@ def program_work(hlo_text: str) -> ProgramWork:
     """Count the matmul FLOPs and the attention forward work of an optimised HLO module (module doc)."""
     comps, entry = hlo.parse(hlo_text)
     mult = hlo.multiplicities(comps, entry) if entry else {}
-    flops = work = 0.0
+    flops = work = grouped = 0.0
     calls, kernel = 0, None
     for name, instrs in comps.items():
         times = mult.get(name, 0)
@@ -66,6 +69,9 @@ def program_work(hlo_text: str) -> ProgramWork:
                 lhs = _dims(types.get(ins.operands[0], ""))
                 k = math.prod(lhs[i] for i in _contracting(ins.attrs) if i < len(lhs))
                 flops += times * 2.0 * math.prod(_dims(ins.type)) * k
+            elif ins.opcode == "custom-call" and "grouped_matmul" in ins.attrs and len(ins.operands) >= 2:
+                # operands (metadata, rows [M, K], ...) -> [M, N] or [E, K, N]: 2 M K N either way
+                grouped += times * 2.0 * math.prod(_dims(types.get(ins.operands[1], ""))) * _dims(ins.type)[-1]
             elif (which := _forward_kernel(ins)) is not None and len(ins.operands) >= 2:
                 q, kv = _dims(types.get(ins.operands[0], "")), _dims(types.get(ins.operands[1], ""))
                 if len(q) == 4 and len(kv) == 4:  # [B, S, H, D] (cuDNN's BTNH; our kernel's layout too)
@@ -73,7 +79,7 @@ def program_work(hlo_text: str) -> ProgramWork:
                     work += times * b * h * s_q * kv[1] * d
                     calls += times
                     kernel = which
-    return ProgramWork(flops, work, calls, kernel)
+    return ProgramWork(flops, work, calls, kernel, grouped)
 
 
 def attention_reruns(work: ProgramWork, *, layers: int, batch: int, heads: int, seq_len: int,

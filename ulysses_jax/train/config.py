@@ -17,6 +17,7 @@ import tyro
 from ulysses_jax.data.documents import DataConfig, DataFormat
 from ulysses_jax.model.config import PRESETS, ModelConfig, RopeScaling
 from ulysses_jax.train import runconfig
+from ulysses_jax.train.cluster import DEFAULT_PEER_TIMEOUT
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
 from ulysses_jax.train.step import OptimConfig
 
@@ -63,6 +64,11 @@ class TrainConfig:
     """cuDNN's packed attention (GPU): most documents a row may hold (a batch with more is refused before its step);
     its workspace grows with it (~8 B x M x seq x heads/device x head_dim); 1: one document from the row's start, then
     padding, at no extra memory; 0: by --seq-len (16 up to 32K, 4 at 128K, 1 from 512K); None: the run's or 0"""
+    router_aux_loss_coef: float | None = None
+    """mixture of experts: weight of the load-balancing loss in the objective (logged apart as aux_loss); None: the
+    model's (config.json's router_aux_loss_coef, or the preset's)"""
+    moe_impl: Literal["auto", "pallas", "ragged_dot"] = "auto"
+    """mixture of experts: the grouped matmul; auto: our Pallas kernel on GPUs, jax.lax.ragged_dot elsewhere"""
     param_dtype: Literal["float32", "bfloat16"] | None = None
     """parameters on the devices; None: the preset's (float32). bfloat16 with --optim.master-weights: a float32 copy
     is updated with the optimizer state (in host memory with --optim.offload)"""
@@ -107,6 +113,9 @@ class TrainConfig:
     coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
     num_processes: int | None = None  # ... with the number of processes
     process_id: int | None = None  # ... and this process's index
+    peer_timeout: float = DEFAULT_PEER_TIMEOUT
+    """multi-process: seconds without a heartbeat from another process before every process stops with one line
+    naming it (exit 69; restart with --resume)"""
 
 
 # ------------------------------------------------------------------------------------ setup
@@ -134,7 +143,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
     return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk,
                 mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
-                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params)
+                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl)
 
 
 def recorded_model(record: dict) -> ModelConfig:
@@ -147,6 +156,18 @@ def recorded_model(record: dict) -> ModelConfig:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:
+    """``_model_config_of`` with ``--router-aux-loss-coef`` over the model's own weight (a learned setting: the run
+    records the weight it trains with, and a resume keeps it unless the flag is given again)."""
+    model = _model_config_of(cfg, vocab_size, record=record)
+    if cfg.router_aux_loss_coef is None:
+        return model
+    if not model.num_experts:
+        raise ValueError(f"--router-aux-loss-coef ({cfg.router_aux_loss_coef}) weighs the experts' load-balancing "
+                         f"loss, but {model.name} has no experts; drop the flag")
+    return dataclasses.replace(model, router_aux_loss_coef=cfg.router_aux_loss_coef)
+
+
+def _model_config_of(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:
     """The model a ``TrainConfig`` trains: its preset, or ``--init-from-hf``'s config.json (no weight is read), with
     the memory tools and attention of the flags. ``vocab_size``: the tokenizer's (0: no tokenizer to check).
 

@@ -32,6 +32,16 @@ def peak_memory_bytes() -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def moe_metrics(metrics: dict) -> dict:
+    """A mixture of experts' record fields from a step's metrics: ``aux_loss`` (the load-balancing loss, unweighted),
+    ``expert_load`` (top-k assignments per expert, summed over the sparse layers) and ``expert_load_max_over_mean``
+    (1.0 = perfectly balanced)."""
+    load = [int(n) for n in metrics["expert_load"]]
+    mean = sum(load) / max(len(load), 1)
+    return {"aux_loss": float(metrics["aux_loss"]), "expert_load": load,
+            "expert_load_max_over_mean": max(load) / mean if mean else 0.0}
+
+
 def check_wandb(project: str | None) -> None:
     if project is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError(WANDB_HINT)

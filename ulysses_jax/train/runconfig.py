@@ -32,14 +32,14 @@ from typing import Literal
 RECORD = "run.json"
 # Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
 COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
-                "attn_recompute", "attn_keep", "attn_max_documents",
+                "attn_recompute", "attn_keep", "attn_max_documents", "moe_impl",
                 "compute_dtype")
 CONFIG = "config.yaml"
 VERSION = 1
 
 # Fields of one invocation, never inherited from a record or written into one.
 PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps", "distributed", "coordinator_address",
-                  "num_processes", "process_id")
+                  "num_processes", "process_id", "peer_timeout")
 
 
 # A setting that qualifies a memory tool, inherited from the run only while the tool stays on: a resume that switches

@@ -257,9 +257,17 @@ def state_shardings(state: Any) -> Any:
 
 
 def _loss_sums(graphdef, params, batch):
+    """``(objective, sums)``: the sum of token losses (with experts plus ``coef x aux x count``, so that divided by the
+    step's token count it is the mean loss plus ``coef x`` the token-weighted mean of the micro-batches' load-balancing
+    losses) and the sums the metrics read: ``count``, the language-model ``lm_sum``, ``aux_sum`` (aux x count) and
+    ``load`` (assignments per expert; empty without experts)."""
     model = nnx.merge(graphdef, params)
     out = next_token_loss(model, batch)
-    return out.sum, out.count
+    if out.aux_loss is None:
+        return out.sum, {**zero_sums(0), "count": out.count, "lm_sum": out.sum}
+    aux_sum = out.aux_loss * out.count.astype(jnp.float32)
+    objective = out.sum + model.config.router_aux_loss_coef * aux_sum
+    return objective, dict(count=out.count, lm_sum=out.sum, aux_sum=aux_sum, load=out.expert_load)
 
 
 def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
@@ -273,10 +281,17 @@ def check_offload_params(offload_params: bool, tx, grad_accum: int) -> None:
                          f"not summed over micro-batches; use a longer --seq-len or a larger --batch-size instead")
 
 
-def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh):
-    """``((sum of token losses, token count), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in
-    micro-batch ``i % grad_accum``), the micro-batches' gradients added in float32 whatever the parameters' dtype
-    (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``: ``((sum, count), gradients)``."""
+def zero_sums(num_experts: int) -> dict:
+    """``_loss_sums``' sums at zero, for a model with ``num_experts`` experts (0: dense)."""
+    return dict(count=jnp.zeros((), jnp.int32), lm_sum=jnp.zeros((), jnp.float32), aux_sum=jnp.zeros((), jnp.float32),
+                load=jnp.zeros((num_experts,), jnp.int32))
+
+
+def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh, num_experts: int = 0):
+    """``((objective, sums), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in micro-batch
+    ``i % grad_accum``), the objectives, the sums (``_loss_sums``) and the gradients added, the gradients in float32
+    whatever the parameters' dtype (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``:
+    ``((objective, sums), gradients)``."""
     micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
@@ -284,14 +299,15 @@ def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh):
         return jax.lax.with_sharding_constraint(x, micro_sharding)
 
     def body(carry, micro):
-        g_acc, s_acc, c_acc = carry
-        (s, c), g = grad_fn(params, micro)
-        return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g), s_acc + s, c_acc + c), None
+        g_acc, s_acc = carry
+        out, g = grad_fn(params, micro)
+        return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g),
+                jax.tree.map(lambda a, x: a + x, s_acc, out)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (grads, total, count), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
-    return (total, count), grads
+    init = (zeros, (jnp.zeros((), jnp.float32), zero_sums(num_experts)))
+    (grads, out), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    return out, grads
 
 
 def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum: int = 1):
@@ -302,12 +318,14 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
 
     def step(state, batch):
         params = state["params"]
-        host_params = nnx.merge(graphdef, params).config.offload_params
+        model_cfg = nnx.merge(graphdef, params).config
+        host_params = model_cfg.offload_params
         check_offload_params(host_params, tx, grad_accum)
         if grad_accum == 1:
-            (total, count), grads = grad_fn(params, batch)
+            (_, sums), grads = grad_fn(params, batch)
         else:
-            (total, count), grads = accumulate(grad_fn, params, batch, grad_accum, mesh)
+            (_, sums), grads = accumulate(grad_fn, params, batch, grad_accum, mesh, model_cfg.num_experts)
+        count = sums["count"]
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         if grad_accum > 1:  # float32 sums divided in float32, then in the dtype the optimizer takes (below)
             master = isinstance(state["opt_state"], optimizer.MasterState)
@@ -331,11 +349,13 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             "rng": state["rng"],
         }
         metrics = {
-            "loss": total / denom,
+            "loss": sums["lm_sum"] / denom,  # the language model's; the load-balancing loss is logged apart
             "tokens": count,
             "grad_norm": grad_norm,
             "lr": schedule(state["step"]),
         }
+        if sums["load"].size:  # experts: the load-balancing loss (unweighted) and the tokens each expert took
+            metrics.update(aux_loss=sums["aux_sum"] / denom, expert_load=sums["load"])
         return new_state, metrics
 
     bsh = batch_sharding(mesh)
@@ -344,4 +364,8 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
 
 def make_eval_step(graphdef, mesh: Mesh, param_sh):
     """``eval_step(params, batch) -> (sum of token losses, count)`` over the global batch."""
-    return jax.jit(lambda p, b: _loss_sums(graphdef, p, b), in_shardings=(param_sh, batch_sharding(mesh)))
+    def eval_step(params, batch):
+        sums = _loss_sums(graphdef, params, batch)[1]
+        return sums["lm_sum"], sums["count"]
+
+    return jax.jit(eval_step, in_shardings=(param_sh, batch_sharding(mesh)))

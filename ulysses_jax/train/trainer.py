@@ -59,7 +59,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     memory_pool,
     resolve_batch,
 )
-from ulysses_jax.train.metrics import MetricsLogger, check_wandb, peak_memory_bytes
+from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
 from ulysses_jax.train.signals import _StopSignals
 from ulysses_jax.train.step import (
@@ -381,6 +381,8 @@ def train_run(run: Run) -> dict:
                     "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
                     "peak_memory_bytes": peak_memory_bytes(),
                 }
+                if "expert_load" in metrics:  # experts: the load-balancing loss and the tokens each expert took
+                    record.update(moe_metrics(metrics))
                 if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
                     # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
                     record["planned_bytes"] = run.planned_bytes

@@ -1,0 +1,176 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a top-k router, dropless dispatch through grouped matmuls, and the
+load-balancing statistics.
+
+Shapes: ``E`` experts, ``k`` experts per token, ``F`` an expert's MLP width (``ModelConfig.expert_mlp_dim``), ``t``
+the tokens of one device, ``P = t * k`` its token-expert pairs.
+
+The sublayer runs inside ``shard_map`` on each device's own tokens (``[B/(data*fsdp), S/(ring*sp), D]``): routing,
+sorting and the grouped matmuls never move a token between devices. The experts' weights are FSDP-sharded at rest
+like every other parameter (their ``embed`` dimension over ``fsdp x ring x sp``) and all-gathered here, one layer at
+a time; their gradient leaves as a reduce-scatter. At long context this moves less than expert parallelism, which
+sends every token-expert pair to its expert's device and back (``docs/moe.md`` has the measured bytes).
+
+Per device:
+  1. router: ``logits = x @ W_r`` in float32, ``probs = softmax(logits)``, the top ``k`` of ``probs`` (renormalised to
+     sum to 1 when ``router_renormalize``: Qwen3's ``norm_topk_prob``, always for Mixtral);
+  2. dispatch: the ``P`` pairs sorted by expert (a stable sort), each pair's token gathered: ``[P, D]`` rows grouped by
+     expert, ``group_sizes [E]`` tokens per expert; nothing dropped, whatever the load;
+  3. experts: ``silu(x W_gate) * (x W_up) W_down`` as three grouped matmuls (``kernels/grouped_matmul.py``: a Pallas
+     kernel on GPUs, ``jax.lax.ragged_dot`` elsewhere);
+  4. combine: each pair's output back in token order, weighted by its routing weight, summed over the ``k``.
+
+With ``mlp_chunk`` the whole sublayer ``x + moe(norm(x))`` runs per chunk of the local tokens (``chunked.chunk_map``:
+one chunk's ``[c*k, D]`` pairs at a time, recomputed in the backward).
+
+Load balancing (transformers' ``load_balancing_loss_func``): over every sparse layer's tokens, ``f_e`` = share of the
+top-k assignments that went to expert ``e`` and ``P_e`` = mean router probability of ``e``; the loss is
+``E * sum_e f_e P_e``. Each layer returns ``(assignments [E], probability sums [E], tokens)`` over its valid tokens
+(segment id != 0: padding is 0 in the data pipeline), summed over devices; ``aux_loss`` pools them over layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.kernels.grouped_matmul import grouped_matmul
+from ulysses_jax.model.chunked import chunk_map
+from ulysses_jax.model.config import MOE_IMPLS, ModelConfig, local_chunks
+from ulysses_jax.model.layers import ParamMaker, mlp_activation, norm_scale, rms_norm
+from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
+from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
+
+
+class RouterStats(NamedTuple):
+    """Routing statistics of the sparse layers, summed over the global batch (float32)."""
+
+    assigned_LE: jax.Array  # top-k assignments per expert, per sparse layer
+    prob_sum_LE: jax.Array  # router probabilities summed over tokens, per expert, per sparse layer
+    tokens: jax.Array  # valid tokens (the same for every layer)
+
+
+def aux_loss(stats: RouterStats) -> jax.Array:
+    """transformers' load-balancing loss: ``E * sum_e f_e P_e``, both pooled over the sparse layers' tokens."""
+    rows = jnp.maximum(stats.tokens * stats.assigned_LE.shape[0], 1.0)
+    f_E = jnp.sum(stats.assigned_LE, axis=0) / rows
+    p_E = jnp.sum(stats.prob_sum_LE, axis=0) / rows
+    return stats.assigned_LE.shape[1] * jnp.sum(f_E * p_E)
+
+
+def expert_load(stats: RouterStats) -> jax.Array:
+    """Token-expert assignments per expert, summed over the sparse layers ``[E]`` (int32)."""
+    return jnp.sum(stats.assigned_LE, axis=0).astype(jnp.int32)
+
+
+def resolve_impl(impl: str, mesh: Mesh) -> str:
+    """``auto``: the Pallas grouped matmul on GPUs (compile-only ones included), ``ragged_dot`` elsewhere."""
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl {impl!r} is not one of {', '.join(MOE_IMPLS)}")
+    if impl != "auto":
+        return impl
+    return "pallas" if mesh.devices.flat[0].platform == "gpu" else "ragged_dot"
+
+
+def route(x_tD, w_DE, k: int, renormalize: bool):
+    """``(weights [t, k] float32, experts [t, k] int32, probs [t, E] float32)`` of the top-``k`` router."""
+    probs_tE = jax.nn.softmax(jnp.einsum("td,de->te", x_tD, w_DE, preferred_element_type=jnp.float32), axis=-1)
+    weights_tk, experts_tk = jax.lax.top_k(probs_tE, k)
+    if renormalize:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return weights_tk, experts_tk, probs_tE
+
+
+def experts_mlp(x_tD, w_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, k: int, renormalize: bool, impl: str,
+                act=jax.nn.silu, platform: str | None = None):
+    """The routed experts' output ``[t, D]`` for tokens ``x [t, D]`` (steps 1-4 of the module doc), dropless."""
+    t, d = x_tD.shape
+    e = w_gate_EDF.shape[0]
+    weights_tk, experts_tk, _ = route(x_tD, w_DE, k, renormalize)
+    flat_P = experts_tk.reshape(-1)
+    order_P = jnp.argsort(flat_P, stable=True)  # pairs grouped by expert, token order kept within a group
+    group_sizes_E = jnp.bincount(flat_P, length=e).astype(jnp.int32)
+    xs_PD = jnp.take(x_tD, order_P // k, axis=0)
+
+    def gmm(a, w):
+        return grouped_matmul(a, w, group_sizes_E, impl=impl, platform=platform)
+
+    h_PF = act(gmm(xs_PD, w_gate_EDF)) * gmm(xs_PD, w_up_EDF)
+    ys_PD = gmm(h_PF, w_down_EFD)
+    ys_tkD = jnp.take(ys_PD, jnp.argsort(order_P), axis=0).reshape(t, k, d)  # back in (token, choice) order
+    return jnp.einsum("tkd,tk->td", ys_tkD, weights_tk.astype(ys_tkD.dtype))
+
+
+def router_sums(x_tD, w_DE, valid_t, k: int):
+    """This device's ``(assignments [E], probability sums [E], valid tokens)``, each a float32 sum over valid tokens;
+    differentiable through the probabilities (the assignments are counts)."""
+    _, experts_tk, probs_tE = route(x_tD, w_DE, k, False)
+    v_t = valid_t.astype(jnp.float32)
+    assigned_E = jnp.zeros(probs_tE.shape[1], jnp.float32).at[experts_tk.reshape(-1)].add(jnp.repeat(v_t, k))
+    return jax.lax.stop_gradient(assigned_E), jnp.einsum("te,t->e", probs_tE, v_t), jnp.sum(v_t)
+
+
+class MoE(nnx.Module):
+    """A sparse MLP's parameters, stacked over the layers like every block parameter: router ``[D, E]``, the experts'
+    gate and up ``[E, D, F]``, down ``[E, F, D]``."""
+
+    def __init__(self, make: ParamMaker):
+        self.cfg, self.mesh = make.cfg, make.mesh
+        d, e, f = self.cfg.hidden, self.cfg.num_experts, self.cfg.expert_mlp_dim
+        self.w_router_DE = make("moe.w_router", (d, e), ("embed", "experts"))
+        self.w_gate_EDF = make("moe.w_gate", (e, d, f), ("experts", "embed", "mlp"))
+        self.w_up_EDF = make("moe.w_up", (e, d, f), ("experts", "embed", "mlp"))
+        self.w_down_EFD = make("moe.w_down", (e, f, d), ("experts", "mlp", "embed"))
+
+    def residual(self, x_BSD, valid_BS, norm_scale_D):
+        """``(x + moe(rms_norm(x)), (assigned [E], prob sums [E], tokens))`` (``moe_sublayer``); ``norm_scale_D``: the
+        pre-MLP norm's stored scale."""
+        cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
+        ws = tuple(w.get_value().astype(dt) for w in (self.w_router_DE, self.w_gate_EDF, self.w_up_EDF,
+                                                       self.w_down_EFD))
+        return moe_sublayer(x_BSD, valid_BS, norm_scale(norm_scale_D, cfg), ws, cfg=cfg, mesh=self.mesh)
+
+
+def moe_sublayer(x_BSD, valid_BS, norm_D, ws: tuple, *, cfg: ModelConfig, mesh: Mesh):
+    """``(x + moe(rms_norm(x) * norm), (assigned [E], prob sums [E], tokens))``: the whole sparse sublayer on each
+    device's tokens (module doc), the sums over the global batch. ``ws``: router, gate, up, down at rest, in the compute
+    dtype; ``norm_D``: the float32 norm multiplier, at rest. With ``cfg.mlp_chunk`` the sublayer runs chunk by chunk."""
+    over = cfg.shard_params_over_data
+    wa = fsdp_axes(over)
+    act_spec = P((DATA, FSDP), SEQ, None)
+    impl = resolve_impl(cfg.moe_impl, mesh)
+    platform = mesh.devices.flat[0].platform
+    activation = mlp_activation(cfg)
+    k = cfg.experts_per_token
+
+    def local(x_bsD, valid_bs, norm_D, wr, wg, wu, wd):
+        norm_D, wr = gather_param(norm_D, 0, over_data=over), gather_param(wr, 0, over_data=over)
+        wg, wu = gather_param(wg, 1, over_data=over), gather_param(wu, 1, over_data=over)
+        wd = gather_param(wd, 2, over_data=over)
+        b, s, d = x_bsD.shape
+
+        def sublayer(xc_bcD, w):
+            n_D, wr, wg, wu, wd = w
+            y_tD = experts_mlp(rms_norm(xc_bcD, n_D, cfg.rms_eps).reshape(-1, d), wr, wg, wu, wd, k=k,
+                               renormalize=cfg.router_renormalize, impl=impl, act=activation, platform=platform)
+            return xc_bcD + y_tD.reshape(xc_bcD.shape).astype(xc_bcD.dtype)
+
+        w = (norm_D, wr, wg, wu, wd)
+        if cfg.mlp_chunk:
+            out = chunk_map(sublayer, local_chunks(cfg.mlp_chunk, s, "mlp_chunk"), x_bsD, w)
+        else:
+            out = sublayer(x_bsD, w)
+        sums = router_sums(rms_norm(x_bsD, norm_D, cfg.rms_eps).reshape(-1, d), wr, valid_bs.reshape(-1), k)
+        # per device, summed outside: a psum here would be transposed to a psum (check_vma is off for chunk_map)
+        return out, tuple(v[None] for v in sums)
+
+    everywhere = P(MESH_AXES)
+    specs = (act_spec, P((DATA, FSDP), SEQ), P(wa), P(wa, None), P(None, wa, None), P(None, wa, None),
+             P(None, None, wa))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(act_spec, (everywhere,) * 3), check_vma=False)
+    out, sums = fn(x_BSD, valid_BS, norm_D, *ws)
+    return out, tuple(jnp.sum(v, axis=0) for v in sums)
