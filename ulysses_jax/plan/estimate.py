@@ -56,6 +56,9 @@ HEAD_DIM_FACTOR = {64: 0.85, 256: 0.9}  # assumed: FlashAttention-2/3 run below 
 # time (its calibration, experiments/results/plan_calibration_h100.md, 2026-11-26: TRL, torchtitan, the HF blog).
 CALIBRATION_SPREAD = (1.07, 2.79)
 MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-gpu notes), 790-800 in the anchors
+# the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
+# shapes, 65,536 rows (8,192 tokens x top-8; 429 TFLOP/s at 262,144 rows): experiments/results/gpu_h100_20261126b
+GROUPED_RATE = 333e12
 LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
 ELEMENTWISE_PASSES = 16  # assumed: reads or writes of a [tokens, hidden] tensor per layer forward (norms, RoPE, SwiGLU)
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in float32: read parameter, gradient, 2 moments; write parameter, 2 moments
@@ -110,9 +113,10 @@ def _recomputed_forwards(model) -> tuple[int, int]:
     return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
 
 
-def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tuple[float, float, float, str] | None:
-    """``(matmul FLOPs of the whole step, matmul re-runs of the layers, attention re-runs, note)`` counted from the
-    compiled program (``p.hlo_text``), or None where the program cannot tell them apart (module ``reruns``)."""
+def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tuple | None:
+    """``(matmul FLOPs of the whole step, matmul re-runs of the layers, attention re-runs, note, the FLOPs of those
+    in the experts' grouped matmul kernels)`` counted from the compiled program (``p.hlo_text``), or None where the
+    program cannot tell them apart (module ``reruns``)."""
     text = getattr(p, "hlo_text", "")
     if not text or kernel not in ("cudnn", "pallas") or getattr(p, "mesh", {}).get("ring", 1) > 1:
         return None
@@ -130,9 +134,10 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
             f"({work.attention_forward_calls} kernel runs), matmuls {total / (layer_mm + head_mm):.2f}x the "
             f"model's forward ({redo_mm:.2f} forwards of the layers again)")
     if work.grouped_flops:
-        note += (f"; the experts' grouped matmul kernels {work.grouped_flops / total:.0%} of the matmul FLOPs, taken "
-                 f"at the dense GEMM rate (their speed not measured)")
-    return total, redo_mm, redo_attn, note
+        note += (f"; the experts' grouped matmul kernels {work.grouped_flops / total:.0%} of the matmul FLOPs, at "
+                 f"{GROUPED_RATE / 1e12:.0f} TFLOP/s (our Pallas kernel measured on one H100 at Qwen3-30B-A3B's "
+                 f"shapes, 65,536 rows)")
+    return total, redo_mm, redo_attn, note, work.grouped_flops
 
 
 def step_estimate(p, model, kernel: str) -> dict:
@@ -149,12 +154,13 @@ def step_estimate(p, model, kernel: str) -> dict:
         redo_mm, redo_attn = _recomputed_forwards(model)
         matmul_flops = 3 * (layer_mm + head_mm) + redo_mm * layer_mm
         rerun_note = f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention (by the flags' rule)"
+        grouped = 0.0
     else:
-        matmul_flops, redo_mm, redo_attn, rerun_note = counted
+        matmul_flops, redo_mm, redo_attn, rerun_note, grouped = counted
     ring = getattr(p, "mesh", {}).get("ring", 1)  # each kernel call sees S / ring tokens
     rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
     attention_s = attn_fwd * (1 + redo_attn) / rate.forward + 2.5 * attn_fwd / rate.backward
-    matmul_s = matmul_flops / MATMUL_RATE
+    matmul_s = (matmul_flops - grouped) / MATMUL_RATE + grouped / GROUPED_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
     elementwise_s = ELEMENTWISE_PASSES * act_bytes * model.num_layers * (3 + redo_mm) / t.hbm_bytes_per_s
     params = flops.param_count(model) / n
