@@ -39,18 +39,22 @@ def test_routed_experts_match_every_expert_weighted(seed, renormalize, impl):
             (((t, d), 1.0), ((d, e), 0.5), ((e, d, f), 0.3), ((e, d, f), 0.3), ((e, f, d), 0.3))]
     r = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)  # a random cotangent
 
+    def mlp(x, wr, wg, wu, wd):
+        ws = dict(w_router_DE=wr, w_gate_EDF=wg, w_up_EDF=wu, w_down_EFD=wd)
+        return moe.experts_mlp(x, ws, k=k, renormalize=renormalize, impl=impl)  # pallas: interpret mode on CPU
+
     def ours(*a):
-        return jnp.sum(moe.experts_mlp(*a, k=k, renormalize=renormalize, impl=impl) * r)
+        return jnp.sum(mlp(*a) * r)
 
     def ref(*a):
         return jnp.sum(dense_reference(*a, k, renormalize) * r)
 
-    y = moe.experts_mlp(*args, k=k, renormalize=renormalize, impl=impl)  # pallas: interpret mode on CPU
+    y = mlp(*args)
     np.testing.assert_allclose(y, dense_reference(*args, k, renormalize), atol=1e-5, rtol=1e-5)
     for g, want in zip(jax.grad(ours, argnums=range(5))(*args), jax.grad(ref, argnums=range(5))(*args)):
         np.testing.assert_allclose(g, want, atol=1e-5, rtol=1e-4)
     # the router decides: other router weights, other experts, another output
-    other = moe.experts_mlp(args[0], -args[1], *args[2:], k=k, renormalize=renormalize, impl=impl)
+    other = mlp(args[0], -args[1], *args[2:])
     assert float(jnp.abs(other - y).max()) > 1e-2
 
 

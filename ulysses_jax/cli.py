@@ -204,11 +204,11 @@ def _impl_note(m, mesh) -> str:
     # training rows are packed documents: segment ids are always present
     platform = device_platform(mesh)
     impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
-                        platform=platform)
+                        platform=platform, sinks=m.attn_sinks)
     if impl == m.attention_impl:
         return impl
     why = auto_reason(dtype=m.compute_jnp_dtype, head_dim=m.head_dim, platform=platform,
-                      ring=mesh.shape.get("ring", 1))
+                      ring=mesh.shape.get("ring", 1), sinks=m.attn_sinks)
     return f"{m.attention_impl} -> {impl}" + (f" ({why})" if why else "")
 
 

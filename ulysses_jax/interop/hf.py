@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from ulysses_jax.interop import mxfp4
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS, export_architecture, hf_config, read_json
 from ulysses_jax.model.transformer import Transformer
@@ -80,7 +81,7 @@ class Entry:
 
     def layers(self, cfg: ModelConfig) -> list[int]:
         """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP."""
-        if self.when in ("qwen_moe", "mixtral"):
+        if self.when in ("qwen_moe", "mixtral", "gpt_oss"):
             return list(cfg.sparse_layers)
         if self.when == "dense":
             return [i for i in range(cfg.num_layers) if i not in cfg.sparse_layers]
@@ -115,6 +116,8 @@ TABLE: tuple[Entry, ...] = (
     Entry("blocks.attn.q_norm.scale", "H", _L + "self_attn.q_norm.weight", "H", "qk_norm"),
     Entry("blocks.attn.k_norm.scale", "H", _L + "self_attn.k_norm.weight", "H", "qk_norm"),
     Entry("blocks.attn.wo_NHD", "NHD", _L + "self_attn.o_proj.weight", "D,NH"),
+    Entry("blocks.attn.bo_D", "D", _L + "self_attn.o_proj.bias", "D", "o_bias"),
+    Entry("blocks.attn.sinks_N", "N", _L + "self_attn.sinks", "N", "attn_sinks"),
     # Llama family: "post_attention_layernorm" is the norm before the MLP; Gemma 3 norms after each sublayer too
     Entry("blocks.mlp_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "pre_norms"),
     Entry("blocks.post_attn_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "post_norms"),
@@ -132,6 +135,14 @@ TABLE: tuple[Entry, ...] = (
     Entry("blocks.moe.w_gate_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w1.weight", "G,D", "mixtral"),
     Entry("blocks.moe.w_up_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w3.weight", "G,D", "mixtral"),
     Entry("blocks.moe.w_down_EFD", "EGD", _L + "block_sparse_moe.experts.{j}.w2.weight", "D,G", "mixtral"),
+    # gpt-oss: every expert in one tensor per layer, gate and up fused with interleaved columns (X = 2G), biases;
+    # on the Hub the two expert matrices are MXFP4 ``_blocks`` + ``_scales`` (interop/mxfp4.py)
+    Entry("blocks.moe.w_router_DE", "DE", _L + "mlp.router.weight", "E,D", "gpt_oss"),
+    Entry("blocks.moe.b_router_E", "E", _L + "mlp.router.bias", "E", "gpt_oss"),
+    Entry("blocks.moe.w_gate_up_EDX", "EDX", _L + "mlp.experts.gate_up_proj", "E,D,X", "gpt_oss"),
+    Entry("blocks.moe.b_gate_up_EX", "EX", _L + "mlp.experts.gate_up_proj_bias", "E,X", "gpt_oss"),
+    Entry("blocks.moe.w_down_EFD", "EGD", _L + "mlp.experts.down_proj", "E,G,D", "gpt_oss"),
+    Entry("blocks.moe.b_down_ED", "ED", _L + "mlp.experts.down_proj_bias", "E,D", "gpt_oss"),
     Entry("final_norm.scale", "D", "model.norm.weight", "D"),
     Entry("lm_head_VD", "VD", "lm_head.weight", "V,D", "untied"),
 )
@@ -139,16 +150,17 @@ TABLE: tuple[Entry, ...] = (
 
 def entries(cfg: ModelConfig) -> list[Entry]:
     """The rows of ``TABLE`` that a model with ``cfg`` has."""
-    qwen_moe = bool(cfg.num_experts) and export_architecture(cfg) == "Qwen3MoeForCausalLM"
+    arch = export_architecture(cfg) if cfg.num_experts else None
     have = {None: True, "untied": not cfg.tie_embeddings, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
             "post_norms": cfg.post_norms, "pre_norms": not cfg.post_norms, "dense": cfg.has_dense_mlp,
-            "qwen_moe": qwen_moe, "mixtral": bool(cfg.num_experts) and not qwen_moe}
+            "qwen_moe": arch == "Qwen3MoeForCausalLM", "mixtral": arch == "MixtralForCausalLM",
+            "gpt_oss": arch == "GptOssForCausalLM", "o_bias": cfg.o_bias, "attn_sinks": cfg.attn_sinks}
     return [e for e in TABLE if have[e.when]]
 
 
 def letter_sizes(cfg: ModelConfig) -> dict[str, int]:
     return dict(V=cfg.vocab_size, D=cfg.hidden, N=cfg.num_heads, K=cfg.num_kv_heads, H=cfg.head_dim, F=cfg.mlp_dim,
-                E=cfg.num_experts, G=cfg.expert_mlp_dim)
+                E=cfg.num_experts, G=cfg.expert_mlp_dim, X=2 * cfg.expert_mlp_dim)
 
 
 def tensor_name(entry: Entry, layer: int | None = None, expert: int | None = None) -> str:
@@ -195,7 +207,7 @@ class SafetensorsFolder:
         for f in files:
             if not (folder / f).is_file():
                 raise ValueError(f"{index} lists shard {f}, which is missing from {folder}; copy the whole folder")
-        self._open, self.tensors = {}, {}
+        self._open, self.tensors, self.mxfp4 = {}, {}, set()
         for f in files:
             handle = self._handle(f)
             for name in handle.keys():
@@ -226,6 +238,9 @@ class SafetensorsFolder:
         self._open.clear()
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name in self.mxfp4:  # the experts of index[0], dequantised whole (interop/mxfp4.py), then cut
+            blocks, scales = (self.read(name + suffix, index[:1]) for suffix in mxfp4.SUFFIXES)
+            return mxfp4.dequantize(blocks, scales)[(slice(None), *index[1:])]
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return np.asarray(self._handle(self.tensors[name][0]).get_slice(name)[index])
 
@@ -236,6 +251,10 @@ class SafetensorsFolder:
             for name in hf_names(entry, cfg):
                 expected[name] = entry.hf_shape(sizes)
         for name, shape in expected.items():
+            if name not in self.tensors and all(name + x in self.tensors for x in mxfp4.SUFFIXES):
+                mxfp4.check_shapes(self.tensors, name, shape)
+                self.mxfp4.add(name)
+                continue
             if name not in self.tensors:
                 raise ValueError(f"tensor {name} is missing from {self.folder}; the weights do not match config.json")
             file, have, dtype = self.tensors[name]
@@ -246,8 +265,10 @@ class SafetensorsFolder:
                 raise ValueError(f"tensor {name} in {file} has dtype {dtype}; weights must be one of "
                                  f"{', '.join(FLOAT_DTYPES)}")
         tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()  # a tied model may still carry its copy
+        quantized = {n + x for n in self.mxfp4 for x in mxfp4.SUFFIXES}
         for name, (file, _, _) in self.tensors.items():
-            if name not in expected and name not in tied_head and not name.endswith(_IGNORED_SUFFIXES):
+            known = name in expected or name in quantized or name in tied_head
+            if not known and not name.endswith(_IGNORED_SUFFIXES):
                 raise ValueError(
                     f"tensor {name} in {file} is unexpected for this config.json ({cfg.num_layers} layers, qkv_bias="
                     f"{cfg.qkv_bias}, qk_norm={cfg.qk_norm}, tied={cfg.tie_embeddings}); the weights do not match it")

@@ -24,8 +24,12 @@ Mixtures of experts (``model/moe.py``; ``mlp`` above is the expert's width here)
 | qwen3-30b-a3b | 48     | 2048   | 32    | 4  | 128      | 128     | 8     | 768        | 151936 | 30.5B / 3.3B   |
 | mixtral-8x7b  | 32     | 4096   | 32    | 8  | 128      | 8       | 2     | 14336      | 32000  | 46.7B / 12.9B  |
 
-Both renormalise the top-k weights; Qwen3-30B-A3B has qk-norm and every layer sparse; ``tiny-moe`` (CPU-sized) has one
-dense layer among three sparse ones.
+| gpt-oss-20b   | 24     | 2880   | 64    | 8  | 64       | 32      | 4     | 2880       | 201088 | 20.9B / 3.6B   |
+| gpt-oss-120b  | 36     | 2880   | 64    | 8  | 64       | 128     | 4     | 2880       | 201088 | 116.8B / 5.1B  |
+
+All renormalise the top-k weights; Qwen3-30B-A3B has qk-norm and every layer sparse; ``tiny-moe`` (CPU-sized) has one
+dense layer among three sparse ones. gpt-oss: sliding (128 tokens) and full layers alternating, biases on q, k, v, o,
+attention sinks, YaRN RoPE (x32 of 4096, theta 150000), experts with biases and the clamped SwiGLU (limit 7).
 
 Gemma 3 (text; the 4B's language model): five local layers of a sliding window (512 tokens for 1B, 1024 for 4B) to one
 global, local RoPE base 10000, norms around both sublayers with (1 + w), qk-norm, GeGLU (tanh GELU), embeddings times
@@ -67,20 +71,27 @@ from ulysses_jax.model.layer_kinds import check_layers
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
-ROPE_TYPES = ("llama3", "linear")
+ROPE_TYPES = ("llama3", "linear", "yarn")
+EXPERT_STYLES = ("swiglu", "gpt_oss")  # the experts' MLP: SwiGLU (Qwen3-MoE, Mixtral) or gpt-oss's (model/moe.py)
 MOE_IMPLS = ("auto", "pallas", "ragged_dot")  # the experts' grouped matmul (model/moe.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama-3 style (``rope_type: llama3`` in Hugging Face configs) or ``linear`` (every
-    frequency divided by ``factor``; Gemma 3's global layers), which reads ``factor`` only."""
+    """RoPE frequency scaling: Llama-3 style (``rope_type: llama3`` in Hugging Face configs), ``linear`` (every
+    frequency divided by ``factor``; Gemma 3's global layers), which reads ``factor`` only, or ``yarn`` (gpt-oss, Qwen3
+    long-context folders: ``factor``, ``original_max_position``, ``beta_fast``, ``beta_slow``, ``truncate`` and the
+    ``attention_factor`` that multiplies cos and sin, 0: ``0.1 ln(factor) + 1``), as transformers computes them."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 0.0
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -146,6 +157,8 @@ class ModelConfig:
     mlp_activation: str = "silu"
     scale_embeddings: bool = False  # embeddings times sqrt(hidden)
     query_pre_attn_scalar: float = 0.0  # attention scale 1/sqrt(this); 0: head_dim
+    o_bias: bool = False  # a bias on the attention's output projection (gpt-oss: attention_bias on all four)
+    attn_sinks: bool = False  # a learned sink logit per head in each layer's softmax (gpt-oss; kernels/sinks.py)
     # Mixture of experts (Qwen3-MoE, Mixtral; model/moe.py): 0 experts = a dense MLP in every layer
     num_experts: int = 0
     experts_per_token: int = 0  # top-k of the router
@@ -154,6 +167,11 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # with experts: the layers whose MLP is dense (Qwen3 mlp_only_layers)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training objective
     moe_impl: str = "auto"  # grouped matmul: auto (pallas on GPUs, ragged_dot elsewhere), pallas, ragged_dot
+    # gpt_oss: a router bias, the gate and up projections fused and interleaved with biases, a down bias, and
+    # (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit and |up| <= limit
+    expert_style: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -206,6 +224,9 @@ class ModelConfig:
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"attn_max_documents ({m!r}) must be a number of documents per row (1: one document "
                              f"from the row's start; 0: by the sequence length)")
+        if self.o_bias and self.attn_chunk:
+            raise ValueError("the tiled attention sublayer (attn_chunk, --attn-chunk) takes no output-projection bias "
+                             "(o_bias: gpt-oss); use attn_chunk 0")
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")
@@ -239,6 +260,11 @@ class ModelConfig:
             raise ValueError(f"dense_layers lists every layer ({self.num_layers}); set num_experts 0 for a dense model")
         if self.post_norms:
             raise ValueError("experts (num_experts) with post_norms (Gemma 3) are not modelled; drop one")
+        if self.expert_style not in EXPERT_STYLES:
+            raise ValueError(f"expert_style {self.expert_style!r} is not one of {', '.join(EXPERT_STYLES)}")
+        if self.expert_style == "gpt_oss" and (self.has_dense_mlp or not self.router_renormalize):
+            raise ValueError("expert_style 'gpt_oss' has every layer sparse and the top-k weights renormalised (a "
+                             "softmax over the top-k logits); drop dense_layers and set router_renormalize")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl {self.moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
         if not self.router_aux_loss_coef >= 0:
@@ -321,6 +347,12 @@ _GEMMA3 = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, rms_eps=1e-6, 
                layer_pattern=("local",) * 5 + ("global",), tie_embeddings=True, qk_norm=True, post_norms=True,
                norm_plus_one=True, mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0)
 _QWEN = dict(rope_theta=1_000_000.0, rms_eps=1e-6)
+_GPT_OSS = dict(  # gpt-oss's config.json; router_aux_loss_coef 0.9 as published
+    vocab_size=201_088, hidden=2880, num_heads=64, num_kv_heads=8, head_dim=64, mlp_dim=2880, rope_theta=150_000.0,
+    rope_scaling=RopeScaling(factor=32.0, original_max_position=4096, rope_type="yarn", truncate=False),
+    rms_eps=1e-5, max_seq_len=131_072, sliding_window=128, layer_pattern=("local", "global"), qkv_bias=True,
+    o_bias=True, attn_sinks=True, experts_per_token=4, router_renormalize=True, expert_style="gpt_oss",
+    router_aux_loss_coef=0.9)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -377,6 +409,8 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768, num_experts=8,
         experts_per_token=2, router_renormalize=True, router_aux_loss_coef=0.02,
     ),
+    "gpt-oss-20b": ModelConfig(name="gpt-oss-20b", num_layers=24, num_experts=32, **_GPT_OSS),
+    "gpt-oss-120b": ModelConfig(name="gpt-oss-120b", num_layers=36, num_experts=128, **_GPT_OSS),
     "tiny-moe": ModelConfig(
         name="tiny-moe", vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32,
         mlp_dim=768, rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32", qk_norm=True, num_experts=8,

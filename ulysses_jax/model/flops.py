@@ -54,9 +54,12 @@ def matmul_params(cfg: ModelConfig) -> float:
 
 
 def active_param_count(cfg: ModelConfig) -> int:
-    """Parameters one token uses: ``param_count`` with a sparse layer's ``k`` experts in place of all ``E``."""
-    unused = len(cfg.sparse_layers) * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.hidden * cfg.expert_mlp_dim
-    return param_count(cfg) - unused
+    """Parameters one token uses: ``param_count`` with a sparse layer's ``k`` experts in place of all ``E`` (the
+    embedding table counted, as Qwen and Mistral count; gpt-oss's model card leaves it out)."""
+    per_expert = 3 * cfg.hidden * cfg.expert_mlp_dim
+    if cfg.expert_style == "gpt_oss":  # its gate/up and down biases
+        per_expert += 2 * cfg.expert_mlp_dim + cfg.hidden
+    return param_count(cfg) - len(cfg.sparse_layers) * (cfg.num_experts - cfg.experts_per_token) * per_expert
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -66,6 +69,10 @@ def param_count(cfg: ModelConfig) -> int:
     per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
     per_layer += 2 * h if cfg.qk_norm else 0
     per_layer += 2 * d if cfg.post_norms else 0
+    per_layer += (d if cfg.o_bias else 0) + (n if cfg.attn_sinks else 0)
+    if cfg.expert_style == "gpt_oss":  # router, gate/up and down biases
+        e = cfg.num_experts
+        per_layer += round((e + e * 2 * cfg.expert_mlp_dim + e * d) * len(cfg.sparse_layers) / cfg.num_layers)
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return cfg.num_layers * per_layer + embeddings + d
 

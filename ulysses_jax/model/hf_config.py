@@ -21,6 +21,7 @@ ARCHITECTURES = {  # config.json "architectures" -> "model_type"
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # ModelConfig fields that config.json decides (the others, e.g. compute_dtype or remat, are training choices).
@@ -28,7 +29,8 @@ HF_CONFIG_FIELDS = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_h
                     "rope_theta", "rope_scaling", "rms_eps", "tie_embeddings", "qk_norm", "qkv_bias", "sliding_window",
                     "layer_pattern", "rope_local_theta", "post_norms", "norm_plus_one", "mlp_activation",
                     "scale_embeddings", "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_mlp_dim",
-                    "router_renormalize", "dense_layers")
+                    "router_renormalize", "dense_layers", "o_bias", "attn_sinks", "expert_style", "swiglu_limit",
+                    "swiglu_alpha")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -83,8 +85,10 @@ def _rope(raw: dict, where) -> tuple[float, dict | None]:
         _refuse(where, "partial_rotary_factor", partial, "RoPE on part of the head dimension")
     if kind == "default":
         return float(theta), None
+    if kind == "yarn":
+        return float(theta), _yarn(params, raw, where, field)
     if kind != "llama3":
-        _refuse(where, f"{field}.rope_type", kind, "only 'default' and 'llama3' RoPE are modelled")
+        _refuse(where, f"{field}.rope_type", kind, "only 'default', 'llama3' and 'yarn' RoPE are modelled")
     try:
         scaling = dict(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                        high_freq_factor=float(params["high_freq_factor"]),
@@ -92,6 +96,23 @@ def _rope(raw: dict, where) -> tuple[float, dict | None]:
     except KeyError as e:
         raise ValueError(f"{where}: {field} of rope_type 'llama3' has no {e.args[0]!r}; add it") from None
     return float(theta), scaling
+
+
+def _yarn(params: dict, raw: dict, where, field: str) -> dict:
+    """``RopeScaling``'s fields of a YaRN ``rope_type`` (transformers' defaults: betas 32 / 1, truncate True, the
+    attention factor from ``factor``; ``mscale`` variants refused)."""
+    for key in ("mscale", "mscale_all_dim"):
+        if params.get(key):
+            _refuse(where, f"{field}.{key}", params[key], "YaRN's DeepSeek-style mscale")
+    try:
+        factor = float(params["factor"])
+        original = int(params.get("original_max_position_embeddings") or raw["max_position_embeddings"] / factor)
+    except KeyError as e:
+        raise ValueError(f"{where}: {field} of rope_type 'yarn' has no {e.args[0]!r}; add it") from None
+    return dict(rope_type="yarn", factor=factor, original_max_position=original,
+                beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                truncate=bool(params.get("truncate", True)),
+                attention_factor=float(params.get("attention_factor") or 0))
 
 
 def config_fields(path) -> dict:
@@ -116,7 +137,7 @@ def config_fields(path) -> dict:
         _refuse(where, "hidden_act", raw["hidden_act"], "the MLP is SwiGLU with silu")
     if raw.get("mlp_bias"):
         _refuse(where, "mlp_bias", raw["mlp_bias"], "the MLP has no biases")
-    if arch != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+    if arch not in ("Qwen2ForCausalLM", "GptOssForCausalLM") and raw.get("attention_bias"):
         _refuse(where, "attention_bias", raw["attention_bias"], "attention biases, o_proj's among them")
     theta, scaling = _rope(raw, where) if arch != "Gemma3ForCausalLM" else (None, None)
     fields = dict(
@@ -125,7 +146,7 @@ def config_fields(path) -> dict:
         num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=head_dim,
         mlp_dim=need("intermediate_size"), rope_theta=theta, rope_scaling=scaling,
         rms_eps=float(raw.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qk_norm=arch in _QWEN3, qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch in _QWEN3, qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
     )
     fields.update(extra)
     fields.update(moe_fields(raw, where, arch, layers))
@@ -148,6 +169,9 @@ def _window_fields(raw: dict, where, arch: str, layers: int) -> dict:
         start = raw.get("max_window_layers", 28)
         derived = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
         return layer_fields(raw, where, layers, None, derived)
+    if arch == "GptOssForCausalLM":  # transformers' default: sliding layers 0, 2, 4, ..., full ones between
+        derived = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        return layer_fields(raw, where, layers, 128, derived)
     if any(t != "full_attention" for t in raw.get("layer_types") or ()):
         _refuse(where, "layer_types", sorted(set(raw["layer_types"])), "Llama has no sliding-window layers")
     return {}
@@ -185,10 +209,7 @@ def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
         "hidden_size": cfg.hidden, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.rms_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None if sc is None else {
-            "rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
-            "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_position},
+        "rope_theta": cfg.rope_theta, "rope_scaling": _rope_scaling(sc),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0, "use_cache": True, "torch_dtype": dtype,
     }
     if arch in ("LlamaForCausalLM", *_QWEN3):
@@ -201,11 +222,24 @@ def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
             types = hf_layer_types(cfg)
             out["layer_types"] = types
             out["max_window_layers"] = types.index("sliding_attention")
+    if arch == "GptOssForCausalLM":
+        out.update(attention_bias=True, layer_types=hf_layer_types(cfg))
     if arch != "LlamaForCausalLM":
         out["sliding_window"] = cfg.sliding_window or None
     if cfg.num_experts:
         out.update(moe_hf_config(cfg, arch))
     return _token_ids(out, source)
+
+
+def _rope_scaling(sc) -> dict | None:
+    if sc is None:
+        return None
+    if sc.rope_type == "yarn":
+        out = {"rope_type": "yarn", "factor": sc.factor, "beta_fast": sc.beta_fast, "beta_slow": sc.beta_slow,
+               "truncate": sc.truncate, "original_max_position_embeddings": sc.original_max_position}
+        return {**out, "attention_factor": sc.attention_factor} if sc.attention_factor else out
+    return {"rope_type": "llama3", "factor": sc.factor, "low_freq_factor": sc.low_freq_factor,
+            "high_freq_factor": sc.high_freq_factor, "original_max_position_embeddings": sc.original_max_position}
 
 
 def _token_ids(out: dict, source: dict | None) -> dict:

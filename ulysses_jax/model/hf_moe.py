@@ -11,7 +11,7 @@ layer sparse. Both: ``router_aux_loss_coef``.
 
 from __future__ import annotations
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 # keys of MoE variants that are not modelled: shared experts (Qwen2-MoE, DeepSeek), DeepSeek-style layers and routing
 _REFUSED_KEYS = {
     "shared_expert_intermediate_size": "a shared expert beside the routed ones",
@@ -41,7 +41,7 @@ def moe_fields(raw: dict, where, arch: str, num_layers: int) -> dict:
                              f"routed experts of Qwen3-MoE and Mixtral only")
     if arch not in MOE_ARCHITECTURES:
         return {}
-    experts_key = "num_local_experts" if arch == "MixtralForCausalLM" or "num_experts" not in raw else "num_experts"
+    experts_key = "num_experts" if arch == "Qwen3MoeForCausalLM" and "num_experts" in raw else "num_local_experts"
     experts = _int(raw, experts_key, where, 2)
     top_k = _int(raw, "num_experts_per_tok", where)
     if top_k > experts:
@@ -51,6 +51,8 @@ def moe_fields(raw: dict, where, arch: str, num_layers: int) -> dict:
     if not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0:
         raise ValueError(f"{where}: router_aux_loss_coef = {coef!r} must be a number >= 0; fix config.json")
     fields = dict(num_experts=experts, experts_per_token=top_k, router_aux_loss_coef=float(coef))
+    if arch == "GptOssForCausalLM":
+        return {**fields, **_gpt_oss_fields(raw, where)}
     if arch == "MixtralForCausalLM":
         if raw.get("router_jitter_noise"):
             raise ValueError(f"{where}: router_jitter_noise = {raw['router_jitter_noise']!r} is not supported (noise "
@@ -70,8 +72,30 @@ def moe_fields(raw: dict, where, arch: str, num_layers: int) -> dict:
             "router_renormalize": bool(raw.get("norm_topk_prob", False))}
 
 
+def _gpt_oss_fields(raw: dict, where) -> dict:
+    """gpt-oss: biases on q, k, v and o (``attention_bias``), attention sinks, its experts (``expert_style``); the
+    Hub's MXFP4 expert weights are dequantised on import (``interop/mxfp4.py``), other quantisations refused."""
+    quant = raw.get("quantization_config") or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in (None, "mxfp4"):
+        raise ValueError(f"{where}: quantization_config.quant_method = {method!r} is not supported (ulysses_jax "
+                         f"dequantises gpt-oss's MXFP4 expert weights only); use the original or a bfloat16 folder")
+    if not raw.get("attention_bias", True):
+        raise ValueError(f"{where}: attention_bias = false is not modelled for gpt-oss (its q, k, v and o have biases)")
+    return dict(o_bias=True, attn_sinks=True, expert_style="gpt_oss", router_renormalize=True,
+                swiglu_limit=float(raw.get("swiglu_limit", 7.0)), swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)))
+
+
 def moe_architecture(cfg) -> str:
-    """The HF class of a model with experts: Qwen3-MoE with qk-norm, Mixtral without (refusing what neither holds)."""
+    """The HF class of a model with experts: gpt-oss by its experts, Qwen3-MoE with qk-norm, Mixtral without
+    (refusing what none holds)."""
+    if cfg.expert_style == "gpt_oss":
+        if not (cfg.qkv_bias and cfg.o_bias and cfg.attn_sinks) or cfg.qk_norm:
+            raise ValueError("gpt-oss experts export as GptOssForCausalLM, which has q/k/v/o biases and attention "
+                             "sinks and no qk-norm; this model differs")
+        return "GptOssForCausalLM"
+    if cfg.o_bias or cfg.attn_sinks:
+        raise ValueError("output-projection biases and attention sinks export with gpt-oss experts only")
     if cfg.qk_norm and not cfg.qkv_bias:
         return "Qwen3MoeForCausalLM"
     if cfg.qkv_bias or cfg.dense_layers or not cfg.router_renormalize or cfg.expert_mlp_dim != cfg.mlp_dim:
@@ -86,6 +110,9 @@ def moe_hf_config(cfg, arch: str) -> dict:
            "output_router_logits": False}
     if arch == "MixtralForCausalLM":
         return {**out, "num_local_experts": cfg.num_experts, "router_jitter_noise": 0.0}
+    if arch == "GptOssForCausalLM":
+        return {**out, "num_local_experts": cfg.num_experts, "swiglu_limit": cfg.swiglu_limit,
+                "swiglu_alpha": cfg.swiglu_alpha}
     return {**out, "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_mlp_dim,
             "norm_topk_prob": cfg.router_renormalize, "decoder_sparse_step": 1,
             "mlp_only_layers": list(cfg.dense_layers)}

@@ -104,6 +104,8 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         return inv_freq
     if sc.rope_type == "linear":
         return inv_freq / sc.factor
+    if sc.rope_type == "yarn":
+        return _yarn_frequencies(inv_freq, cfg.rope_theta, h, sc)
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = sc.original_max_position / sc.low_freq_factor
     high_freq_wavelen = sc.original_max_position / sc.high_freq_factor
@@ -113,10 +115,40 @@ def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     return np.where(medium, (1 - smooth) * inv_freq / sc.factor + smooth * inv_freq, scaled)
 
 
-def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate halves ``(x1, x2)`` of the head dim by ``position * inv_freq`` (computed in float32)."""
+def _yarn_frequencies(inv_freq: np.ndarray, theta: float, dim: int, sc) -> np.ndarray:
+    """YaRN (as transformers' ``_compute_yarn_parameters``): the frequencies whose wavelength fits ``beta_fast``
+    rotations in the original context keep their value, those under ``beta_slow`` rotations are divided by
+    ``factor``, a linear ramp over the dimensions between."""
+    def correction_dim(rotations):
+        return dim * math.log(sc.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    return inv_freq / sc.factor * (1 - keep) + inv_freq * keep
+
+
+def rope_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (``0.1 ln(factor) + 1`` unless the config gives
+    one), else 1; local layers with their own base (``rope_local_theta``) are unscaled."""
+    sc = cfg.rope_scaling
+    if sc is None or sc.rope_type != "yarn" or (local and cfg.rope_local_theta):
+        return 1.0
+    if sc.attention_factor:
+        return sc.attention_factor
+    return 1.0 if sc.factor <= 1 else 0.1 * math.log(sc.factor) + 1.0
+
+
+def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
+    """Rotate halves ``(x1, x2)`` of the head dim by ``position * inv_freq`` (computed in float32); ``factor``
+    multiplies cos and sin (``rope_factor``)."""
     angle_BSh = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     sin, cos = jnp.sin(angle_BSh)[:, :, None], jnp.cos(angle_BSh)[:, :, None]
+    if factor != 1.0:
+        sin, cos = sin * factor, cos * factor
     x1, x2 = jnp.split(x_BSNH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
 

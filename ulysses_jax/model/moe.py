@@ -76,21 +76,37 @@ def resolve_impl(impl: str, mesh: Mesh) -> str:
     return "pallas" if mesh.devices.flat[0].platform == "gpu" else "ragged_dot"
 
 
-def route(x_tD, w_DE, k: int, renormalize: bool):
-    """``(weights [t, k] float32, experts [t, k] int32, probs [t, E] float32)`` of the top-``k`` router."""
-    probs_tE = jax.nn.softmax(jnp.einsum("td,de->te", x_tD, w_DE, preferred_element_type=jnp.float32), axis=-1)
+def route(x_tD, w_DE, k: int, renormalize: bool, b_E=None):
+    """``(weights [t, k] float32, experts [t, k] int32, probs [t, E] float32)`` of the top-``k`` router (``b_E``: its
+    bias, gpt-oss). A softmax over the top-k logits (gpt-oss) is the renormalised top-k of the softmax."""
+    logits_tE = jnp.einsum("td,de->te", x_tD, w_DE, preferred_element_type=jnp.float32)
+    if b_E is not None:
+        logits_tE = logits_tE + b_E.astype(jnp.float32)
+    probs_tE = jax.nn.softmax(logits_tE, axis=-1)
     weights_tk, experts_tk = jax.lax.top_k(probs_tE, k)
     if renormalize:
         weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
     return weights_tk, experts_tk, probs_tE
 
 
-def experts_mlp(x_tD, w_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, k: int, renormalize: bool, impl: str,
-                act=jax.nn.silu, platform: str | None = None):
-    """The routed experts' output ``[t, D]`` for tokens ``x [t, D]`` (steps 1-4 of the module doc), dropless."""
+def clamped_swiglu(gate_up, limit: float, alpha: float):
+    """gpt-oss's expert activation on the interleaved gate/up columns ``[..., 2F]``: ``(up + 1) * gate *
+    sigmoid(alpha * gate)``, the gate clipped above at ``limit``, up to ``[-limit, limit]``."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def experts_mlp(x_tD, ws: dict, *, k: int, renormalize: bool, impl: str, act=jax.nn.silu,
+                platform: str | None = None, style: str = "swiglu", limit: float = 7.0, alpha: float = 1.702):
+    """The routed experts' output ``[t, D]`` for tokens ``x [t, D]`` (steps 1-4 of the module doc), dropless.
+
+    ``ws``: ``MoE.NAMES[style]``' weights: SwiGLU ``w_router_DE, w_gate_EDF, w_up_EDF, w_down_EFD``; gpt-oss adds the
+    router's bias ``b_router_E``, fuses gate and up (interleaved columns) in ``w_gate_up_EDX`` with a bias
+    ``b_gate_up_EX``, and biases the down projection (``b_down_ED``)."""
     t, d = x_tD.shape
-    e = w_gate_EDF.shape[0]
-    weights_tk, experts_tk, _ = route(x_tD, w_DE, k, renormalize)
+    e = ws["w_router_DE"].shape[1]
+    weights_tk, experts_tk, _ = route(x_tD, ws["w_router_DE"], k, renormalize, ws.get("b_router_E"))
     flat_P = experts_tk.reshape(-1)
     order_P = jnp.argsort(flat_P, stable=True)  # pairs grouped by expert, token order kept within a group
     group_sizes_E = jnp.bincount(flat_P, length=e).astype(jnp.int32)
@@ -99,78 +115,101 @@ def experts_mlp(x_tD, w_DE, w_gate_EDF, w_up_EDF, w_down_EFD, *, k: int, renorma
     def gmm(a, w):
         return grouped_matmul(a, w, group_sizes_E, impl=impl, platform=platform)
 
-    h_PF = act(gmm(xs_PD, w_gate_EDF)) * gmm(xs_PD, w_up_EDF)
-    ys_PD = gmm(h_PF, w_down_EFD)
+    if style == "gpt_oss":
+        expert_P = jnp.take(flat_P, order_P)  # each sorted pair's expert: its biases
+        gate_up = gmm(xs_PD, ws["w_gate_up_EDX"]) + jnp.take(ws["b_gate_up_EX"], expert_P, axis=0)
+        ys_PD = gmm(clamped_swiglu(gate_up, limit, alpha), ws["w_down_EFD"])
+        ys_PD = ys_PD + jnp.take(ws["b_down_ED"], expert_P, axis=0)
+    else:
+        h_PF = act(gmm(xs_PD, ws["w_gate_EDF"])) * gmm(xs_PD, ws["w_up_EDF"])
+        ys_PD = gmm(h_PF, ws["w_down_EFD"])
     ys_tkD = jnp.take(ys_PD, jnp.argsort(order_P), axis=0).reshape(t, k, d)  # back in (token, choice) order
     return jnp.einsum("tkd,tk->td", ys_tkD, weights_tk.astype(ys_tkD.dtype))
 
 
-def router_sums(x_tD, w_DE, valid_t, k: int):
+def router_sums(x_tD, w_DE, valid_t, k: int, b_E=None):
     """This device's ``(assignments [E], probability sums [E], valid tokens)``, each a float32 sum over valid tokens;
     differentiable through the probabilities (the assignments are counts)."""
-    _, experts_tk, probs_tE = route(x_tD, w_DE, k, False)
+    _, experts_tk, probs_tE = route(x_tD, w_DE, k, False, b_E)
     v_t = valid_t.astype(jnp.float32)
     assigned_E = jnp.zeros(probs_tE.shape[1], jnp.float32).at[experts_tk.reshape(-1)].add(jnp.repeat(v_t, k))
     return jax.lax.stop_gradient(assigned_E), jnp.einsum("te,t->e", probs_tE, v_t), jnp.sum(v_t)
 
 
+def _shapes(cfg: ModelConfig) -> dict:
+    """Each expert parameter of ``cfg.expert_style``: ``(shape, logical axes)``; the ``embed`` axis is FSDP-gathered."""
+    d, e, f = cfg.hidden, cfg.num_experts, cfg.expert_mlp_dim
+    router = {"w_router_DE": ((d, e), ("embed", "experts"))}
+    down = {"w_down_EFD": ((e, f, d), ("experts", "mlp", "embed"))}
+    if cfg.expert_style == "gpt_oss":
+        return {**router, "b_router_E": ((e,), ("experts",)),
+                "w_gate_up_EDX": ((e, d, 2 * f), ("experts", "embed", "mlp")),
+                "b_gate_up_EX": ((e, 2 * f), ("experts", "mlp")), **down,
+                "b_down_ED": ((e, d), ("experts", "embed"))}
+    return {**router, "w_gate_EDF": ((e, d, f), ("experts", "embed", "mlp")),
+            "w_up_EDF": ((e, d, f), ("experts", "embed", "mlp")), **down}
+
+
 class MoE(nnx.Module):
-    """A sparse MLP's parameters, stacked over the layers like every block parameter: router ``[D, E]``, the experts'
-    gate and up ``[E, D, F]``, down ``[E, F, D]``."""
+    """A sparse MLP's parameters (``_shapes``), stacked over the layers like every block parameter: router ``[D, E]``,
+    the experts' gate and up ``[E, D, F]`` (gpt-oss: fused ``[E, D, 2F]``, interleaved, and biases), down
+    ``[E, F, D]``."""
 
     def __init__(self, make: ParamMaker):
         self.cfg, self.mesh = make.cfg, make.mesh
-        d, e, f = self.cfg.hidden, self.cfg.num_experts, self.cfg.expert_mlp_dim
-        self.w_router_DE = make("moe.w_router", (d, e), ("embed", "experts"))
-        self.w_gate_EDF = make("moe.w_gate", (e, d, f), ("experts", "embed", "mlp"))
-        self.w_up_EDF = make("moe.w_up", (e, d, f), ("experts", "embed", "mlp"))
-        self.w_down_EFD = make("moe.w_down", (e, f, d), ("experts", "mlp", "embed"))
+        for name, (shape, names) in _shapes(self.cfg).items():
+            init = "zeros" if name.startswith("b_") else "normal"
+            setattr(self, name, make(f"moe.{name.rsplit('_', 1)[0]}", shape, names, init=init))
 
     def residual(self, x_BSD, valid_BS, norm_scale_D):
         """``(x + moe(rms_norm(x)), (assigned [E], prob sums [E], tokens))`` (``moe_sublayer``); ``norm_scale_D``: the
         pre-MLP norm's stored scale."""
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
-        ws = tuple(w.get_value().astype(dt) for w in (self.w_router_DE, self.w_gate_EDF, self.w_up_EDF,
-                                                       self.w_down_EFD))
+        ws = {name: getattr(self, name).get_value().astype(dt) for name in _shapes(cfg)}
         return moe_sublayer(x_BSD, valid_BS, norm_scale(norm_scale_D, cfg), ws, cfg=cfg, mesh=self.mesh)
 
 
-def moe_sublayer(x_BSD, valid_BS, norm_D, ws: tuple, *, cfg: ModelConfig, mesh: Mesh):
+def moe_sublayer(x_BSD, valid_BS, norm_D, ws: dict, *, cfg: ModelConfig, mesh: Mesh):
     """``(x + moe(rms_norm(x) * norm), (assigned [E], prob sums [E], tokens))``: the whole sparse sublayer on each
-    device's tokens (module doc), the sums over the global batch. ``ws``: router, gate, up, down at rest, in the compute
-    dtype; ``norm_D``: the float32 norm multiplier, at rest. With ``cfg.mlp_chunk`` the sublayer runs chunk by chunk."""
+    device's tokens (module doc), the sums over the global batch. ``ws``: the expert parameters (``_shapes``) at rest,
+    in the compute dtype; ``norm_D``: the float32 norm multiplier, at rest. With ``cfg.mlp_chunk`` the sublayer runs
+    chunk by chunk."""
     over = cfg.shard_params_over_data
     wa = fsdp_axes(over)
     act_spec = P((DATA, FSDP), SEQ, None)
     impl = resolve_impl(cfg.moe_impl, mesh)
     platform = mesh.devices.flat[0].platform
-    activation = mlp_activation(cfg)
-    k = cfg.experts_per_token
+    k, names = cfg.experts_per_token, list(_shapes(cfg))
+    embed_axis = {n: names_.index("embed") if "embed" in names_ else None for n, (_, names_) in _shapes(cfg).items()}
+    mlp = dict(k=k, renormalize=cfg.router_renormalize, impl=impl, act=mlp_activation(cfg), platform=platform,
+               style=cfg.expert_style, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
 
-    def local(x_bsD, valid_bs, norm_D, wr, wg, wu, wd):
-        norm_D, wr = gather_param(norm_D, 0, over_data=over), gather_param(wr, 0, over_data=over)
-        wg, wu = gather_param(wg, 1, over_data=over), gather_param(wu, 1, over_data=over)
-        wd = gather_param(wd, 2, over_data=over)
+    def local(x_bsD, valid_bs, norm_D, *w_at_rest):
+        norm_D = gather_param(norm_D, 0, over_data=over)
+        w = {n: v if embed_axis[n] is None else gather_param(v, embed_axis[n], over_data=over)
+             for n, v in zip(names, w_at_rest)}
         b, s, d = x_bsD.shape
 
-        def sublayer(xc_bcD, w):
-            n_D, wr, wg, wu, wd = w
-            y_tD = experts_mlp(rms_norm(xc_bcD, n_D, cfg.rms_eps).reshape(-1, d), wr, wg, wu, wd, k=k,
-                               renormalize=cfg.router_renormalize, impl=impl, act=activation, platform=platform)
+        def sublayer(xc_bcD, nw):
+            n_D, w = nw
+            y_tD = experts_mlp(rms_norm(xc_bcD, n_D, cfg.rms_eps).reshape(-1, d), w, **mlp)
             return xc_bcD + y_tD.reshape(xc_bcD.shape).astype(xc_bcD.dtype)
 
-        w = (norm_D, wr, wg, wu, wd)
         if cfg.mlp_chunk:
-            out = chunk_map(sublayer, local_chunks(cfg.mlp_chunk, s, "mlp_chunk"), x_bsD, w)
+            out = chunk_map(sublayer, local_chunks(cfg.mlp_chunk, s, "mlp_chunk"), x_bsD, (norm_D, w))
         else:
-            out = sublayer(x_bsD, w)
-        sums = router_sums(rms_norm(x_bsD, norm_D, cfg.rms_eps).reshape(-1, d), wr, valid_bs.reshape(-1), k)
+            out = sublayer(x_bsD, (norm_D, w))
+        sums = router_sums(rms_norm(x_bsD, norm_D, cfg.rms_eps).reshape(-1, d), w["w_router_DE"],
+                           valid_bs.reshape(-1), k, w.get("b_router_E"))
         # per device, summed outside: a psum here would be transposed to a psum (check_vma is off for chunk_map)
         return out, tuple(v[None] for v in sums)
 
+    def spec(n):
+        shape, _ = _shapes(cfg)[n]
+        return P(*(wa if i == embed_axis[n] else None for i in range(len(shape))))
+
     everywhere = P(MESH_AXES)
-    specs = (act_spec, P((DATA, FSDP), SEQ), P(wa), P(wa, None), P(None, wa, None), P(None, wa, None),
-             P(None, None, wa))
+    specs = (act_spec, P((DATA, FSDP), SEQ), P(wa), *(spec(n) for n in names))
     fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(act_spec, (everywhere,) * 3), check_vma=False)
-    out, sums = fn(x_BSD, valid_BS, norm_D, *ws)
+    out, sums = fn(x_BSD, valid_BS, norm_D, *(ws[n] for n in names))
     return out, tuple(jnp.sum(v, axis=0) for v in sums)

@@ -63,7 +63,7 @@ from ulysses_jax.kernels.attention import attention, device_platform, resolve_im
 from ulysses_jax.kernels.sinks import sink_grad
 from ulysses_jax.model.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.model.config import ModelConfig, local_chunks
-from ulysses_jax.model.layers import apply_rope, norm_scale, rms_norm, rope_frequencies
+from ulysses_jax.model.layers import apply_rope, norm_scale, rms_norm, rope_factor, rope_frequencies
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.head_layout import HeadGroups, HeadLayout, head_groups, plan_heads
 from ulysses_jax.parallel.mesh import DATA, FSDP, RING, SEQ, SP
@@ -137,8 +137,8 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = Fal
     if cfg.qk_norm:
         q = rms_norm(q, norm_scale(w["q_norm"], cfg), cfg.rms_eps)
         k = rms_norm(k, norm_scale(w["k_norm"], cfg), cfg.rms_eps)
-    inv_freq = rope_frequencies(cfg, local=local)
-    return apply_rope(q, pos_bc, inv_freq), apply_rope(k, pos_bc, inv_freq), v
+    inv_freq, f = rope_frequencies(cfg, local=local), rope_factor(cfg, local=local)
+    return apply_rope(q, pos_bc, inv_freq, f), apply_rope(k, pos_bc, inv_freq, f), v
 
 
 def output_chunk(o_bcXH, wo, *, layout: HeadLayout):

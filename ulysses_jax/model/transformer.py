@@ -61,6 +61,7 @@ from ulysses_jax.model.layers import (
     RMSNorm,
     apply_rope,
     default_positions,
+    rope_factor,
     rope_frequencies,
     use,
 )
@@ -92,6 +93,10 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(make, h, ("head_dim",))
             self.k_norm = RMSNorm(make, h, ("head_dim",))
+        if cfg.o_bias:
+            self.bo_D = make("attn.bo", (d,), ("embed",), init="zeros")
+        if cfg.attn_sinks:  # gpt-oss: a sink logit per head (zeros: exp(0) joins each row's softmax denominator)
+            self.sinks_N = make("attn.sinks", (n,), ("heads",), init="zeros")
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0):
         """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one)."""
@@ -106,16 +111,20 @@ class Attention(nnx.Module):
             v_BSKH = v_BSKH + use(self.bv_KH, mesh, dt)
         if cfg.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        inv_freq = rope_frequencies(cfg, local=window is not None)
-        q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq), mesh, ("batch", "seq", "heads", "head_dim"))
-        k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq), mesh, ("batch", "seq", "kv_heads", "head_dim"))
+        inv_freq, f = rope_frequencies(cfg, local=window is not None), rope_factor(cfg, local=window is not None)
+        q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq, f), mesh, ("batch", "seq", "heads", "head_dim"))
+        k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq, f), mesh,
+                           ("batch", "seq", "kv_heads", "head_dim"))
         v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
         o_BSNH = ulysses_attention(
             q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
             impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
             scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
+            sinks=use(self.sinks_N, mesh, jnp.float32) if cfg.attn_sinks else None,
         )
         out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
+        if cfg.o_bias:
+            out_BSD = out_BSD + use(self.bo_D, mesh, dt)
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
 
 
@@ -215,7 +224,10 @@ class Block(nnx.Module):
             found.update(q_norm=a.q_norm.scale, k_norm=a.k_norm.scale)
         if a.cfg.post_norms:
             found.update(post_norm=self.post_attn_norm.scale)
-        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") else dt) for k, p in found.items()}
+        if a.cfg.attn_sinks:
+            found.update(sinks=a.sinks_N)
+        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k == "sinks" else dt)
+                for k, p in found.items()}
 
 
 # ----------------------------------------------------------------------------------------------

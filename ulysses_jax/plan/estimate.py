@@ -69,7 +69,7 @@ def attention_kernel(model, mesh) -> str:
     if mesh.shape.get("ring", 1) > 1:
         return "pallas" if model.attention_impl == "auto" else model.attention_impl
     return resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
-                        has_segment_ids=True, platform=device_platform(mesh))
+                        has_segment_ids=True, platform=device_platform(mesh), sinks=model.attn_sinks)
 
 
 # Our Pallas kernel has no measured rate: its row comes from the static estimate of its compiled tiles

@@ -131,7 +131,7 @@ def check_parallel(cfg: ModelConfig, mesh, *, seq_len: int, batch_size: int, gra
         return  # the ring's kernels serve any platform, dtype and head_dim
     try:
         resolve_impl(cfg.attention_impl, dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, has_segment_ids=True,
-                     platform=device_platform(mesh))
+                     platform=device_platform(mesh), sinks=cfg.attn_sinks)
     except ValueError as e:
         why = str(e).replace(f"impl={cfg.attention_impl!r} ", "")
         why = re.sub(r"impl='(\w+)'( or '(\w+)')?", r"--attention \1\2", why)
@@ -194,5 +194,5 @@ def documents_limit(model: ModelConfig, mesh, seq_len: int) -> int | None:
     """The bound on documents per row the step was compiled for when attention runs on cuDNN's packed layout (its
     ``attn_max_documents``, or the default for ``seq_len``), else None (every other kernel takes any segment ids)."""
     impl = resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
-                        has_segment_ids=True, platform=device_platform(mesh))
+                        has_segment_ids=True, platform=device_platform(mesh), sinks=model.attn_sinks)
     return resolve_max_documents(model.attn_max_documents, seq_len) if impl == "cudnn" else None
