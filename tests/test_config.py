@@ -33,12 +33,14 @@ def test_presets_have_the_published_parameter_count(name):
 
 def test_preset_features():
     # gemma3-4b: the text model of a vision-language one; the mixtures of experts: tests/test_moe.py
-    assert set(PRESETS) == {"tiny", "gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe", *PUBLISHED}
+    assert set(PRESETS) == {"tiny", "gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe", "gpt-oss-20b",
+                            "gpt-oss-120b", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
     assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
                                                             "tiny-moe", *gemma}
-    assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b"}
+    assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b", "gpt-oss-20b",
+                                                             "gpt-oss-120b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
         "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b", *gemma
     }
@@ -48,7 +50,9 @@ def test_preset_features():
         assert PRESETS[name].rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
         assert PRESETS[name].rope_theta == 500_000.0
     llama3 = {"llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "llama3.1-70b"}
-    assert {n for n, c in PRESETS.items() if c.rope_scaling} == llama3 | {"gemma3-4b"}
+    assert {n for n, c in PRESETS.items() if c.rope_scaling} == llama3 | {"gemma3-4b", "gpt-oss-20b", "gpt-oss-120b"}
+    assert PRESETS["gpt-oss-20b"].rope_scaling == RopeScaling(32.0, original_max_position=4096, rope_type="yarn",
+                                                              truncate=False)
     assert PRESETS["gemma3-4b"].rope_scaling == RopeScaling(factor=8.0, rope_type="linear")
     assert PRESETS["qwen3-4b"].head_dim * PRESETS["qwen3-4b"].num_heads != PRESETS["qwen3-4b"].hidden
     assert 2e6 < param_count(PRESETS["tiny"]) < 1e7 and PRESETS["tiny"].compute_dtype == "float32"

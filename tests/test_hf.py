@@ -38,6 +38,9 @@ CASES = {  # name -> (config class, settings); llama3 scaling with original leng
     "llama3-tied": ("LlamaConfig", dict(LLAMA3, tie_word_embeddings=True)),
     "qwen2-tied": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3-untied": ("Qwen3Config", dict(rope_theta=1e6, head_dim=32, tie_word_embeddings=False)),  # N*H != D
+    # YaRN x4 of an original 16 tokens (< S): the ramp between beta_fast and beta_slow, and the attention factor
+    "qwen3-yarn": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16))),
     "mistral-untied": ("MistralConfig", dict(rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
     # sliding windows (5 tokens < the documents): Mistral on every layer, Qwen2 from layer max_window_layers on
     "mistral-window": ("MistralConfig", dict(rope_theta=1e6, sliding_window=5, tie_word_embeddings=False)),
@@ -240,7 +243,8 @@ def test_config_layouts_and_refusals(tmp_path):
         "Gemma 3 vision-language model": dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
                                               text_config={}, vision_config={}),
         "final_logit_softcapping": dict(architectures=["Gemma3ForCausalLM"], final_logit_softcapping=30.0),
-        "rope_scaling.rope_type": dict(rope_scaling=dict(rope_type="yarn", factor=4.0)),
+        "rope_scaling.rope_type": dict(rope_scaling=dict(rope_type="longrope", factor=4.0)),
+        "rope_scaling.mscale": dict(rope_scaling=dict(rope_type="yarn", factor=4.0, mscale=0.7, mscale_all_dim=0.7)),
         "rope_parameters.rope_type": dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
         "attention_bias": dict(attention_bias=True),
         "hidden_act": dict(hidden_act="gelu"),

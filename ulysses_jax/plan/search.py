@@ -130,13 +130,14 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
     return next((d for d in range(min(prefer, local_seq), MIN_TILE - 1, -1) if local_seq % d == 0), None)
 
 
-def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False
-                   ) -> list[tuple[str, dict, str | None]]:
+def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False,
+                   o_bias: bool = False) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
     tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory).
     ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
     (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
-    ``attn_recompute``, which such a model refuses."""
+    ``attn_recompute``, which such a model refuses; ``o_bias`` (gpt-oss): the tiled attention sets are skipped (it
+    takes no output-projection bias)."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
             default=1)
     tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
@@ -149,6 +150,8 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
             tile_flags += f" --{name.replace('_', '-')} {tile}"
     host = dict(param_dtype="bfloat16", optim=dataclasses.replace(cfg.optim, master_weights=True, offload=True))
     host_flags = "--param-dtype bfloat16 --optim.master-weights --optim.offload"
+    if cfg.lora_rank is not None:  # LoRA: a frozen bfloat16 base and the adapters' small optimizer on the devices
+        host, host_flags = {}, ""
     choices = [(f"--remat full{tile_flags}", dict(remat="full", remat_every=None, **tiles), None)]
     keep = cfg.mesh.ring <= 1 and not cfg.attn_chunk  # attention's output kept: its forward runs once (kept.py)
     if keep:
@@ -167,6 +170,8 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
                         dict(remat="offload", remat_every=2, **host, **tiles), None))
     if cfg.mesh.ring <= 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
         tiled = f"--attn-chunk {tile} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
+        if o_bias:
+            no_tile = "the tiled attention sublayer takes no output-projection bias (gpt-oss)"
         attn = dict(attn_chunk=tile, attn_head_chunk=1, **tiles)
         choices.append((f"--remat offload {host_flags} {tiled}{tile_flags}",
                         dict(remat="offload", remat_every=None, **host, **attn), no_tile))
@@ -174,7 +179,7 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
             # attention output there (refused with post_norms: the post-attention norm's backward reads it)
             choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute{tile_flags}",
                             dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), no_tile))
-    return choices
+    return [(" ".join(flags.split()), changes, skip) for flags, changes, skip in choices]
 
 
 def _summary(flags: str, p: Plan | None, *, length: int | None, note: str = "") -> dict:
@@ -198,8 +203,11 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     sets that reach the same length, the lowest estimated step time."""
     best, results = None, []
     model = _model(cfg)
-    choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms)
-    for flags, changes, _ in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
+    choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias)
+    for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
+        if skip:
+            log(f"{flags}: skipped ({skip})")
+            continue
         log(f"{flags}:")
         floor = best[0].max_seq_len if best else 0
         p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log, on_trial=on_trial,
@@ -234,7 +242,8 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     local = cfg.seq_len // (mesh.shape["ring"] * mesh.shape["sp"]) if cfg.seq_len % (
         mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
     fitting, results = [], []
-    for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms):
+    for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms,
+                                                 o_bias=model.o_bias):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
