@@ -134,6 +134,25 @@ def test_all_to_all_bytes_split_by_destination_host(per_host, network):
     assert (c.bytes, c.inter_host_bytes, c.intra_host_bytes) == (512, network, 512 - network)
 
 
+RAGGED_HLO = """HloModule m
+
+ENTRY %main (p: f32[8,16], o: f32[8,16], a: s32[4], b: s32[4], c: s32[4], d: s32[4]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %o = f32[8,16]{1,0} parameter(1)
+  %a = s32[4]{0} parameter(2)
+  %b = s32[4]{0} parameter(3)
+  %c = s32[4]{0} parameter(4)
+  %d = s32[4]{0} parameter(5)
+  ROOT %r = f32[8,16]{1,0} ragged-all-to-all(%p, %o, %a, %b, %c, %d), replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_ragged_all_to_all_counts_the_data_not_its_output_buffer():
+    """A ragged all-to-all takes (data, output buffer, offsets, sizes): 512 bytes move, not 1,024 and the offsets."""
+    assert hlo.collectives(RAGGED_HLO, devices_per_host=4, num_devices=4)["ragged-all-to-all"].bytes == 512
+
+
 def _cli(*args, env=None):
     env = {k: v for k, v in (env or os.environ).items() if k != "XLA_FLAGS"}
     return subprocess.run([sys.executable, "-m", "ulysses_jax", "plan", *args], capture_output=True, text=True,

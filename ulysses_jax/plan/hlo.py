@@ -205,7 +205,9 @@ def collectives(
             kind = op[: -len("-start")] if op.endswith("-start") else op
             if kind not in KINDS:
                 continue
-            in_bytes = sum(array_bytes(types.get(o, "")) for o in ins.operands)
+            operands = ins.operands[:1] if kind == "ragged-all-to-all" else ins.operands  # (data, output buffer,
+            # offsets and sizes): only the data is sent
+            in_bytes = sum(array_bytes(types.get(o, "")) for o in operands)
             out_bytes = array_bytes(ins.type)
             if op.endswith("-start"):  # the result tuple holds the operands, the outputs and small contexts
                 out_bytes = max(out_bytes - in_bytes, 0)
