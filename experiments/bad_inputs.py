@@ -75,6 +75,13 @@ def cases(d: pathlib.Path, run: pathlib.Path) -> list[tuple[str, list[str]]]:
     w.mkdir()
     tok = word_tokenizer(w / "tok")
     base = json.loads((d / "hf" / "config.json").read_text())  # the tiny model exported as LlamaForCausalLM
+    moe = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32)
+    shared = hf_config(w / "moe-shared", base, **moe, shared_expert_intermediate_size=64)
+    top_k = hf_config(w / "moe-top-k", base, **{**moe, "num_experts_per_tok": 8})
+    int8 = hf_config(w / "gpt-oss-int8", base, architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+                     num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                     quantization_config={"quant_method": "bitsandbytes"})
     layer_type = hf_config(w / "layer-type", base, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                            use_sliding_window=True, sliding_window=8,
                            layer_types=["chunked_attention"] * base["num_hidden_layers"])
@@ -192,6 +199,16 @@ def cases(d: pathlib.Path, run: pathlib.Path) -> list[tuple[str, list[str]]]:
         ("restart with other --steps (derived warmup)", ["train", *RUN, "--steps", "20", "--run-dir", "NOCKPT"]),
         ("resume after the --init-from-hf config.json was edited", ["train", "--resume", "--run-dir", "HFRUN",
                                                                      "--steps", "2"]),
+        # issues 29-30: mixtures of experts and gpt-oss that are not modelled; issue 32: clusters
+        ("MoE config.json with a shared expert", ["train", "--init-from-hf", str(shared), "--tokenizer", str(tok),
+                                                  "--run-dir", "NEW"]),
+        ("MoE config.json with top-k above the experts", ["train", "--init-from-hf", str(top_k), "--tokenizer",
+                                                          str(tok), "--run-dir", "NEW"]),
+        ("gpt-oss config.json quantised other than MXFP4", ["train", "--init-from-hf", str(int8), "--tokenizer",
+                                                            str(tok), "--run-dir", "NEW"]),
+        ("load-balancing weight for a model without experts", ["train", *RUN, "--router-aux-loss-coef", "0.01",
+                                                               "--run-dir", "NEW"]),
+        ("--distributed outside a cluster", ["train", *RUN, "--distributed", "--run-dir", "NEW"]),
     ]
 
 
