@@ -123,7 +123,8 @@ def experts_mlp(x_tD, ws: dict, *, k: int, renormalize: bool, impl: str, act=jax
     else:
         h_PF = act(gmm(xs_PD, ws["w_gate_EDF"])) * gmm(xs_PD, ws["w_up_EDF"])
         ys_PD = gmm(h_PF, ws["w_down_EFD"])
-    ys_tkD = jnp.take(ys_PD, jnp.argsort(order_P), axis=0).reshape(t, k, d)  # back in (token, choice) order
+    unsort_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(order_P.shape[0], dtype=order_P.dtype))
+    ys_tkD = jnp.take(ys_PD, unsort_P, axis=0).reshape(t, k, d)  # back in (token, choice) order
     return jnp.einsum("tkd,tk->td", ys_tkD, weights_tk.astype(ys_tkD.dtype))
 
 
