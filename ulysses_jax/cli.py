@@ -255,6 +255,10 @@ def _train(cfg: TrainConfig) -> int:
               f"layers ({param_count(m) / 1e6:,.1f}M parameters, {active_param_count(m) / 1e6:,.1f}M active per "
               f"token); grouped matmul {m.moe_impl} -> {resolve_impl(m.moe_impl, run.mesh)}; load-balancing loss "
               f"weight {m.router_aux_loss_coef:g} (--router-aux-loss-coef)")
+    if m.lora is not None:
+        from ulysses_jax.model.lora import describe
+
+        print(f"LoRA: {describe(m)}")
     layout = plan_heads(m.num_heads, m.num_kv_heads, run.mesh.shape["sp"])
     if layout.wasted_fraction:
         print(f"note: {m.num_heads} heads on sp={layout.sp} pads heads: {layout.wasted_fraction:.0%} of attention "
@@ -381,6 +385,15 @@ def _export(cfg: ExportConfig) -> int:
         return EXIT_USAGE
     source = f"tokenizer files from {result['tokenizer_from']}" if result["tokenizer_from"] else (
         "no tokenizer files (the run read UTF-8 bytes: token id = byte value)")
+    if result.get("lora"):
+        base = result["base_model"]
+        load = (f"peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained({base!r}), "
+                f"{result['out']!r})" if base else
+                f"nothing to load it onto: the run's base is the {result['preset']} preset's random init; export "
+                f"with --merge for a full model folder")
+        print(f"Exported the LoRA adapters of step {result['step']} of {cfg.run_dir} to {result['out']} as a peft "
+              f"adapter folder ({', '.join(result['files'])}; {source}).\n  load it with: {load}")
+        return 0
     print(f"Exported step {result['step']} of {cfg.run_dir} to {result['out']} as {result['architecture']} "
           f"({', '.join(result['files'])}; {source}).\n"
           f"  load it with: transformers.AutoModelForCausalLM.from_pretrained({result['out']!r})")

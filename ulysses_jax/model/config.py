@@ -68,6 +68,7 @@ import jax.numpy as jnp
 
 from ulysses_jax.model import hf_config, layer_kinds
 from ulysses_jax.model.layer_kinds import check_layers
+from ulysses_jax.model.lora_config import LoraConfig
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -172,6 +173,7 @@ class ModelConfig:
     expert_style: str = "swiglu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    lora: LoraConfig | None = None  # LoRA adapters (model/lora.py): only they train; None: every parameter
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -234,6 +236,8 @@ class ModelConfig:
             object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
         if isinstance(self.dense_layers, list):
             object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if isinstance(self.lora, dict):  # from JSON (run.json)
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         check_layers(self)
         self._check_experts()
 

@@ -65,6 +65,7 @@ from ulysses_jax.model.layers import (
     rope_frequencies,
     use,
 )
+from ulysses_jax.model import lora
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
@@ -157,6 +158,8 @@ class Block(nnx.Module):
         if make.cfg.post_norms:  # Gemma 3: each sublayer's output normed before the residual add
             self.post_attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
             self.post_mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
+        if make.cfg.lora is not None:  # LoRA adapters on the projections (model/lora.py)
+            lora.attach(self, make.cfg, make.mesh, make.rngs)
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None):
         """``(x, router sums)``: the layer's output and, with experts, its ``(assigned [E], prob sums [E], tokens)``
@@ -356,7 +359,8 @@ class Transformer(nnx.Module):
                 x_BSD = row_major(x_BSD, mesh)
             if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
                 layer_state = host_offload.stream_in(layer_state)
-            return nnx.merge(graphdef, layer_state)(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS)
+            block = lora.merged(nnx.merge(graphdef, layer_state))  # with adapters: W + scale A B per target
+            return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":

@@ -16,7 +16,8 @@ from ulysses_jax.train.devices import MeshConfig
 PROGRAM_FIELDS = ("init_from_hf", "preset", "tokenizer", "steps", "seq_len", "batch_size", "grad_accum", "mesh",
                   "attention", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
                   "attn_recompute", "attn_keep", "attn_max_documents", "param_dtype", "offload_params", "optim",
-                  "memory_fraction", "router_aux_loss_coef", "moe_impl")
+                  "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank", "lora_alpha", "lora_targets",
+                  "lora_dropout")
 ALWAYS = ("preset", "seq_len", "batch_size", "mesh", "memory_fraction")  # written even when they are the defaults
 
 

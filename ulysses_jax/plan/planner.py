@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from ulysses_jax.data.tokenizers import make_tokenizer
 from ulysses_jax.kernels.cudnn_packed import packed_workspace_bytes, resolve_max_documents
-from ulysses_jax.model import flops
+from ulysses_jax.model import flops, lora
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.plan import hlo
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
@@ -271,7 +271,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         raise ValueError("plan cannot compile --offload-params for compile-only GPUs yet: their devices have no memory "
                          "kinds, so the layers' gradients cannot be typed as host memory; plan without it (train runs "
                          "it on devices with memory kinds: GPUs, and CPUs where it is tested)")
-    optim = cfg.optim.resolved(cfg.steps, fine_tuning=cfg.init_from_hf is not None)  # as train resolves it, fresh
+    optim = cfg.optim.resolved(cfg.steps, fine_tuning=cfg.init_from_hf is not None,  # as train resolves it, fresh
+                               lora=model.lora is not None)
     tx = optimizer_of(optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
     step, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, mesh=mesh, batch_size=batch_size,
@@ -305,15 +306,16 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     memory["cudnn_workspace_bytes"] = workspace
     memory["total_bytes"] += workspace
     params = _shard_bytes(state["params"])
+    trained = _shard_bytes(lora.split(state["params"])[0])  # with LoRA: the adapters' alone (the base has none)
     memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
                                                         _shard_bytes(state["opt_state"]),
                                                         _shard_bytes(state["params"]["blocks"]))
     breakdown = {
         "parameters": params,
         "optimizer": _shard_bytes(state["opt_state"]),
-        "gradients": params,
+        "gradients": trained,
         "batch": _shard_bytes(batch),
-        "activations": max(mem.temp_size_in_bytes - params, 0),
+        "activations": max(mem.temp_size_in_bytes - trained, 0),
     }
     per_host = cfg.devices // cfg.hosts
     text = compiled.as_text()

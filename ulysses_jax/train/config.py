@@ -16,6 +16,7 @@ import tyro
 
 from ulysses_jax.data.documents import DataConfig, DataFormat
 from ulysses_jax.model.config import PRESETS, ModelConfig, RopeScaling
+from ulysses_jax.model.lora_config import ATTENTION_TARGETS, TARGETS, LoraConfig
 from ulysses_jax.train import runconfig
 from ulysses_jax.train.cluster import DEFAULT_PEER_TIMEOUT
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
@@ -75,6 +76,14 @@ class TrainConfig:
     offload_params: bool = False
     """the stacked layers' parameters and gradients in pinned host memory, one layer on the device at a time (needs
     --optim.offload)"""
+    lora_rank: int | None = None
+    """LoRA: train adapters of this rank (e.g. 16) on --lora-targets, the rest of the model frozen in --param-dtype
+    (bfloat16 unless given), with no gradient and no optimizer state; None: every parameter trains"""
+    lora_alpha: float | None = None  # with --lora-rank: the adapters' scale is alpha / rank; None: 2 x --lora-rank
+    lora_targets: str | None = None
+    """with --lora-rank: the projections with adapters, comma-separated, of q,k,v,o,gate,up,down (or peft's q_proj, ...,
+    down_proj); None: all seven (q,k,v,o on a mixture of experts)"""
+    lora_dropout: float = 0.0  # with --lora-rank: only 0 (the adapters are merged into their weights per layer)
     optim: OptimConfig = OptimConfig()
     data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
     data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
@@ -158,13 +167,49 @@ def recorded_model(record: dict) -> ModelConfig:
 def model_config(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:
     """``_model_config_of`` with ``--router-aux-loss-coef`` over the model's own weight (a learned setting: the run
     records the weight it trains with, and a resume keeps it unless the flag is given again)."""
-    model = _model_config_of(cfg, vocab_size, record=record)
+    model = with_lora(cfg, _model_config_of(cfg, vocab_size, record=record))
     if cfg.router_aux_loss_coef is None:
         return model
     if not model.num_experts:
         raise ValueError(f"--router-aux-loss-coef ({cfg.router_aux_loss_coef}) weighs the experts' load-balancing "
                          f"loss, but {model.name} has no experts; drop the flag")
     return dataclasses.replace(model, router_aux_loss_coef=cfg.router_aux_loss_coef)
+
+
+def lora_settings(cfg: TrainConfig, model: ModelConfig) -> dict:
+    """``{flag field: (value, why)}`` of the LoRA settings ``cfg`` leaves at None, as ``with_lora`` fills them in."""
+    if cfg.lora_rank is None:
+        return {}
+    out = {}
+    if cfg.lora_alpha is None:
+        out["lora_alpha"] = (2.0 * cfg.lora_rank, "2 x --lora-rank")
+    if cfg.lora_targets is None:
+        targets = ATTENTION_TARGETS if model.num_experts else TARGETS
+        out["lora_targets"] = (",".join(targets), "attention only: LoRA on experts is not supported"
+                               if model.num_experts else "the attention and MLP projections")
+    if cfg.param_dtype is None:
+        out["param_dtype"] = ("bfloat16", "the frozen base in bfloat16 with --lora-rank")
+    return out
+
+
+def with_lora(cfg: TrainConfig, model: ModelConfig) -> ModelConfig:
+    """``model`` with the adapters of ``--lora-rank`` (``ModelConfig.lora``), or without any; ``ValueError`` naming the
+    flag on a bad value (a rank below 1, a target the model does not have)."""
+    if cfg.lora_rank is None:
+        qualifiers = [f for f in ("lora_alpha", "lora_targets") if getattr(cfg, f) is not None]
+        if qualifiers or cfg.lora_dropout:
+            flag = runconfig.flag(qualifiers[0] if qualifiers else "lora_dropout")
+            raise ValueError(f"{flag} qualifies LoRA adapters, but --lora-rank is not set; add --lora-rank R (e.g. 16) "
+                             f"or drop {flag}")
+        return dataclasses.replace(model, lora=None)
+    if model.offload_params:
+        raise ValueError("--offload-params with --lora-rank is not supported: the frozen base stays on the devices "
+                         "(in bfloat16 by default); drop --offload-params")
+    given = {k: v for k, (v, _) in lora_settings(cfg, model).items()}
+    lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha if cfg.lora_alpha is not None else given["lora_alpha"],
+                      targets=cfg.lora_targets or given["lora_targets"], dropout=cfg.lora_dropout)
+    lora.check(model)
+    return dataclasses.replace(model, lora=lora, param_dtype=given.get("param_dtype", model.param_dtype))
 
 
 def _model_config_of(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:

@@ -30,6 +30,9 @@ class ExportConfig:
     out: str  # the folder to write: new or empty
     step: int | None = None  # the checkpoint to export; None: the latest
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # the tensors' dtype in the files; None: the run's
+    merge: bool = False
+    """a LoRA run (--lora-rank): write its base with the adapters merged in (W + alpha/r B A) as a full model folder,
+    instead of the peft adapter folder"""
     cpu_devices: int = 8  # fake CPU devices when there is no accelerator
     distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
     coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
@@ -71,6 +74,9 @@ def export_run(cfg: ExportConfig) -> dict:
     step = where.pick_step(cfg.step, none=f"--run-dir {cfg.run_dir} has no checkpoint in {where.checkpoints}; train "
                                           f"it first")
     model_cfg = model_config_from_run(record)
+    if cfg.merge and model_cfg.lora is None:
+        raise ValueError(f"--merge merges a LoRA run's adapters into its base, but {cfg.run_dir} trained every "
+                         f"parameter (no --lora-rank); export it without --merge (nothing was written)")
     if record["seq_len"] > model_cfg.max_seq_len:  # trained past the folder's length: config.json says so
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=record["seq_len"])
     folder, tokenizer = _tokenizer_source(record)
@@ -81,7 +87,7 @@ def export_run(cfg: ExportConfig) -> dict:
     # with master weights, the float32 masters are the weights, the parameters their rounding: another dtype is
     # written from the masters (float32 exactly; float16 rounded once, not twice)
     masters = bool(runconfig.get(record["config"], "optim.master_weights")) and cfg.dtype not in (
-        None, model_cfg.param_dtype)
+        None, model_cfg.param_dtype) and model_cfg.lora is None  # with LoRA the masters are the adapters' alone
     try:
         graphdef, target = abstract_state(model_cfg, mesh)  # parameters only: the moments are not read
         if masters:
@@ -90,7 +96,20 @@ def export_run(cfg: ExportConfig) -> dict:
             params = checkpointer.restore(step, target, params_only=True)[0]["params"]
     finally:
         checkpointer.close()
-    hf.to_hf(nnx.merge(graphdef, params), out, tokenizer_from=folder, dtype=cfg.dtype)
+    model = nnx.merge(graphdef, params)
+    if model_cfg.lora is not None and not cfg.merge:  # the adapters alone, as peft loads them onto the base
+        from ulysses_jax.interop import peft
+
+        base = (record.get("init_from_hf") or {}).get("path")
+        files = peft.write_adapter(model, out, base_model=base, tokenizer_from=folder, dtype=cfg.dtype)
+        return {"step": step, "out": str(out), "architecture": "peft LoRA adapter", "files": files,
+                "tokenizer_from": str(folder) if folder else None, "base_model": base, "lora": True,
+                "preset": None if base else model_cfg.name}
+    if model_cfg.lora is not None:
+        from ulysses_jax.interop import peft
+
+        model = peft.merged(model)
+    hf.to_hf(model, out, tokenizer_from=folder, dtype=cfg.dtype)
     if tokenizer is not None and tokenizer.name != "tokenizer.json" and (out / "config.json").is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")  # a tokenizer file of another name goes in as HF names it
     return {"step": step, "out": str(out), "architecture": arch, "files": sorted(p.name for p in out.iterdir()),

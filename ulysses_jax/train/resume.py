@@ -18,9 +18,9 @@ from ulysses_jax.train.runconfig import flag, get
 # tokenizer are compared by content (fingerprints), not here.
 LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format", "eval_fraction", "optim.lr",
            "optim.warmup_steps", "optim.min_lr_ratio", "optim.weight_decay", "optim.clip_norm", "optim.b1", "optim.b2",
-           "optim.master_weights")
+           "optim.master_weights", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 # what a record written before a LEARNED field existed meant by it
-RECORDED_BEFORE = {"data_format": "text", "optim.master_weights": False}
+RECORDED_BEFORE = {"data_format": "text", "optim.master_weights": False, "lora_dropout": 0.0}
 
 
 def learned_difference(recorded: dict, current: dict) -> str | None:

@@ -331,8 +331,8 @@ def make_record(cfg, model, mesh, batch_size: int, optim, horizon: int, replans:
     evals = [d["path"] for d in sources if d["role"] == "eval"]
     effective = dataclasses.replace(cfg, batch_size=batch_size, optim=dataclasses.replace(optim, decay_steps=horizon),
                                     data=tuple(train), eval_data=tuple(evals), tokenizer=tokenizer["path"])
-    # tuples (layer_pattern) as the lists run.json gives back, so a resumed run compares equal
-    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(model).items()}
+    # tuples (layer_pattern, the LoRA targets) as the lists run.json gives back, so a resumed run compares equal
+    fields = json.loads(json.dumps(dataclasses.asdict(model)))
     return {
         "version": VERSION,
         "config": to_dict(effective, skip=PER_INVOCATION),

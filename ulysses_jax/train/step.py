@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax.model import lora
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.loss import next_token_loss
 from ulysses_jax.model.transformer import Transformer
@@ -73,14 +74,18 @@ class OptimConfig:
                 value = getattr(self, name.replace("-", "_"))
                 raise ValueError(f"--optim.{name} ({value}) must be {need}")
 
-    def resolved(self, total_steps: int, *, fine_tuning: bool = False) -> OptimConfig:
+    def resolved(self, total_steps: int, *, fine_tuning: bool = False, lora: bool = False) -> OptimConfig:
         """The same settings with every ``None`` filled in for a run of ``total_steps``: the from-scratch defaults, or
-        with ``fine_tuning`` (a pretrained start, ``--init-from-hf``) those of ``FINE_TUNING``."""
-        return dataclasses.replace(self, **{k: v for k, (v, _) in self.defaults(total_steps, fine_tuning).items()})
+        with ``fine_tuning`` (a pretrained start, ``--init-from-hf``) those of ``FINE_TUNING``, or with ``lora``
+        (``--lora-rank``) those of ``LORA``."""
+        return dataclasses.replace(self, **{k: v for k, (v, _) in self.defaults(total_steps, fine_tuning,
+                                                                               lora).items()})
 
-    def defaults(self, total_steps: int, fine_tuning: bool = False) -> dict[str, tuple[float | int, str]]:
+    def defaults(self, total_steps: int, fine_tuning: bool = False, lora: bool = False
+                 ) -> dict[str, tuple[float | int, str]]:
         """``{field: (value, why)}`` for each setting left at ``None`` (not given), as ``resolved`` fills it in."""
-        d = FINE_TUNING if fine_tuning else SCRATCH
+        d = LORA if lora else FINE_TUNING if fine_tuning else SCRATCH
+        fine_tuning = fine_tuning or lora
         out = {}
         decay = self.decay_steps
         if decay is None:
@@ -103,6 +108,9 @@ class OptimConfig:
 # their cosine's end (0; ours 0.1 x lr): docs/huggingface.md says how to match those too.
 SCRATCH = dict(lr=3e-3, weight_decay=0.1, warmup_share=0.1, why="from-scratch default")
 FINE_TUNING = dict(lr=2e-5, weight_decay=0.0, warmup_share=0.03, why="fine-tuning default for --init-from-hf")
+# LoRA (--lora-rank): the adapters' peak lr of the common recipes (the QLoRA paper's 2e-4 for 7B-13B models; TRL's and
+# peft's examples use 1e-4 to 2e-4), with the fine-tuning warmup share and no weight decay.
+LORA = dict(lr=2e-4, weight_decay=0.0, warmup_share=0.03, why="LoRA default for --lora-rank")
 
 
 def describe_optim(optim: dict, defaults: dict) -> str:
@@ -212,8 +220,9 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transfo
     if config.offload_params:  # the stacked layers at rest in host memory
         shardings = optimizer.host_param_shardings(shardings)
         params = jax.device_put(params, shardings)
-    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, params), shardings, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    trained, trained_sh = lora.split(params)[0], lora.split(shardings)[0]  # with adapters: those alone
+    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, trained), trained_sh, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trained)
     replicated = NamedSharding(mesh, P())
     state = {
         "params": params,
@@ -237,8 +246,8 @@ def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> t
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     if tx is None:
         return graphdef, {"params": params}
-    abstract_opt = jax.eval_shape(tx.init, params)
-    opt_shardings = _opt_shardings(tx, abstract_opt, shardings, mesh)
+    abstract_opt = jax.eval_shape(tx.init, lora.split(params)[0])  # with adapters: their optimizer state alone
+    opt_shardings = _opt_shardings(tx, abstract_opt, lora.split(shardings)[0], mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
                              opt_shardings)
     replicated = NamedSharding(mesh, P())
@@ -314,13 +323,15 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
-    grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+    grad_of = jax.value_and_grad(lambda p, frozen, b: _loss_sums(graphdef, lora.join(p, frozen), b), has_aux=True)
 
     def step(state, batch):
-        params = state["params"]
-        model_cfg = nnx.merge(graphdef, params).config
+        # with LoRA adapters only they are differentiated and updated; the frozen rest passes through unchanged
+        params, frozen = lora.split(state["params"])
+        model_cfg = nnx.merge(graphdef, state["params"]).config
         host_params = model_cfg.offload_params
         check_offload_params(host_params, tx, grad_accum)
+        grad_fn = lambda p, b: grad_of(p, frozen, b)  # noqa: E731
         if grad_accum == 1:
             (_, sums), grads = grad_fn(params, batch)
         else:
@@ -343,7 +354,7 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             grad_norm = optax.tree.norm(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         new_state = {
-            "params": new_params,
+            "params": lora.join(new_params, frozen),
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "rng": state["rng"],

@@ -38,7 +38,7 @@ from ulysses_jax.data.pipeline import (
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.interop.hf import from_hf
 from ulysses_jax.kernels.attention import device_platform
-from ulysses_jax.model import flops
+from ulysses_jax.model import flops, lora
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
 from ulysses_jax.train import resume, runconfig
@@ -48,6 +48,7 @@ from ulysses_jax.train.config import (
     TrainConfig,
     data_config,
     default_run_dir,
+    lora_settings,
     model_config,
 )
 from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_total_bytes re-exported)
@@ -91,12 +92,22 @@ def _profile_range(spec: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def _hf_weights(folder: str | None, model: ModelConfig, mesh):
-    """The ``--init-from-hf`` model with its weights, each parameter read into its sharding on ``mesh`` (or None)."""
+def _hf_weights(folder: str | None, model: ModelConfig, mesh, seed: int = 0):
+    """The ``--init-from-hf`` model with its weights, each parameter read into its sharding on ``mesh`` (or None); with
+    ``--lora-rank``, fresh adapters on it (``lora.adapted``)."""
     if folder is None:
         return None
-    training = {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.name not in HF_CONFIG_FIELDS}
-    return from_hf(folder, mesh=mesh, **training)
+    training = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+                if f.name not in HF_CONFIG_FIELDS and f.name != "lora"}
+    base = from_hf(folder, mesh=mesh, **training)
+    if model.lora is None:
+        return base
+    from flax import nnx
+
+    from ulysses_jax.model.transformer import Transformer
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model, mesh=mesh, rngs=nnx.Rngs(seed))))
+    return lora.adapted(base, graphdef, model, seed)
 
 
 @dataclasses.dataclass
@@ -236,11 +247,15 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
         start, optim, horizon, replans = _continuation(cfg, recorded, where, notes)
         chosen = recorded.get("defaults", {})
     else:
-        fine_tuning = cfg.init_from_hf is not None
-        start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning), []
+        fine_tuning, adapters = cfg.init_from_hf is not None, model.lora is not None
+        start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning, lora=adapters), []
         horizon = optim.decay_steps
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
-                  cfg.optim.defaults(cfg.steps, fine_tuning).items()}
+                  cfg.optim.defaults(cfg.steps, fine_tuning, adapters).items()}
+        if adapters:  # the LoRA settings not given, recorded as resolved (a resume compares them)
+            lora_chosen = {k: v for k, v in lora_settings(cfg, model).items() if k != "param_dtype"}
+            chosen.update({k: {"value": v, "why": why} for k, (v, why) in lora_chosen.items()})
+            cfg = dataclasses.replace(cfg, **{k: v for k, (v, _) in lora_chosen.items()})
     record = runconfig.make_record(cfg, model, mesh, batch_size, optim, horizon, replans, sources, tokenizer)
     fraction, source = memory_pool(cfg.memory_fraction, os.environ)  # the CLI applied it before JAX started
     record["memory_pool"] = {"fraction": fraction, "source": source}
@@ -276,7 +291,8 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
             reader.close()
         it.set_state(data_state)
     else:
-        graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh))
+        graphdef, state = init_state(model, mesh, tx, cfg.seed, model=_hf_weights(cfg.init_from_hf, model, mesh,
+                                                                                       cfg.seed))
     # Compiled ahead of the loop: the program `ulysses-jax plan` compiles (train/program.py), so its memory figure is
     # the plan's.
     step_fn, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, replans=replans, mesh=mesh,

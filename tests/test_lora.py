@@ -1,0 +1,247 @@
+"""LoRA (model/lora.py, interop/peft.py): adapters born sharded and zero, only they train (no base gradient, no base
+optimizer state), the same loss and gradients on any mesh and with the memory tools; a tiny Llama folder fine-tuned with
+--lora-rank exports a peft adapter that peft loads with no missing or unexpected key and the logits of `export --merge`
+reloaded in transformers; resume is exact; bad input is one line, exit 2, nothing written."""
+
+import dataclasses
+import json
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_cli_hf as hf_helpers  # the tiny Hugging Face folder and the CLI helpers (a module: not collected twice)
+from flax import nnx
+from test_step import CFG, random_batch
+
+from ulysses_jax import make_mesh
+from ulysses_jax.cli import main
+from ulysses_jax.model import lora
+from ulysses_jax.model.lora_config import LoraConfig
+from ulysses_jax.model.transformer import Transformer
+from ulysses_jax.train.step import OptimConfig, _loss_sums, init_state, make_optimizer, make_train_step
+
+LCFG = dataclasses.replace(CFG, attention_impl="xla", lora=LoraConfig(rank=4))
+
+
+def _state(cfg, mesh, lr=1e-2):
+    tx = make_optimizer(OptimConfig(lr=lr, warmup_steps=0), 10)
+    graphdef, state = init_state(cfg, mesh, tx, seed=0)
+    return graphdef, state, tx
+
+
+def test_adapters_start_at_the_base_and_only_they_train():
+    mesh = make_mesh(fsdp=2, sp=4)
+    base = Transformer(dataclasses.replace(LCFG, lora=None), mesh=mesh, rngs=nnx.Rngs(0))
+    graphdef, state, tx = _state(LCFG, mesh)
+    model = nnx.merge(graphdef, state["params"])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 32)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(base(tokens)))  # B = 0: the base exactly
+    adapters, frozen = lora.split(state["params"])
+    a = adapters["blocks"]["lora"]["w_q_a"].get_value()
+    assert a.shape == (1, CFG.hidden, 4) and a.sharding.spec[1] == ("fsdp", "ring", "sp")  # split like W's embed
+    assert not np.any(np.asarray(adapters["blocks"]["lora"]["w_q_b"].get_value()))
+    n_adapters = len(jax.tree.leaves(adapters))
+    assert n_adapters == 14  # A and B of q, k, v, o, gate, up, down
+    moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+    assert len(moments) == 2 * n_adapters  # AdamW's mu and nu of the adapters alone: nothing for the base
+    before = jax.tree.map(np.asarray, state["params"])
+    step = make_train_step(graphdef, tx, lambda s: 1e-2, mesh, jax.tree.map(lambda x: x.sharding, state))
+    for i in range(2):
+        state, metrics = step(state, {k: jnp.asarray(v) for k, v in random_batch(i, 2).items()})
+    assert np.isfinite(float(metrics["loss"]))
+    after_adapters, after_frozen = lora.split(jax.tree.map(np.asarray, state["params"]))
+    before_adapters, before_frozen = lora.split(before)
+    for x, y in zip(jax.tree.leaves(before_frozen), jax.tree.leaves(after_frozen)):
+        np.testing.assert_array_equal(x, y)  # the base: bit for bit
+    changed = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before_adapters),
+                                                         jax.tree.leaves(after_adapters))]
+    assert all(changed), changed
+
+
+def _loss_and_grads(cfg, mesh, batch):
+    """The mean loss and the adapters' gradients with random nonzero B (the same values on any mesh)."""
+    graphdef, params = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+    adapters, frozen = lora.split(params)
+    leaves, treedef = jax.tree.flatten(adapters)
+    leaves = [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, x in enumerate(leaves)]
+    adapters = jax.tree.unflatten(treedef, leaves)
+
+    def loss(t):
+        objective, sums = _loss_sums(graphdef, lora.join(t, frozen), batch)
+        return objective / sums["count"]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(adapters)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+TOOLS = dict(remat="full", mlp_chunk=4, attn_chunk=4, loss_chunk=4)
+
+
+@pytest.mark.parametrize("mesh_kw, tools", [
+    pytest.param(dict(fsdp=2, sp=4), {}, marks=pytest.mark.slow),
+    (dict(fsdp=2, sp=4), TOOLS),
+    pytest.param(dict(fsdp=2, ring=2, sp=2), dict(remat="full", mlp_chunk=4, loss_chunk=4), marks=pytest.mark.slow),
+], ids=["sp4", "sp4-remat-tiled", "ring2xsp2-remat-tiled"])
+def test_same_loss_and_adapter_gradients_on_any_mesh_and_with_the_memory_tools(mesh_kw, tools):
+    """sp 4 (and a ring) against sp 1 on two devices, plain and with remat and the tiled loss, MLP and attention."""
+    batch = {k: jnp.asarray(v) for k, v in random_batch(3, 2).items()}
+    ref_loss, ref_grads = _loss_and_grads(LCFG, make_mesh(fsdp=2, sp=1, devices=jax.devices()[:2]), batch)
+    loss, grads = _loss_and_grads(dataclasses.replace(LCFG, **tools), make_mesh(**mesh_kw), batch)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert np.abs(r).max() > 0
+        np.testing.assert_allclose(g, r, atol=2e-5 * np.abs(r).max(), rtol=1e-3)
+
+
+def test_lora_config_refusals():
+    with pytest.raises(ValueError, match=r"--lora-rank \(0\) must be a positive integer"):
+        LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="'x' is not a projection this model has; it has q,k,v,o,gate,up,down"):
+        LoraConfig(targets="q,x")
+    assert LoraConfig(targets="v_proj,q").targets == ("q", "v")  # peft's names too, in the model's order
+    with pytest.raises(ValueError, match="--lora-dropout"):
+        LoraConfig(dropout=0.1)
+    moe = dataclasses.replace(CFG, num_experts=4, experts_per_token=2)
+    with pytest.raises(ValueError, match="'gate': .* mixture of experts"):
+        LoraConfig().check(moe)
+    LoraConfig(targets="q,k,v,o").check(moe)
+
+
+# ------------------------------------------------------------------------------------ the CLI, transformers, peft
+
+
+def _peft_model(base_folder, adapter):
+    """peft's model of ``adapter`` on ``base_folder`` and whatever it warned or logged."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = peft.PeftModel.from_pretrained(base, adapter)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    said = " ".join([str(w.message) for w in caught] + [r.getMessage() for r in records]).lower()
+    return model.eval(), said
+
+
+def test_adapter_and_merged_folder_load_in_peft_and_transformers(tmp_path):
+    """In-process (the default suite's): adapters with random B on a folder's model, written as a peft adapter and as
+    a merged folder: peft and transformers load them with the same logits, and ours are theirs."""
+    pytest.importorskip("peft")
+    from ulysses_jax.interop import hf, peft
+    from ulysses_jax.train.config import TrainConfig, model_config
+    from ulysses_jax.train.devices import MeshConfig, build_mesh
+    from ulysses_jax.train.trainer import _hf_weights
+
+    folder = hf_helpers.make_folder(tmp_path / "tiny-llama")
+    cfg = TrainConfig(init_from_hf=str(folder), seq_len=32, attention="xla", mesh=MeshConfig(fsdp=2, sp=4),
+                      lora_rank=4, lora_targets="q,o,down", param_dtype="float32")
+    config = dataclasses.replace(model_config(cfg, 0), compute_dtype="float32")
+    mesh = build_mesh(cfg.mesh, config, cfg.seq_len)
+    model = _hf_weights(str(folder), config, mesh, seed=0)
+    for t in config.lora.targets:  # B random: the adapters change the model
+        var = getattr(model.blocks.lora, f"w_{t}_b")
+        var.set_value(var.get_value() + 0.05 * jax.random.normal(jax.random.key(1), var.get_value().shape))
+    peft.write_adapter(model, tmp_path / "adapter", base_model=str(folder))
+    hf.to_hf(peft.merged(model), tmp_path / "merged")
+    tokens = np.random.default_rng(0).integers(0, hf_helpers.VOCAB, (2, 32))
+    with_peft, said = _peft_model(folder, tmp_path / "adapter")
+    assert not any(w in said for w in ("missing", "unexpected")), said
+    theirs = hf_helpers.hf_logits(with_peft, tokens)
+    merged = hf_helpers.hf_logits(hf_helpers.load_quietly(tmp_path / "merged"), tokens)
+    ours = np.asarray(jax.jit(lambda t: model.logits(model.hidden_states(t)))(jnp.asarray(tokens)))
+    assert np.abs(theirs - hf_helpers.hf_logits(hf_helpers.load_quietly(folder), tokens)).max() > 1e-2  # adapted
+    assert np.abs(theirs - merged).max() <= 1e-4 and np.abs(ours - theirs).max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, capsys):
+    pytest.importorskip("peft")
+    from safetensors.numpy import load_file
+
+    folder = hf_helpers.make_folder(tmp_path / "tiny-llama")
+    corpus, run, straight = hf_helpers.write_corpus(tmp_path / "c.jsonl"), tmp_path / "run", tmp_path / "straight"
+    common = ["--init-from-hf", folder, "--data", corpus, "--lora-rank", "8", "--param-dtype", "float32",
+              *hf_helpers.FLAGS]
+    assert main([str(a) for a in ["train", *common, "--steps", "2", "--checkpoint-every", "1", "--run-dir", run]]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA: rank 8, alpha 16 (scale 2), on q,k,v,o,gate,up,down: " in out, out
+    assert "peak lr 0.0002 (LoRA default for --lora-rank)" in out, out
+    record = json.loads((run / "run.json").read_text())
+    assert record["config"]["lora_rank"] == 8 and record["config"]["lora_alpha"] == 16.0
+    assert record["model"]["lora"]["targets"] == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert record["defaults"]["lora_alpha"]["why"] == "2 x --lora-rank"
+
+    # resume is exact: 2 steps and a resume to 3 = 3 steps at once
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "3"]) == 0
+    assert main([str(a) for a in ["train", *common, "--steps", "3", "--run-dir", straight]]) == 0
+    capsys.readouterr()
+    losses = [[json.loads(x)["loss"] for x in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, straight)]
+    assert losses[0] == losses[1], losses
+
+    # bad input: one line, exit 2, nothing written
+    metrics = (run / "metrics.jsonl").read_text()
+    hf_helpers.refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "4", "--lora-rank", "4"],
+                       "--lora-rank is 4 here but 8 in the run")
+    hf_helpers.refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "4", "--lora-rank", "None"],
+                       "--lora-rank is not set")
+    assert (run / "metrics.jsonl").read_text() == metrics and runs_steps(run) == (1, 2, 3)
+    for flags, needle in ((["--lora-rank", "0"], "--lora-rank (0) must be a positive integer"),
+                          (["--lora-rank", "-2"], "--lora-rank (-2) must be a positive integer"),
+                          (["--lora-rank", "4", "--lora-targets", "q,qkv"], "'qkv' is not a projection"),
+                          (["--lora-alpha", "8"], "--lora-alpha qualifies LoRA adapters")):
+        new = tmp_path / "new"
+        hf_helpers.refused(capsys, ["train", "--init-from-hf", folder, "--data", corpus, *hf_helpers.FLAGS, *flags,
+                                    "--run-dir", new], needle)
+        assert not new.exists()
+
+    # the adapter: peft loads it onto the folder's model with no missing or unexpected key
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    assert main(["export", "--run-dir", str(run), "--out", str(adapter)]) == 0
+    assert "peft.PeftModel.from_pretrained" in capsys.readouterr().out
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (8, 16, str(folder.resolve()))
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    import peft
+
+    model, said = _peft_model(folder, adapter)
+    assert not any(w in said for w in ("missing", "unexpected")), said
+    ours = load_file(adapter / "adapter_model.safetensors")
+    theirs = {k: v.numpy() for k, v in peft.get_peft_model_state_dict(model).items()}
+    assert set(ours) == set(theirs) and len(ours) == 2 * 7 * 2  # A and B of 7 projections in 2 layers
+    assert ours["base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"].shape == (8, 64)  # [r, in]
+    assert ours["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 8)  # [out, r]
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], theirs[k])
+
+    # merged: transformers loads it; its logits are peft's (and ours); only the target projections changed
+    hf_helpers.refused(capsys, ["export", "--run-dir", run, "--out", adapter, "--merge"], "is not an empty folder")
+    assert main(["export", "--run-dir", str(run), "--out", str(merged), "--merge"]) == 0
+    capsys.readouterr()
+    tokens = np.random.default_rng(0).integers(0, hf_helpers.VOCAB, (2, 32))
+    with_merge = hf_helpers.hf_logits(hf_helpers.load_quietly(merged), tokens)
+    with_peft = hf_helpers.hf_logits(model, tokens)
+    assert np.abs(with_peft - with_merge).max() <= 1e-4
+    assert np.abs(hf_helpers.our_logits(run, 3, tokens) - with_peft).max() <= 1e-4
+    original, after = load_file(folder / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert set(original) == set(after)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name in original:
+        same = np.array_equal(original[name], after[name])
+        assert same != any(f".{t}." in name for t in targets), name
+
+
+def runs_steps(run):
+    from ulysses_jax.train import runconfig
+
+    return runconfig.inspect(run).steps

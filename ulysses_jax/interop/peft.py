@@ -1,0 +1,129 @@
+"""LoRA adapters out, in the format the peft library loads, and merged into their base (``model/lora.py``).
+
+A peft adapter folder holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``, ``target_modules``,
+``base_model_name_or_path``, ...) and ``adapter_model.safetensors``, whose tensors are named after the base model's
+modules under ``base_model.model.`` (the ``PeftModel`` wrapper, then the ``...ForCausalLM``), without the adapter's own
+name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and ``... .lora_B.weight``
+``[out, r]``, so that the layer computes ``W x + (lora_alpha / r) B (A x)``. The module names are ``interop/hf.py``'s
+``TABLE``'s (the targeted weight's tensor name without ``.weight``), so every family exports the same way.
+
+Ours: ``A [L, in..., r]``, ``B [L, r, out...]`` with ``W [L, in..., out...]`` (``W + scale A B``): per layer, peft's
+``lora_A`` is ``A`` flattened to ``[in, r]`` and transposed, ``lora_B`` is ``B`` flattened to ``[r, out]`` and
+transposed, the flattened dimensions in the order of the HF tensor's letters (``NH`` for q, ``N`` major).
+
+``merged`` gives the model without adapters whose targeted weights are ``W + scale A B`` (float32 sum, rounded once
+to the base's dtype): what ``export --merge`` writes with ``hf.to_hf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ulysses_jax.interop import hf
+from ulysses_jax.model import lora
+from ulysses_jax.model.lora_config import HF_NAMES
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the ...ForCausalLM
+
+
+def module_name(cfg, target: str, layer: int) -> str:
+    """The Hugging Face module of ``target`` in ``layer`` (``model.layers.3.self_attn.q_proj``)."""
+    module, attr, _ = lora.WEIGHTS[target]
+    param = f"blocks.{module}.{attr}"
+    entry = next(e for e in hf.entries(cfg) if e.param == param)
+    return hf.tensor_name(entry, layer).removesuffix(".weight")
+
+
+def adapter_config(cfg, base_model: str | None) -> dict:
+    """``adapter_config.json`` of a model's adapters (the fields peft reads; the rest take peft's defaults)."""
+    alpha = cfg.lora.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "revision": None,
+        "r": cfg.lora.rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": cfg.lora.dropout,
+        "target_modules": [HF_NAMES[t] for t in cfg.lora.targets],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """peft's tensors (module doc) of ``model``'s adapters, by name. Every process must call it (the gathers are
+    collectives)."""
+    cfg, r = model.config, model.config.lora.rank
+    out = {}
+    for t in cfg.lora.targets:
+        a = hf._fetch(getattr(model.blocks.lora, f"w_{t}_a").get_value())  # [L, in..., r]
+        b = hf._fetch(getattr(model.blocks.lora, f"w_{t}_b").get_value())  # [L, r, out...]
+        for i in range(cfg.num_layers):
+            name = PREFIX + module_name(cfg, t, i)
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T.astype(jnp.dtype(dtype)))
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T.astype(jnp.dtype(dtype)))
+    return out
+
+
+def write_adapter(model, path, *, base_model: str | None, tokenizer_from=None, dtype: str | None = None) -> list[str]:
+    """Write ``model``'s adapters as a peft adapter folder ``path`` (new or empty); ``tokenizer_from``: a Hugging Face
+    folder whose tokenizer files go along. Returns the files written (process 0 writes)."""
+    from safetensors.numpy import save_file
+
+    out = pathlib.Path(path).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} is not an empty folder; export into a new or empty folder")
+    tensors = adapter_tensors(model, dtype or "float32")
+    if jax.process_index() != 0:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = adapter_config(model.config, base_model)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    source = None if tokenizer_from is None else pathlib.Path(tokenizer_from)
+    for name in hf.TOKENIZER_FILES if source is not None else ():
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    return sorted(p.name for p in out.iterdir())
+
+
+def merged(model):
+    """``model`` without adapters, each targeted weight ``W + scale A B`` (summed in float32, rounded once to ``W``'s
+    dtype, in ``W``'s sharding); the other parameters are the same arrays."""
+    from ulysses_jax.model.transformer import Transformer
+
+    cfg = model.config
+    base_cfg = dataclasses.replace(cfg, lora=None)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(base_cfg, mesh=model.mesh, rngs=nnx.Rngs(0))))
+    _, state = lora.split(nnx.state(model, nnx.Param))
+    state = jax.tree.map(lambda x: x, state)  # new variables: the model's own are not changed
+    for t in cfg.lora.targets:
+        module, attr, n_in = lora.WEIGHTS[t]
+        var = state["blocks"][module][attr]
+        w = var.get_value()
+        a = getattr(model.blocks.lora, f"w_{t}_a").get_value()
+        b = getattr(model.blocks.lora, f"w_{t}_b").get_value()
+        add = jax.jit(lambda w, a, b, n_in=n_in: (w.astype(jnp.float32) + lora.delta(a, b, n_in, cfg.lora.scale))
+                      .astype(w.dtype), out_shardings=w.sharding)
+        var.set_value(add(w, a, b))
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,167 @@
+"""LoRA: low-rank adapters on the attention and MLP projections, the rest of the model frozen (``ModelConfig.lora``).
+
+Each targeted weight ``W`` (stacked ``[L, in..., out...]``, e.g. ``wq_DNH``: in ``D``, out ``N H``) gets two adapter
+matrices, ``LoraParam`` variables under ``blocks.lora``: ``A [L, in..., r]`` (uniform in +-1/sqrt(in), peft's default)
+and ``B [L, r, out...]`` (zeros), so the model starts as the base. They are float32 whatever the base's dtype, created
+born sharded like every parameter (``A`` over the FSDP axes on its ``embed`` dimension where it has one, ``B`` on its
+``embed`` dimension where it has one, whole otherwise: ``B`` of q/k/v/gate/up is ``r x out``, a few MB).
+
+One hook, ``merged``, runs inside the layer scan on each layer's block: every targeted weight becomes
+``stop_gradient(W) + (alpha / r) A B`` in float32 at rest (the same FSDP sharding as ``W``), so every path that reads a
+weight (the plain attention and MLP, the tiled MLP and the tiled attention sublayer, Ulysses and the ring, remat) sees
+the adapted weight and sends its gradient to ``A`` and ``B`` only. The cost of merging: the backward still forms each
+targeted weight's full gradient (one layer at a time) before reducing it to ``A`` and ``B``, the FLOPs of full
+fine-tuning's weight gradients; and with a bfloat16 compute dtype the merged weight is rounded once to bfloat16, so a
+change below its rounding step shows in the forward only on average over the weight's elements.
+
+The train step differentiates the ``LoraParam`` variables alone (``split``), so the base has no gradient and no
+optimizer state (``train/step.py``). MLP targets on a mixture of experts are refused (``LoraConfig.check``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from ulysses_jax.model.lora_config import TARGETS, LoraConfig
+from ulysses_jax.parallel.sharding import check_param_shape, param_spec
+
+# target -> (submodule of the block, weight attribute, number of leading "in" dimensions of the weight)
+WEIGHTS = {
+    "q": ("attn", "wq_DNH", 1),
+    "k": ("attn", "wk_DKH", 1),
+    "v": ("attn", "wv_DKH", 1),
+    "o": ("attn", "wo_NHD", 2),
+    "gate": ("mlp", "w_gate_DF", 1),
+    "up": ("mlp", "w_up_DF", 1),
+    "down": ("mlp", "w_down_FD", 1),
+}
+assert tuple(WEIGHTS) == TARGETS
+
+
+class LoraParam(nnx.Param):
+    """An adapter matrix: the only kind of parameter that trains in a model with adapters."""
+
+
+@functools.lru_cache(maxsize=None)
+def _init(bound: float, shape: tuple[int, ...], sharding: NamedSharding):
+    """A jitted initializer laid out as ``sharding``: uniform in ``+-bound`` (``bound`` 0: zeros), float32."""
+
+    def init(key):
+        if bound == 0:
+            return jnp.zeros(shape, jnp.float32)
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+    return jax.jit(init, out_shardings=sharding)
+
+
+def weight(block, target: str) -> nnx.Param:
+    module, attr, _ = WEIGHTS[target]
+    return getattr(getattr(block, module), attr)
+
+
+def _shapes(w: nnx.Param, n_in: int, rank: int):
+    """``((A shape, A names), (B shape, B names))`` of a stacked weight ``w`` (leading ``layers`` axis)."""
+    shape, names = tuple(w.get_value().shape), tuple(w.get_metadata()["logical_axes"])
+    (l, *rest), (_, *axes) = shape, names
+    a = ((l, *rest[:n_in], rank), ("layers", *axes[:n_in], None))
+    b = ((l, rank, *rest[n_in:]), ("layers", None, *axes[n_in:]))
+    return a, b
+
+
+class Adapters(nnx.Module):
+    """The adapters of every layer of a ``Block`` (stacked), ``w_<target>_a`` and ``w_<target>_b``."""
+
+    def __init__(self, block, lora: LoraConfig, mesh, rngs: nnx.Rngs, over_data: bool = False):
+        # keys folded from the params stream's base key without drawing from it: the base's values do not change
+        base_key = jax.random.fold_in(rngs.params.key.get_value(), 0x10A)
+        for t in lora.targets:
+            _, _, n_in = WEIGHTS[t]
+            w = weight(block, t)
+            for side, (shape, names) in zip("ab", _shapes(w, n_in, lora.rank)):
+                spec = param_spec(names, over_data=over_data)
+                check_param_shape(f"lora.{t}.{side}", shape, spec, mesh)
+                fan_in = math.prod(shape[1:1 + n_in])
+                key = jax.random.fold_in(base_key, TARGETS.index(t))
+                value = _init(fan_in ** -0.5 if side == "a" else 0.0, shape, NamedSharding(mesh, spec))(key)
+                setattr(self, f"w_{t}_{side}", LoraParam(value, out_sharding=tuple(spec), logical_axes=names))
+
+
+def attach(block, cfg, mesh, rngs: nnx.Rngs) -> None:
+    """Give ``block`` (a stacked ``Block`` of a model whose ``cfg.lora`` is set) its adapters, ``block.lora``."""
+    cfg.lora.check(cfg)
+    block.lora = Adapters(block, cfg.lora, mesh, rngs, cfg.shard_params_over_data)
+
+
+def adapted(model, graphdef, cfg, seed: int):
+    """``model`` (a ``Transformer`` without adapters, e.g. read from a Hugging Face folder) with fresh adapters, as the
+    model of ``graphdef`` (that of a ``Transformer`` of ``cfg``, whose ``lora`` is set). The adapters are those a
+    ``Transformer(cfg, rngs=nnx.Rngs(seed))`` is born with; the base's arrays are reused, not copied."""
+    with nnx.use_eager_sharding(False):  # values already laid out, as Transformer makes its parameters
+        model.blocks.lora = Adapters(model.blocks, cfg.lora, model.mesh, nnx.Rngs(seed), cfg.shard_params_over_data)
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def delta(a: jax.Array, b: jax.Array, n_in: int, scale: float) -> jax.Array:
+    """``scale * A B`` in float32: ``[..., in..., r] x [..., r, out...] -> [..., in..., out...]`` (with or without the
+    leading layers axis)."""
+    lead = a.ndim - n_in - 1
+    a2 = a.reshape(*a.shape[:lead], math.prod(a.shape[lead:-1]), a.shape[-1])
+    b2 = b.reshape(*b.shape[:lead], b.shape[lead], -1)
+    out = jnp.matmul(a2.astype(jnp.float32), b2.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (scale * out).reshape(*a.shape[:-1], *b.shape[lead + 1:])
+
+
+def merged(block):
+    """``block`` (one layer's, inside the layer scan) with each targeted weight replaced by
+    ``stop_gradient(W) + scale * A B`` (float32, at rest); unchanged without adapters. The hook of the module doc."""
+    lora = block.attn.cfg.lora
+    if lora is None:
+        return block
+    for t in lora.targets:
+        w = weight(block, t)
+        a, b = getattr(block.lora, f"w_{t}_a").get_value(), getattr(block.lora, f"w_{t}_b").get_value()
+        base = jax.lax.stop_gradient(w.get_value()).astype(jnp.float32)
+        w.set_value(base + delta(a, b, WEIGHTS[t][2], lora.scale))
+    return block
+
+
+def split(params):
+    """``(adapters, the rest)`` of a model's parameter state; ``(params, None)`` for a model without adapters."""
+    trainable, frozen = nnx.split_state(params, LoraParam, ...)
+    if not jax.tree.leaves(trainable):
+        return params, None
+    return trainable, frozen
+
+
+def join(trainable, frozen):
+    """The inverse of ``split``."""
+    return trainable if frozen is None else nnx.merge_state(trainable, frozen)
+
+
+def count(cfg) -> tuple[int, int]:
+    """``(adapter parameters, base parameters of the targeted weights)`` of a ``ModelConfig`` with ``lora``."""
+    d, n, k, h, f, r = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.lora.rank
+    sizes = {"q": (d, n * h), "k": (d, k * h), "v": (d, k * h), "o": (n * h, d), "gate": (d, f), "up": (d, f),
+             "down": (f, d)}
+    adapters = sum(r * (sizes[t][0] + sizes[t][1]) for t in cfg.lora.targets) * cfg.num_layers
+    base = sum(sizes[t][0] * sizes[t][1] for t in cfg.lora.targets) * cfg.num_layers
+    return adapters, base
+
+
+def describe(cfg) -> str:
+    """The start-up line of a model with adapters: what trains, what it costs, what is frozen."""
+    from ulysses_jax.model.flops import param_count
+
+    adapters, _ = count(cfg)
+    total = param_count(cfg)
+    base_gib = total * jnp.dtype(cfg.param_dtype).itemsize / 2**30
+    return (f"{cfg.lora.describe()}: {adapters:,} parameters train ({100 * adapters / total:.2f}% of "
+            f"{total / 1e6:,.1f}M), {adapters * 16 / 2**20:,.1f} MiB in all with their float32 gradients and AdamW "
+            f"state; the base is frozen in {cfg.param_dtype} ({base_gib:.2f} GiB over the devices), with no gradient "
+            f"and no optimizer state")

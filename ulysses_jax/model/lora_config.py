@@ -1,0 +1,74 @@
+"""``LoraConfig``: the frozen description of the LoRA adapters a model trains (``ModelConfig.lora``; ``lora.py`` holds
+the adapters themselves).
+
+Kept apart from ``lora.py`` so that ``config.py`` can name it without importing the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS  # the default: every projection of the attention and the dense MLP
+HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+            "down": "down_proj"}  # the Hugging Face module names (peft's target_modules)
+
+
+def parse_targets(text: str | tuple | list) -> tuple[str, ...]:
+    """``"q,k,v"`` (or peft's ``q_proj``, ...) -> ``("q", "k", "v")`` in the order of ``TARGETS``; unknown names are
+    kept for ``LoraConfig.check`` to refuse with the ones the model has."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    by_hf = {v: k for k, v in HF_NAMES.items()}
+    names = [by_hf.get(t.strip(), t.strip()) for t in items if t.strip()]
+    known = [t for t in TARGETS if t in names]
+    return tuple(known + [t for t in dict.fromkeys(names) if t not in TARGETS])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters ``W + (alpha / rank) A B`` on the ``targets`` projections; the rest of the model is frozen.
+
+    ``dropout``: only 0 is modelled (the adapters are merged into their weights per layer, so dropout on the adapters'
+    inputs has no place to go); another value is refused."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.targets, (list, str)):  # from JSON (run.json) or a comma-separated flag
+            object.__setattr__(self, "targets", parse_targets(self.targets))
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"--lora-rank ({self.rank!r}) must be a positive integer, e.g. 8 or 16")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise ValueError(f"--lora-alpha ({self.alpha!r}) must be a positive number (default: 2 x --lora-rank)")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if not self.targets:
+            raise ValueError(f"--lora-targets names no projection; choose from {','.join(TARGETS)}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"--lora-targets {unknown[0]!r} is not a projection this model has; it has "
+                             f"{','.join(TARGETS)} (or their Hugging Face names q_proj, ..., down_proj)")
+        if self.dropout != 0:
+            raise ValueError(f"--lora-dropout ({self.dropout}) is not supported: the adapters are merged into their "
+                             f"weights inside each layer, which leaves no separate adapter input to drop; use 0")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor on ``A B`` (peft's ``scaling``)."""
+        return self.alpha / self.rank
+
+    def check(self, model) -> None:
+        """``ValueError`` when a target is not in ``model`` (a ``ModelConfig``): the MLP projections of a model whose
+        layers are all experts (LoRA on experts is not modelled), or of any mixture of experts."""
+        if model.num_experts:
+            mlp = [t for t in self.targets if t in MLP_TARGETS]
+            if mlp:
+                raise ValueError(f"--lora-targets {mlp[0]!r}: {model.name}'s MLP is a mixture of experts, and LoRA on "
+                                 f"experts is not supported; it has {','.join(ATTENTION_TARGETS)} (pass --lora-targets "
+                                 f"{','.join(ATTENTION_TARGETS)})")
+
+    def describe(self) -> str:
+        return f"rank {self.rank}, alpha {self.alpha:g} (scale {self.scale:g}), on {','.join(self.targets)}"
