@@ -159,3 +159,17 @@ def test_flops_count_the_window_of_local_layers():
 def test_invalid_layer_settings(overrides, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_preset("tiny", **overrides)
+
+
+def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
+    """XLA cannot offload the kept attention outputs from inside the switch between a model's attention kinds (the
+    compile for H100s fails in layout assignment): refused in one line, and --memory auto skips that set."""
+    from ulysses_jax.plan.planner import PlanConfig
+    from ulysses_jax.plan.search import memory_choices
+
+    gemma = ModelConfig.from_preset("gemma3-1b")
+    with pytest.raises(ValueError, match=r"attn_keep \(--attn-keep\) with remat offload is not available"):
+        dataclasses.replace(gemma, remat="offload", attn_keep=True)
+    assert dataclasses.replace(gemma, remat="full", attn_keep=True).attn_keep  # kept on the device: fine
+    skipped = {f: why for f, _, why in memory_choices(PlanConfig(), 26, mixed_kinds=True) if why}
+    assert any("--remat offload --attn-keep" in f for f in skipped), skipped

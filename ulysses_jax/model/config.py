@@ -239,6 +239,11 @@ class ModelConfig:
         if isinstance(self.lora, dict):  # from JSON (run.json)
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
         check_layers(self)
+        if self.attn_keep and self.remat == "offload" and len(self.window_kinds) > 1:
+            raise ValueError("attn_keep (--attn-keep) with remat offload is not available for a model that mixes "
+                             "local and global layers (XLA cannot offload the kept outputs from inside the layer's "
+                             "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
+                             "without --attn-keep")
         self._check_experts()
 
     def _check_experts(self):

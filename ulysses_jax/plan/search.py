@@ -131,13 +131,14 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
 
 
 def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False,
-                   o_bias: bool = False) -> list[tuple[str, dict, str | None]]:
+                   o_bias: bool = False, mixed_kinds: bool = False) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
     tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory).
     ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
     (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
     ``attn_recompute``, which such a model refuses; ``o_bias`` (gpt-oss): the tiled attention sets are skipped (it
-    takes no output-projection bias)."""
+    takes no output-projection bias); ``mixed_kinds`` (local and global layers): the kept attention is not offloaded
+    (``ModelConfig`` refuses it)."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
             default=1)
     tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
@@ -164,7 +165,9 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
                                                                       **tiles), None))
     if keep:  # the kept output beside each layer's input in pinned host memory
         choices.append((f"--remat offload --attn-keep {host_flags}{tile_flags}",
-                        dict(remat="offload", remat_every=None, attn_keep=True, **host, **tiles), None))
+                        dict(remat="offload", remat_every=None, attn_keep=True, **host, **tiles),
+                        "kept attention is not offloaded from a model mixing local and global layers"
+                        if mixed_kinds else None))
     if num_layers % 2 == 0:
         choices.append((f"--remat offload --remat-every 2 {host_flags}{tile_flags}",
                         dict(remat="offload", remat_every=2, **host, **tiles), None))
@@ -203,7 +206,8 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     sets that reach the same length, the lowest estimated step time."""
     best, results = None, []
     model = _model(cfg)
-    choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias)
+    choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias,
+                             mixed_kinds=len(model.window_kinds) > 1)
     for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
         if skip:
             log(f"{flags}: skipped ({skip})")
@@ -243,7 +247,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
         mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
     fitting, results = [], []
     for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms,
-                                                 o_bias=model.o_bias):
+                                                 o_bias=model.o_bias, mixed_kinds=len(model.window_kinds) > 1):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
