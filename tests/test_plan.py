@@ -358,3 +358,19 @@ def test_train_args_compile_the_planned_program(case):
     assert fingerprint(text) == p.hlo_fingerprint
     assert ("--optim.offload" in p.train_args) == (case == "host optimizer") and "--steps" in p.train_args
     assert bool(p.notes) == (case == "host optimizer") or model.remat == "offload"
+
+
+def test_a_compile_failure_is_its_own_exit_status(monkeypatch, capsys):
+    """XLA failing to compile the step is no verdict: one line, exit 4 (not 1, OVER, which scripts act on)."""
+    import jax
+
+    from ulysses_jax import cli
+    from ulysses_jax.plan import run
+
+    def fail(cfg):
+        raise jax.errors.JaxRuntimeError("INTERNAL: during context [end-of-post-layout_assignment]: Expected ...")
+
+    monkeypatch.setattr(run, "run_plan", fail)
+    assert cli.main(["plan", "--preset", "tiny", "--no-kernels"]) == cli.EXIT_NO_PROGRAM == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: XLA could not compile this step for h100 (INTERNAL"), err

@@ -35,9 +35,11 @@ EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal with a checkpoint saved; run the same command with --resume
 EXIT_ABORTED = 130
+EXIT_NO_PROGRAM = 4  # plan: XLA failed to compile the step (a limitation of this program, not a verdict)
 PLAN_EXIT = (f"Exit status: 0 the plan fits; {EXIT_OVER} it does not (verdict OVER: the `--memory auto` command to try "
-             f"is printed; with --memory auto: no set of memory tools fits); {EXIT_USAGE} a user error. XLA's "
-             f"compiler messages go to a log file (--xla-log), named at the end.")
+             f"is printed; with --memory auto: no set of memory tools fits); {EXIT_USAGE} a user error; "
+             f"{EXIT_NO_PROGRAM} XLA could not compile the step. XLA's compiler messages go to a log file (--xla-log), "
+             f"named at the end.")
 DESCRIPTION = "Long-context LM training with Ulysses sequence parallelism in JAX."
 
 
@@ -311,6 +313,13 @@ def _plan(cfg, args: list[str]) -> int:
         return EXIT_OVER
     except ValueError as e:
         return _error(str(e))
+    except Exception as e:  # noqa: BLE001  (jax's JaxRuntimeError: the compile failed; no verdict to give)
+        if type(e).__name__ != "JaxRuntimeError":
+            raise
+        first = str(e).strip().splitlines()[0][:300]
+        print(f"error: XLA could not compile this step for {cfg.target} ({first}); no verdict: change the memory tools "
+              f"(e.g. --memory auto) and report it", file=sys.stderr)
+        return EXIT_NO_PROGRAM
     finally:
         if (said := xla_log.summary(log)) is not None:
             print(said)
