@@ -40,6 +40,9 @@ SLOW = frozenset({
     # sp=2 and MHA with bias stay covered by fsdp4xsp2 and fsdp2xsp4-mha-bias; the tiled MLP by two other meshes
     "tests/test_model.py::test_sharded_equals_single_device[sp2-mha-bias]",
     "tests/test_model.py::test_tiled_mlp_equals_plain[sp4]",
+    # MoE on fsdp 2 x sp 4 stays in the default suite with the tiled MLP and remat (variant1) and in the parity of
+    # tests/test_moe_hf.py (plain, sharded)
+    "tests/test_moe.py::test_eight_devices_equal_one[variant0]",
 })
 
 
