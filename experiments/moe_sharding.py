@@ -1,9 +1,9 @@
 """MoE sharding at long context: gather the experts (FSDP, what the project does) or move the tokens (expert parallel)?
 
 No GPU needed and no time measured. With the CUDA plugin (the ``aot`` extra) XLA compiles, for 8 compile-only H100s on
-one host, forward + backward (``jax.value_and_grad`` of ``sum(out * g)``, ``g`` a random cotangent, in x, the router and the
-three expert weights) of ONE sparse layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert width 768, bf16
-compute, float32 weights at rest) on ``T`` tokens per device, for two designs:
+one host, forward + backward (``jax.value_and_grad`` of ``sum(out * g)``, ``g`` a random cotangent, in x, the router
+and the three expert weights) of ONE sparse layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert width 768,
+bf16 compute, float32 weights at rest) on ``T`` tokens per device, for two designs:
 
   gather  ``ulysses_jax.model.moe.moe_sublayer`` on ``make_mesh(fsdp=1, sp=8)``: weights at rest split over their
           ``embed`` dimension (``param_spec``), all-gathered inside ``shard_map``, gradients reduce-scattered; tokens
@@ -41,20 +41,20 @@ N_DEV = 8
 NVLINK = 450e9  # B/s per GPU, one direction (H100 SXM, nominal)
 EXPERT_BYTES = 3 * E * D * F * 2  # one layer's gate, up and down in bf16: what the gather moves each time
 NOTES = [
-    ("- `jax.lax.ragged_all_to_all` compiles for the H100 target in jax 0.10.2 (async `ragged-all-to-all-start/done`; "
-     "its transpose is again a ragged all-to-all plus two all-to-alls of the offsets, the `all-to-all` column). XLA:CPU "
-     "cannot run it, so the EP code was checked on 8 CPU devices with an all-gather emulation of its documented "
-     "semantics against `moe_sublayer` (float32, 16 experts top-4, dropless buffer): loss and gradients agree to "
-     "1.1e-6 relative (`--check`)."),
+    ("- `jax.lax.ragged_all_to_all` compiles for the H100 target in jax 0.10.2 (async "
+     "`ragged-all-to-all-start/done`; its transpose is again a ragged all-to-all plus two all-to-alls of the "
+     "offsets, the `all-to-all` column). XLA:CPU cannot run it, so the EP code was checked on 8 CPU devices with "
+     "an all-gather emulation of its documented semantics against `moe_sublayer` (float32, 16 experts top-4, "
+     "dropless buffer): loss and gradients agree to 1.1e-6 relative (`--check`)."),
     ("- EP's figures are a lower bound. The receive buffer is the balanced share (T x k rows): a dropless EP must size "
      "it for the worst case (up to 8 x T x k rows, 32 GiB at T = 131,072) or drop pairs, and with real routing the "
      "most loaded device receives more than its share and sets the pace. Gather's bytes do not depend on routing."),
     ("- Both columns count the whole buffer, the device's own 1/8 included: what crosses NVLink is 7/8 of it for "
      "both designs (ring all-gather / reduce-scatter, all-to-all), so the ratios hold."),
     ("- Temp memory is one layer without `mlp_chunk`: gather's 20 GB at T = 131,072 are mostly the T x k "
-     "token-expert pairs [T x k, 2048] and their [T x k, 768] activations, which the model's `mlp_chunk` cuts to one chunk's; EP holds "
-     "those plus the send / receive buffers of both exchanges (38 GB). Under remat one layer alone has nothing to "
-     "save, so its temp is not what remat saves in the model."),
+     "token-expert pairs [T x k, 2048] and their [T x k, 768] activations, which the model's `mlp_chunk` cuts to "
+     "one chunk's; EP holds those plus the send / receive buffers of both exchanges (38 GB). Under remat one layer "
+     "alone has nothing to save, so its temp is not what remat saves in the model."),
     "- Ulysses attention's own all-to-alls are not included: they are the same for both designs.",
     "- Both programs run the Pallas grouped matmul's Triton kernels (`__gpu$xla.gpu.triton` custom calls).",
 ]
@@ -220,7 +220,8 @@ def build(design: str, tokens: int, recv_factor: float, cfg=None, devices=None, 
 def check(tokens: int = 64) -> float:
     """EP against the project's gather design on 8 CPU devices, float32, 16 experts top-4, a dropless receive buffer
     (8 x T x k rows; XLA:CPU has no ragged all-to-all: ``ragged_all_to_all_emulated``
-    stands in for it, checking the offsets and the regrouping): the largest relative difference of the loss and of the gradients."""
+    stands in for it, checking the offsets and the regrouping): the largest relative difference of the loss and of
+    the gradients."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -285,7 +286,8 @@ def measure(design: str, tokens: int, recv_factor: float, remat: bool = False) -
     # no remat: gather forward + reduce-scatter backward; EP dispatch + combine, each transposed in the backward.
     # Remat (the layer recomputed in the backward) repeats the forward's collectives.
     formula = (4 + 2 * remat) * pairs * D * 2 if design == "ep" else (2 + remat) * EXPERT_BYTES
-    return {"design": design + (" (remat)" if remat else ""), "tokens/device": tokens, "remat": remat, "by_kind": by_kind, "counts": counts, "hlo_total": hlo_total,
+    return {"design": design + (" (remat)" if remat else ""), "tokens/device": tokens, "remat": remat,
+            "by_kind": by_kind, "counts": counts, "hlo_total": hlo_total,
             "ragged_sent": ragged_sent, "moved": moved, "formula": formula,
             "nvlink_ms": moved / NVLINK * 1e3, "argument": mem.argument_size_in_bytes,
             "output": mem.output_size_in_bytes, "temp": mem.temp_size_in_bytes, "compile_s": seconds}
