@@ -374,3 +374,16 @@ def test_a_compile_failure_is_its_own_exit_status(monkeypatch, capsys):
     assert cli.main(["plan", "--preset", "tiny", "--no-kernels"]) == cli.EXIT_NO_PROGRAM == 4
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: XLA could not compile this step for h100 (INTERNAL"), err
+
+
+def test_a_moe_plan_lists_its_grouped_matmul_kernels(capsys):
+    """The planned step of a mixture of experts runs its experts as our grouped matmul kernels (forward, dX, dW), which
+    the plan lists with their ptxas figures beside the attention kernels."""
+    from ulysses_jax import cli
+
+    assert cli.main(["plan", "--preset", "tiny-moe", "--devices", "1", "--mesh.sp", "1", "--mesh.fsdp", "1",
+                     "--seq-len", "1024", "--batch-size", "1", "--attention", "pallas"]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("Pallas kernels"):]
+    for name in ("flash_attention_fwd", "grouped_matmul ", "grouped_matmul_dx", "grouped_matmul_dw"):
+        assert f"\n  {name}" in listed, (name, listed[:800])

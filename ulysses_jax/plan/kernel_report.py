@@ -116,8 +116,10 @@ def instruction_mix(ptx_body: str) -> dict[str, object]:
     return mix
 
 
-def kernels(dump_dir: str | pathlib.Path, *, prefix: str = "", run_ptxas: bool = True) -> list[KernelInfo]:
-    """Kernels launched by the program dumped in ``dump_dir`` whose name starts with ``prefix``, one per name.
+def kernels(dump_dir: str | pathlib.Path, *, prefix: str | tuple[str, ...] = "", run_ptxas: bool = True
+            ) -> list[KernelInfo]:
+    """Kernels launched by the program dumped in ``dump_dir`` whose name starts with ``prefix`` (or one of them), one
+    per name.
 
     Launch figures come from the (last) thunk-sequence file; registers and spills from ptxas on the PTX file
     that defines the kernel.

@@ -282,7 +282,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     lowered = step.trace(state, batch).lower()
     with tempfile.TemporaryDirectory(prefix="ulysses-plan-") as dump:
         compiled = lowered.compile(compiler_options=dump_options(dump) if detail else None)
-        found = kernels(dump, prefix="flash_attention") if detail and with_kernels else []
+        found = kernels(dump, prefix=("flash_attention", "grouped_matmul")) if detail and with_kernels else []
         buffers = largest_buffers(dump) if detail else []
     seconds = time.perf_counter() - t0
     fraction, budget, host_budget, host_note = budgets(cfg, target)
