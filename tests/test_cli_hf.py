@@ -40,6 +40,17 @@ FLAGS = ["--seq-len", "64", "--attention", "xla", "--mesh.fsdp", "2", "--mesh.sp
 TOL = 1e-4  # float32 logits, absolute
 
 
+def random_weights(model, seed: int, scale: float = 0.1, scale_of=lambda name: None):
+    """``model`` with every parameter drawn anew: norm scales ``1 + scale * N(0, 1)``, the others ``scale * N(0, 1)``
+    (``scale_of(name)``, when not None, overrides ``scale`` for a parameter)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            s = scale_of(name) or scale
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + s * torch.randn(p.shape, generator=gen))
+    return model
+
+
 def make_folder(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
     """A tiny random Llama saved by transformers, with a word-level tokenizer.json, BOS/EOS and a chat template."""
     config = transformers.LlamaConfig(
@@ -47,11 +58,7 @@ def make_folder(path: pathlib.Path, seed: int = 0) -> pathlib.Path:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
         rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+    model = random_weights(transformers.AutoModelForCausalLM.from_config(config).eval(), seed)
     model.save_pretrained(path)
     vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))

@@ -42,11 +42,7 @@ def folder(tmp_path_factory):
     the SwiGLU's clamp at 7 to bite), saved in float32."""
     path = tmp_path_factory.mktemp("gpt-oss") / "tiny"
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale = 1.5 if "experts" in name else 0.2
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + scale * torch.randn(p.shape, generator=gen))
+    hf_helpers.random_weights(model, 0, 0.2, scale_of=lambda name: 1.5 if "experts" in name else None)
     model.save_pretrained(path)
     return model, path
 

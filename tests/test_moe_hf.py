@@ -47,11 +47,7 @@ def make_folder(case, path, seed=0):
     cls_name, settings = CASES[case]
     config = getattr(transformers, cls_name)(**{**SMALL, **settings})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+    model = hf_helpers.random_weights(transformers.AutoModelForCausalLM.from_config(config).eval(), seed, 0.2)
     model.save_pretrained(path)
     llama = hf_helpers.make_folder(path.parent / f"{path.name}-tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json"):

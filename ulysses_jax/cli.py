@@ -299,6 +299,13 @@ def _train(cfg: TrainConfig) -> int:
     return 0
 
 
+def jax_errors():
+    """``jax.errors``, imported when a command needs it (the CLI starts without importing JAX)."""
+    import jax.errors
+
+    return jax.errors
+
+
 def _plan(cfg, args: list[str]) -> int:
     from ulysses_jax.plan import xla_log
     from ulysses_jax.plan.run import run_plan
@@ -313,9 +320,7 @@ def _plan(cfg, args: list[str]) -> int:
         return EXIT_OVER
     except ValueError as e:
         return _error(str(e))
-    except Exception as e:  # noqa: BLE001  (jax's JaxRuntimeError: the compile failed; no verdict to give)
-        if type(e).__name__ != "JaxRuntimeError":
-            raise
+    except jax_errors().JaxRuntimeError as e:  # the compile failed: no verdict to give
         first = str(e).strip().splitlines()[0][:300]
         print(f"error: XLA could not compile this step for {cfg.target} ({first}); no verdict: change the memory tools "
               f"(e.g. --memory auto) and report it", file=sys.stderr)

@@ -32,14 +32,18 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 
-def mlp_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
-    """Matmul weights of the MLPs, averaged over the layers: a dense layer's ``3 D F``; a sparse layer's router
-    ``D E`` and, per token, its ``k`` experts' ``3 D F_e`` (``active``) or all ``E`` of them."""
-    d = cfg.hidden
-    sparse = len(cfg.sparse_layers)
-    experts = cfg.experts_per_token if active else cfg.num_experts
+def _mlp_matmul_total(cfg: ModelConfig, experts: int) -> int:
+    """Matmul weights of every layer's MLP: a dense layer's ``3 D F``; a sparse layer's router ``D E`` and ``experts``
+    of its experts' ``3 D F_e``."""
+    d, sparse = cfg.hidden, len(cfg.sparse_layers)
     per_sparse = d * cfg.num_experts + experts * 3 * d * cfg.expert_mlp_dim
-    return ((cfg.num_layers - sparse) * 3 * d * cfg.mlp_dim + sparse * per_sparse) / cfg.num_layers
+    return (cfg.num_layers - sparse) * 3 * d * cfg.mlp_dim + sparse * per_sparse
+
+
+def mlp_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
+    """Matmul weights of the MLPs, averaged over the layers (``_mlp_matmul_total``), a sparse layer's ``k`` experts per
+    token (``active``) or all ``E`` of them."""
+    return _mlp_matmul_total(cfg, cfg.experts_per_token if active else cfg.num_experts) / cfg.num_layers
 
 
 def layer_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
@@ -65,16 +69,17 @@ def active_param_count(cfg: ModelConfig) -> int:
 def param_count(cfg: ModelConfig) -> int:
     """Distinct parameters (a tied unembedding counted once): what the published model cards report."""
     d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = round(layer_matmul_params(cfg, active=False)) + 2 * d
+    per_layer = 2 * d * n * h + 2 * d * k * h + 2 * d  # q, k, v, o and the two norms
     per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
     per_layer += 2 * h if cfg.qk_norm else 0
     per_layer += 2 * d if cfg.post_norms else 0
     per_layer += (d if cfg.o_bias else 0) + (n if cfg.attn_sinks else 0)
+    mlp = _mlp_matmul_total(cfg, cfg.num_experts)
     if cfg.expert_style == "gpt_oss":  # router, gate/up and down biases
         e = cfg.num_experts
-        per_layer += round((e + e * 2 * cfg.expert_mlp_dim + e * d) * len(cfg.sparse_layers) / cfg.num_layers)
+        mlp += len(cfg.sparse_layers) * (e + e * 2 * cfg.expert_mlp_dim + e * d)
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.num_layers * per_layer + embeddings + d
+    return cfg.num_layers * per_layer + mlp + embeddings + d
 
 
 def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = True) -> float:

@@ -124,11 +124,9 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, rout
         labels_BS = ordered["labels"]
         hidden, router = model.hidden_and_router(ordered["tokens"], positions=ordered["positions"],
                                                  segment_ids=ordered.get("segment_ids"), permuted=True)
-    elif hidden is None and hasattr(model, "hidden_and_router"):
+    elif hidden is None:
         hidden, router = model.hidden_and_router(tokens_BS, positions=batch.get("positions"),
                                                  segment_ids=batch.get("segment_ids"))
-    elif hidden is None:
-        hidden = model.hidden_states(tokens_BS, positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
     cfg = model.config
     if cfg.loss_chunk:
         w_VD = model.unembedding.get_value().astype(cfg.compute_jnp_dtype)

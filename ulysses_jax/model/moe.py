@@ -38,9 +38,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.kernels.grouped_matmul import grouped_matmul
+from ulysses_jax.kernels.grouped_matmul import resolve_impl as grouped_impl
 from ulysses_jax.model.chunked import chunk_map
-from ulysses_jax.model.config import MOE_IMPLS, ModelConfig, local_chunks
+from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.model.layers import ParamMaker, mlp_activation, norm_scale, rms_norm
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
@@ -68,12 +70,9 @@ def expert_load(stats: RouterStats) -> jax.Array:
 
 
 def resolve_impl(impl: str, mesh: Mesh) -> str:
-    """``auto``: the Pallas grouped matmul on GPUs (compile-only ones included), ``ragged_dot`` elsewhere."""
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"moe_impl {impl!r} is not one of {', '.join(MOE_IMPLS)}")
-    if impl != "auto":
-        return impl
-    return "pallas" if mesh.devices.flat[0].platform == "gpu" else "ragged_dot"
+    """``auto``: the Pallas grouped matmul on GPUs (compile-only ones included), ``ragged_dot`` elsewhere (the
+    kernel's own rule, for the mesh's devices)."""
+    return grouped_impl(impl, device_platform(mesh))
 
 
 def route(x_tD, w_DE, k: int, renormalize: bool, b_E=None):
@@ -178,8 +177,8 @@ def moe_sublayer(x_BSD, valid_BS, norm_D, ws: dict, *, cfg: ModelConfig, mesh: M
     over = cfg.shard_params_over_data
     wa = fsdp_axes(over)
     act_spec = P((DATA, FSDP), SEQ, None)
-    impl = resolve_impl(cfg.moe_impl, mesh)
-    platform = mesh.devices.flat[0].platform
+    platform = device_platform(mesh)
+    impl = grouped_impl(cfg.moe_impl, platform)
     k, names = cfg.experts_per_token, list(_shapes(cfg))
     embed_axis = {n: names_.index("embed") if "embed" in names_ else None for n, (_, names_) in _shapes(cfg).items()}
     mlp = dict(k=k, renormalize=cfg.router_renormalize, impl=impl, act=mlp_activation(cfg), platform=platform,

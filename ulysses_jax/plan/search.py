@@ -173,15 +173,14 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
                         dict(remat="offload", remat_every=2, **host, **tiles), None))
     if cfg.mesh.ring <= 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
         tiled = f"--attn-chunk {tile} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
-        if o_bias:
-            no_tile = "the tiled attention sublayer takes no output-projection bias (gpt-oss)"
+        tiled_skip = "the tiled attention sublayer takes no output-projection bias (gpt-oss)" if o_bias else no_tile
         attn = dict(attn_chunk=tile, attn_head_chunk=1, **tiles)
         choices.append((f"--remat offload {host_flags} {tiled}{tile_flags}",
-                        dict(remat="offload", remat_every=None, **host, **attn), no_tile))
+                        dict(remat="offload", remat_every=None, **host, **attn), tiled_skip))
         if num_layers % 2 == 0 and not post_norms:  # two layers' inputs on the device in a group's backward: no
             # attention output there (refused with post_norms: the post-attention norm's backward reads it)
             choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute{tile_flags}",
-                            dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), no_tile))
+                            dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), tiled_skip))
     return [(" ".join(flags.split()), changes, skip) for flags, changes, skip in choices]
 
 
