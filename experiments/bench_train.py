@@ -17,6 +17,7 @@ hardware, jax version, command line and git commit.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -37,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto")
     p.add_argument("--remat", default="full")
     p.add_argument("--attn-keep", action="store_true", help="keep attention's output: its forward runs once")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="train LoRA adapters of this rank (alpha 2 x rank, every projection), the base frozen in bf16")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -67,6 +70,7 @@ def bench_one(args, seq_len: int) -> dict:
     from ulysses_jax.data.pipeline import to_global
     from ulysses_jax.model import flops
     from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.model.lora_config import LoraConfig
     from ulysses_jax.parallel.mesh import make_mesh
     from ulysses_jax.train.devices import check_parallel
     from ulysses_jax.train.metrics import peak_memory_bytes
@@ -83,10 +87,13 @@ def bench_one(args, seq_len: int) -> dict:
     sp = args.sp or n
     mesh = make_mesh(fsdp=args.fsdp, sp=sp)
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
-    cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat, attn_keep=args.attn_keep,
-                                  loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
+    cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
+                                  attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
+    if args.lora_rank:
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
+                                  param_dtype="bfloat16")
     check_parallel(cfg, mesh, seq_len=seq_len, batch_size=rows)
-    tx = make_optimizer(OptimConfig(), 1000)
+    tx = make_optimizer(OptimConfig().resolved(1000, lora=bool(args.lora_rank)), 1000)
     graphdef, state = init_state(cfg, mesh, tx, seed=0)
     step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 1000), mesh, state_shardings(state))
     batch = to_global(random_batch(rows, seq_len, cfg.vocab_size), mesh)
@@ -111,8 +118,9 @@ def bench_one(args, seq_len: int) -> dict:
 
 
 def header(args) -> dict:
+    lora = f", LoRA rank {args.lora_rank} (MFU counts full fine-tuning FLOPs)" if args.lora_rank else ""
     return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}"
-                            f"{' + attn-keep' if args.attn_keep else ''}, "
+                            f"{' + attn-keep' if args.attn_keep else ''}{lora}, "
                             f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}")
 
 
@@ -140,7 +148,8 @@ def main(argv=None) -> int:
     cols = ["seq_len", "rows", "mesh", "step_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "loss",
             "note"]
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
-    stem = args.out_dir / f"train_{args.preset}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    lora = f"_lora{args.lora_rank}" if args.lora_rank else ""
+    stem = args.out_dir / f"train_{args.preset}{lora}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     print("wrote", *write_table(stem, "Training-step benchmark", meta, cols, rows))
     return 0
 
