@@ -61,20 +61,99 @@ def test_adapters_start_at_the_base_and_only_they_train():
     assert all(changed), changed
 
 
-def _loss_and_grads(cfg, mesh, batch):
-    """The mean loss and the adapters' gradients with random nonzero B (the same values on any mesh)."""
+def _random_adapters(cfg, mesh, b_scale=0.05):
+    """``(graphdef, adapters, frozen)`` of a fresh model whose adapters are moved off their start (B nonzero unless
+    ``b_scale`` is 0), the same values on any mesh."""
     graphdef, params = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
     adapters, frozen = lora.split(params)
-    leaves, treedef = jax.tree.flatten(adapters)
-    leaves = [x + 0.05 * jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, x in enumerate(leaves)]
-    adapters = jax.tree.unflatten(treedef, leaves)
+    leaves, treedef = jax.tree.flatten_with_path(adapters)
+    leaves = [x + (b_scale if "_b'" in jax.tree_util.keystr(path) else 0.05)
+              * jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i, (path, x) in enumerate(leaves)]
+    return graphdef, jax.tree.unflatten(treedef, leaves), frozen
 
-    def loss(t):
+
+def _loss_and_grads(cfg, mesh, batch, key=None, b_scale=0.05):
+    """The mean loss and the adapters' gradients with random adapters (``_random_adapters``); ``key``: dropout's."""
+    graphdef, adapters, frozen = _random_adapters(cfg, mesh, b_scale)
+
+    def loss(t, key):
+        objective, sums = _loss_sums(graphdef, lora.join(t, frozen), batch, key)
+        return objective / sums["count"]
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(adapters, key)
+    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+@pytest.mark.parametrize("tools", [{}, dict(remat="full", mlp_chunk=4)], ids=["plain", "remat-tiled-mlp"])
+def test_loss_and_gradients_are_those_of_the_merged_weights_written_out(tools):
+    """The reference: the model without adapters whose targeted weights are W + scale A B, formed here in float64 and
+    differentiated through; the adapters' terms beside the frozen products (lora.low_rank) must give its loss and
+    A's and B's gradients."""
+    mesh = make_mesh(fsdp=2, sp=4)
+    cfg = dataclasses.replace(LCFG, **tools)
+    batch = {k: jnp.asarray(v) for k, v in random_batch(5, 2).items()}
+    graphdef, adapters, frozen = _random_adapters(cfg, mesh)
+    base_graphdef, base_params = nnx.split(Transformer(dataclasses.replace(cfg, lora=None), mesh=mesh,
+                                                       rngs=nnx.Rngs(0)))
+    scale = cfg.lora.scale
+
+    def reference(pure_adapters):
+        pure = nnx.to_pure_dict(frozen)
+        for t, (module, attr, n_in) in lora.WEIGHTS.items():
+            a, b = (pure_adapters["blocks"]["lora"][f"w_{t}_{side}"] for side in "ab")
+            w = pure["blocks"][module][attr]
+            ab = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0],
+                            b.shape[1], -1), precision="highest")
+            pure["blocks"][module][attr] = w + scale * ab.reshape(w.shape)
+        params = jax.tree.map(lambda x: x, base_params)
+        nnx.replace_by_pure_dict(params, pure)
+        objective, sums = _loss_sums(base_graphdef, params, batch)
+        return objective / sums["count"]
+
+    def ours(t):
         objective, sums = _loss_sums(graphdef, lora.join(t, frozen), batch)
         return objective / sums["count"]
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(adapters)
-    return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
+    want, want_grads = jax.jit(jax.value_and_grad(reference))(nnx.to_pure_dict(adapters))
+    got, got_grads = jax.jit(jax.value_and_grad(ours))(adapters)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    got_grads = nnx.to_pure_dict(got_grads)["blocks"]["lora"]
+    for name, r in want_grads["blocks"]["lora"].items():
+        assert np.abs(r).max() > 0, name
+        np.testing.assert_allclose(got_grads[name], r, atol=2e-5 * np.abs(r).max(), rtol=1e-3, err_msg=name)
+
+
+def test_dropout_masks_depend_on_the_token_alone():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 64, 3, 32)), jnp.float32) + 5.0
+    ids, key = lora.token_ids((2, 64)), jax.random.key(7)
+    y = np.asarray(lora.dropout(x, 0.25, key, ids))
+    kept = y != 0
+    assert 0.22 < 1 - kept.mean() < 0.28  # about a quarter dropped
+    np.testing.assert_allclose(y[kept], np.asarray(x)[kept] / 0.75, rtol=1e-6)  # the rest scaled up
+    part = np.asarray(lora.dropout(x[1:, 16:40], 0.25, key, ids[1:, 16:40]))  # a device's or a chunk's share
+    np.testing.assert_array_equal(part, y[1:, 16:40])
+    assert not np.array_equal(np.asarray(lora.dropout(x, 0.25, jax.random.key(8), ids)), y)
+
+
+def test_dropout_drops_the_adapters_inputs_alone_and_is_the_same_on_any_mesh():
+    cfg = dataclasses.replace(LCFG, lora=LoraConfig(rank=4, dropout=0.5))
+    batch = {k: jnp.asarray(v) for k, v in random_batch(4, 2).items()}
+    mesh, one = make_mesh(fsdp=2, sp=4), make_mesh(fsdp=2, sp=1, devices=jax.devices()[:2])
+    key = jax.random.key(11)
+    # B = 0: the adapters add nothing, so dropout on their inputs leaves the loss alone; B's gradients see the drop
+    plain, plain_g = _loss_and_grads(cfg, mesh, batch, b_scale=0.0)
+    dropped, dropped_g = _loss_and_grads(cfg, mesh, batch, key, b_scale=0.0)
+    assert dropped == plain
+    assert not np.allclose(dropped_g[1], plain_g[1])  # w_down_b (leaves in name order: down_a, down_b, ...)
+    # B nonzero: the loss moves with the key, is the same for the same key on sp 1, sp 4 and with the tiled MLP
+    loss, grads = _loss_and_grads(cfg, mesh, batch, key)
+    assert loss != _loss_and_grads(cfg, mesh, batch)[0]
+    assert loss != _loss_and_grads(cfg, mesh, batch, jax.random.key(12))[0]
+    for mesh_, tools in ((one, {}), (mesh, dict(remat="full", mlp_chunk=4, loss_chunk=4))):
+        other, other_grads = _loss_and_grads(dataclasses.replace(cfg, **tools), mesh_, batch, key)
+        assert other == pytest.approx(loss, rel=1e-5)
+        for g, r in zip(other_grads, grads):
+            np.testing.assert_allclose(g, r, atol=2e-5 * np.abs(r).max(), rtol=1e-3)
 
 
 TOOLS = dict(remat="full", mlp_chunk=4, attn_chunk=4, loss_chunk=4)
@@ -102,8 +181,12 @@ def test_lora_config_refusals():
     with pytest.raises(ValueError, match="'x' is not a projection this model has; it has q,k,v,o,gate,up,down"):
         LoraConfig(targets="q,x")
     assert LoraConfig(targets="v_proj,q").targets == ("q", "v")  # peft's names too, in the model's order
-    with pytest.raises(ValueError, match="--lora-dropout"):
-        LoraConfig(dropout=0.1)
+    for bad in (1.0, -0.1, "0.1"):
+        with pytest.raises(ValueError, match=r"--lora-dropout \(.*\) must be a probability in \[0, 1\)"):
+            LoraConfig(dropout=bad)
+    with pytest.raises(ValueError, match="--lora-dropout 0.1 with --attn-chunk 4 on the attention targets"):
+        dataclasses.replace(LCFG, lora=LoraConfig(dropout=0.1), attn_chunk=4)
+    dataclasses.replace(LCFG, lora=LoraConfig(dropout=0.1, targets="gate,up,down"), attn_chunk=4)  # MLP only: fine
     moe = dataclasses.replace(CFG, num_experts=4, experts_per_token=2)
     with pytest.raises(ValueError, match="'gate': .* mixture of experts"):
         LoraConfig().check(moe)
@@ -170,7 +253,8 @@ def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, ca
 
     folder = hf_helpers.make_folder(tmp_path / "tiny-llama")
     corpus, run, straight = hf_helpers.write_corpus(tmp_path / "c.jsonl"), tmp_path / "run", tmp_path / "straight"
-    common = ["--init-from-hf", folder, "--data", corpus, "--lora-rank", "8", "--param-dtype", "float32",
+    common = ["--init-from-hf", folder, "--data", corpus, "--lora-rank", "8", "--lora-dropout", "0.1",
+              "--param-dtype", "float32",
               *hf_helpers.FLAGS]
     assert main([str(a) for a in ["train", *common, "--steps", "2", "--checkpoint-every", "1", "--run-dir", run]]) == 0
     out = capsys.readouterr().out
@@ -210,6 +294,7 @@ def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, ca
     assert "peft.PeftModel.from_pretrained" in capsys.readouterr().out
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (8, 16, str(folder.resolve()))
+    assert config["lora_dropout"] == 0.1
     assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"])
     import peft

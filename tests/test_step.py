@@ -120,7 +120,7 @@ def test_grad_accumulation_adds_in_float32(seed):
     batch["m"] = np.repeat(np.arange(8) % accum, SEQ).reshape(8, SEQ).astype(np.int32)
     known = jnp.asarray(values, jnp.bfloat16)
 
-    def grad_known(p, micro):
+    def grad_known(p, micro, i):
         g = known[micro["m"][0, 0]]
         return (jnp.float32(0), zero_sums(0)), jax.tree.map(lambda x: jnp.full(x.shape, g, x.dtype), p)
 
@@ -132,8 +132,9 @@ def test_grad_accumulation_adds_in_float32(seed):
     del batch["m"]
 
     # (2) the model: each micro-batch's gradient is bfloat16 (the parameters'), their sum float32
-    grad_fn = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
-    (total, sums), grads = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum, mesh))(params, batch)
+    grad_of = jax.value_and_grad(lambda p, b: _loss_sums(graphdef, p, b), has_aux=True)
+    (total, sums), grads = jax.jit(lambda p, b: accumulate(lambda p, m, i: grad_of(p, m), p, b, accum, mesh))(
+        params, batch)
     f32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     graphdef32 = init_state(CFG, mesh, optax.sgd(1.0), seed=0)[0]
     (total32, sums32), ref = jax.jit(jax.value_and_grad(lambda p, b: _loss_sums(graphdef32, p, b), has_aux=True))(

@@ -52,25 +52,38 @@ def cast_like(g, w):
     return jax.tree.map(lambda a, b: a.astype(b.dtype), g, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def chunk_map(fn, n: int, x: jax.Array, w) -> jax.Array:
+def chunk_map(fn, n: int, x: jax.Array, w, frozen=None, extra=None) -> jax.Array:
     """``fn`` applied to each of the ``n`` chunks of ``x [b, s, D]`` with weights ``w``: ``[b, s, D']``.
 
     ``fn(x_chunk, w)`` must act per token (no mixing across tokens). Forward: one chunk's intermediates at a time.
     Backward: each chunk's forward recomputed, its input gradient written in place, ``w``'s summed in float32.
+
+    ``frozen`` (arrays that get no gradient: LoRA's base weights, a random key) or ``extra`` (an array ``[b, s, ...]``
+    cut into chunks like ``x``, no gradient either: token ids): ``fn(x_chunk, w, frozen, extra_chunk)`` instead.
     """
+    if frozen is None and extra is None:
+        return _chunk_map(lambda xc, w, frozen, e: fn(xc, w), n, x, w, None, None)
+    return _chunk_map(fn, n, x, w, frozen, extra)
+
+
+def _chunk(e, i, c):
+    return None if e is None else chunk(e, i, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_map(fn, n: int, x: jax.Array, w, frozen, extra) -> jax.Array:
     c = x.shape[1] // n
-    out = jax.eval_shape(fn, chunk(x, 0, c), w)
+    out = jax.eval_shape(fn, chunk(x, 0, c), w, frozen, _chunk(extra, 0, c))
     y = fresh((*x.shape[:2], *out.shape[2:]), out.dtype, x)
-    return jax.lax.fori_loop(0, n, lambda i, y: put(y, fn(chunk(x, i, c), w), i, c), y)
+    return jax.lax.fori_loop(0, n, lambda i, y: put(y, fn(chunk(x, i, c), w, frozen, _chunk(extra, i, c)), i, c), y)
 
 
-def _chunk_map_fwd(fn, n, x, w):
-    return chunk_map(fn, n, x, w), (x, w)
+def _chunk_map_fwd(fn, n, x, w, frozen, extra):
+    return _chunk_map(fn, n, x, w, frozen, extra), (x, w, frozen, extra)
 
 
 def _chunk_map_bwd(fn, n, res, ct):
-    x, w = res
+    x, w, frozen, extra = res
     c = x.shape[1] // n
     # the input's gradient goes into ct's own buffer when shapes allow: chunk i of ct is read only by step i, before
     # step i overwrites it, so XLA updates it in place and one [b, s, D] buffer less is live during the backward
@@ -78,12 +91,12 @@ def _chunk_map_bwd(fn, n, res, ct):
 
     def body(i, carry):
         dx, acc = carry
-        _, vjp = jax.vjp(fn, chunk(x, i, c), w)
+        _, vjp = jax.vjp(lambda xc, w: fn(xc, w, frozen, _chunk(extra, i, c)), chunk(x, i, c), w)
         dxc, dw = vjp(chunk(dx if in_place else ct, i, c))
         return put(dx, dxc, i, c), sum_f32(acc, dw)
 
     dx, dw = jax.lax.fori_loop(0, n, body, (ct if in_place else fresh(x.shape, x.dtype, ct), zeros_f32(w)))
-    return dx, cast_like(dw, w)
+    return dx, cast_like(dw, w), None, None  # None: no gradient for frozen and extra
 
 
-chunk_map.defvjp(_chunk_map_fwd, _chunk_map_bwd)
+_chunk_map.defvjp(_chunk_map_fwd, _chunk_map_bwd)

@@ -238,6 +238,8 @@ class ModelConfig:
             object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         if isinstance(self.lora, dict):  # from JSON (run.json)
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
+        if self.lora is not None:
+            self.lora.check(self)
         check_layers(self)
         if self.attn_keep and self.remat == "offload" and len(self.window_kinds) > 1:
             raise ValueError("attn_keep (--attn-keep) with remat offload is not available for a model that mixes "

@@ -6,13 +6,19 @@ and ``B [L, r, out...]`` (zeros), so the model starts as the base. They are floa
 born sharded like every parameter (``A`` over the FSDP axes on its ``embed`` dimension where it has one, ``B`` on its
 ``embed`` dimension where it has one, whole otherwise: ``B`` of q/k/v/gate/up is ``r x out``, a few MB).
 
-One hook, ``merged``, runs inside the layer scan on each layer's block: every targeted weight becomes
-``stop_gradient(W) + (alpha / r) A B`` in float32 at rest (the same FSDP sharding as ``W``), so every path that reads a
-weight (the plain attention and MLP, the tiled MLP and the tiled attention sublayer, Ulysses and the ring, remat) sees
-the adapted weight and sends its gradient to ``A`` and ``B`` only. The cost of merging: the backward still forms each
-targeted weight's full gradient (one layer at a time) before reducing it to ``A`` and ``B``, the FLOPs of full
-fine-tuning's weight gradients; and with a bfloat16 compute dtype the merged weight is rounded once to bfloat16, so a
-change below its rounding step shows in the forward only on average over the weight's elements.
+Each projection that reads a targeted weight adds the adapter's term beside the frozen weight's product (peft's
+forward): ``x W + (alpha / r) dropout(x) A B`` (``low_rank``; ``x A`` accumulated in float32, ``A`` rounded to the
+compute dtype, ``B`` in float32). The plain attention (q, k, v, o) and the dense MLP (plain and tiled) do so, so the
+backward forms only the adapters' small gradients (``dA = x^T (dy B^T)``), never a targeted weight's full gradient, and
+the frozen base's weights are differentiated nowhere (``chunked.chunk_map`` takes them as ``frozen``). Dropout
+(``LoraConfig.dropout``, training only) draws each token's mask from its global index in the batch (``dropout``), so
+the masks are the same on any mesh and with or without tiling; each target its own mask, as peft's separate dropout
+modules.
+
+The tiled attention sublayer (``attn_chunk``: ``tiled_attention.py``, whose backward is written by hand) instead reads
+merged weights: the hook ``merged`` replaces each attention target ``W`` by ``stop_gradient(W) + scale A B`` (float32,
+at rest) in that case only, and its backward forms those weights' full gradients before reducing them to ``A`` and
+``B``; with a bfloat16 compute dtype the merged weight is rounded once to bfloat16. Dropout is refused there.
 
 The train step differentiates the ``LoraParam`` variables alone (``split``), so the base has no gradient and no
 optimizer state (``train/step.py``). MLP targets on a mixture of experts are refused (``LoraConfig.check``).
@@ -28,7 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from ulysses_jax.model.lora_config import TARGETS, LoraConfig
+from ulysses_jax.model.layers import use
+from ulysses_jax.model.lora_config import ATTENTION_TARGETS, TARGETS, LoraConfig
 from ulysses_jax.parallel.sharding import check_param_shape, param_spec
 
 # target -> (submodule of the block, weight attribute, number of leading "in" dimensions of the weight)
@@ -117,18 +124,65 @@ def delta(a: jax.Array, b: jax.Array, n_in: int, scale: float) -> jax.Array:
     return (scale * out).reshape(*a.shape[:-1], *b.shape[lead + 1:])
 
 
+def merged_targets(cfg) -> tuple[str, ...]:
+    """The targets read as merged weights (``merged``): the attention's under ``attn_chunk``, else none."""
+    return tuple(t for t in cfg.lora.targets if t in ATTENTION_TARGETS) if cfg.attn_chunk else ()
+
+
 def merged(block):
-    """``block`` (one layer's, inside the layer scan) with each targeted weight replaced by
+    """``block`` (one layer's, inside the layer scan) with each of ``merged_targets`` replaced by
     ``stop_gradient(W) + scale * A B`` (float32, at rest); unchanged without adapters. The hook of the module doc."""
-    lora = block.attn.cfg.lora
-    if lora is None:
+    cfg = block.attn.cfg
+    if cfg.lora is None:
         return block
-    for t in lora.targets:
+    for t in merged_targets(cfg):
         w = weight(block, t)
         a, b = getattr(block.lora, f"w_{t}_a").get_value(), getattr(block.lora, f"w_{t}_b").get_value()
         base = jax.lax.stop_gradient(w.get_value()).astype(jnp.float32)
-        w.set_value(base + delta(a, b, WEIGHTS[t][2], lora.scale))
+        w.set_value(base + delta(a, b, WEIGHTS[t][2], cfg.lora.scale))
     return block
+
+
+def pairs(block, module: str, at_rest: bool = False) -> dict:
+    """``{target: (A, B)}`` of this layer's adapters on ``module``'s (``"attn"`` or ``"mlp"``) weights that are not
+    merged: in their compute layout (gathered, ``A`` in the compute dtype, ``B`` in float32), or ``at_rest``."""
+    cfg = block.attn.cfg
+    if cfg.lora is None:
+        return {}
+    out = {}
+    for t in cfg.lora.targets:
+        if WEIGHTS[t][0] != module or t in merged_targets(cfg):
+            continue
+        a, b = getattr(block.lora, f"w_{t}_a"), getattr(block.lora, f"w_{t}_b")
+        out[t] = (a.get_value(), b.get_value()) if at_rest else (
+            use(a, block.mesh, cfg.compute_jnp_dtype), use(b, block.mesh, jnp.float32))
+    return out
+
+
+def token_ids(shape) -> jax.Array:
+    """``[B, S]`` int32: each token's index in the global batch, ``row * S + position`` (dropout's mask key)."""
+    b, s = shape
+    return jnp.arange(b, dtype=jnp.int32)[:, None] * s + jnp.arange(s, dtype=jnp.int32)[None, :]
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array, ids: jax.Array) -> jax.Array:
+    """``x [b, s, ...]`` with each element zeroed with probability ``rate`` and the rest scaled by ``1 / (1 - rate)``;
+    token ``ids [b, s]``'s mask drawn from ``fold_in(key, id)``, whatever part of the batch ``x`` is."""
+    draw = lambda i: jax.random.bernoulli(jax.random.fold_in(key, i), 1.0 - rate, x.shape[2:])  # noqa: E731
+    keep = jax.vmap(jax.vmap(draw))(ids)
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
+
+
+def low_rank(x: jax.Array, pair, target: str, lora: LoraConfig, drop=None) -> jax.Array:
+    """The adapter's term of a projection of ``x [b, s, in...]``: ``scale * dropout(x) A B`` ``[b, s, out...]`` in
+    ``x``'s dtype. ``drop``: ``(key, token ids [b, s])`` while training with ``lora.dropout``, else ``None``."""
+    a, b = pair
+    n_in = WEIGHTS[target][2]
+    if drop is not None and lora.dropout:
+        key, ids = drop
+        x = dropout(x, lora.dropout, jax.random.fold_in(key, TARGETS.index(target)), ids)
+    xa = jnp.tensordot(x, a.astype(x.dtype), axes=n_in, preferred_element_type=jnp.float32)
+    return (lora.scale * jnp.tensordot(xa, b.astype(jnp.float32), axes=1)).astype(x.dtype)
 
 
 def split(params):

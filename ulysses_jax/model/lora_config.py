@@ -29,8 +29,9 @@ def parse_targets(text: str | tuple | list) -> tuple[str, ...]:
 class LoraConfig:
     """Low-rank adapters ``W + (alpha / rank) A B`` on the ``targets`` projections; the rest of the model is frozen.
 
-    ``dropout``: only 0 is modelled (the adapters are merged into their weights per layer, so dropout on the adapters'
-    inputs has no place to go); another value is refused."""
+    ``dropout``: the probability of zeroing each element of an adapter's input while training (peft's
+    ``lora_dropout``), each target its own mask; the frozen weight's product sees the whole input.
+    """
 
     rank: int = 8
     alpha: float = 16.0
@@ -51,9 +52,10 @@ class LoraConfig:
         if unknown:
             raise ValueError(f"--lora-targets {unknown[0]!r} is not a projection this model has; it has "
                              f"{','.join(TARGETS)} (or their Hugging Face names q_proj, ..., down_proj)")
-        if self.dropout != 0:
-            raise ValueError(f"--lora-dropout ({self.dropout}) is not supported: the adapters are merged into their "
-                             f"weights inside each layer, which leaves no separate adapter input to drop; use 0")
+        ok = isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool) and 0 <= self.dropout < 1
+        if not ok:
+            raise ValueError(f"--lora-dropout ({self.dropout!r}) must be a probability in [0, 1), e.g. 0.05 or 0.1")
+        object.__setattr__(self, "dropout", float(self.dropout))
 
     @property
     def scale(self) -> float:
@@ -69,6 +71,11 @@ class LoraConfig:
                 raise ValueError(f"--lora-targets {mlp[0]!r}: {model.name}'s MLP is a mixture of experts, and LoRA on "
                                  f"experts is not supported; it has {','.join(ATTENTION_TARGETS)} (pass --lora-targets "
                                  f"{','.join(ATTENTION_TARGETS)})")
+        attn = [t for t in self.targets if t in ATTENTION_TARGETS]
+        if self.dropout and model.attn_chunk and attn:
+            raise ValueError(f"--lora-dropout {self.dropout:g} with --attn-chunk {model.attn_chunk} on the attention "
+                             f"targets ({','.join(attn)}) is not supported: the tiled attention reads merged weights, "
+                             f"which leave no adapter input to drop; use --lora-dropout 0, or leave --attn-chunk unset")
 
     def describe(self) -> str:
         return f"rank {self.rank}, alpha {self.alpha:g} (scale {self.scale:g}), on {','.join(self.targets)}"

@@ -106,14 +106,16 @@ def tiled_cross_entropy_sum(
     return fn(h_BSD, w_VD, labels_BS)
 
 
-def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, router=None) -> LossOutput:
+def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, router=None,
+                    dropout_key: jax.Array | None = None) -> LossOutput:
     """Token-weighted mean cross-entropy of ``model`` on ``batch`` over the whole global batch.
 
     ``batch``: ``tokens`` and ``labels`` ``[B, S]`` (labels already shifted, negative = ignored), optional
     ``segment_ids`` and ``positions``. ``hidden``: the model's ``hidden_states`` if already computed (with experts,
     ``router``: the ``RouterStats`` computed with them, else no load-balancing loss). Tiled when
     ``model.config.loss_chunk > 0``. Returns ``LossOutput``: with experts the load-balancing loss too, and ``loss``
-    adds it weighted by ``router_aux_loss_coef``, as transformers' models do.
+    adds it weighted by ``router_aux_loss_coef``, as transformers' models do. ``dropout_key``: a training step's key
+    for LoRA's dropout (``Transformer.hidden_and_router``).
     """
     tokens_BS, labels_BS = batch["tokens"], batch["labels"]
     if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
@@ -123,10 +125,11 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, rout
     if ordered is not None:
         labels_BS = ordered["labels"]
         hidden, router = model.hidden_and_router(ordered["tokens"], positions=ordered["positions"],
-                                                 segment_ids=ordered.get("segment_ids"), permuted=True)
+                                                 segment_ids=ordered.get("segment_ids"), permuted=True,
+                                                 dropout_key=dropout_key)
     elif hidden is None:
         hidden, router = model.hidden_and_router(tokens_BS, positions=batch.get("positions"),
-                                                 segment_ids=batch.get("segment_ids"))
+                                                 segment_ids=batch.get("segment_ids"), dropout_key=dropout_key)
     cfg = model.config
     if cfg.loss_chunk:
         w_VD = model.unembedding.get_value().astype(cfg.compute_jnp_dtype)

@@ -12,22 +12,28 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax.model import lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use
 from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
-from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param
+from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param, param_spec
 
 
-def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu):
-    """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3)."""
-    h_BSF = act(x_BSD @ w_gate_DF) * (x_BSD @ w_up_DF)
-    return h_BSF @ w_down_FD
+def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None):
+    """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3). ``adapters``: LoRA's ``{target: (A, B)}``
+    on gate, up, down (``lora.low_rank`` with ``lora_cfg`` and dropout's ``drop``)."""
+
+    def adapted(t, x):  # LoRA's term of target t's projection of x, 0 without an adapter there
+        return lora.low_rank(x, adapters[t], t, lora_cfg, drop) if adapters and t in adapters else 0
+
+    h_BSF = act(x_BSD @ w_gate_DF + adapted("gate", x_BSD)) * (x_BSD @ w_up_DF + adapted("up", x_BSD))
+    return h_BSF @ w_down_FD + adapted("down", h_BSF)
 
 
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
                  norm: tuple[jax.Array, float] | None = None, post_norm: jax.Array | None = None,
-                 activation=jax.nn.silu):
+                 activation=jax.nn.silu, adapters=None, lora_cfg=None, drop=None):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
@@ -40,31 +46,55 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     neither the normed input nor its gradient exists for the whole local sequence. ``post_norm`` (a scale at rest, with
     ``norm``; Gemma 3): ``x + rms_norm(swiglu(rms_norm(x)), post_norm)`` per chunk, the MLP's output normed before the
     residual add as in the plain block.
+
+    ``adapters`` (LoRA, ``lora_cfg``): ``{target: (A, B)}`` at rest; then only they are differentiated (the weights and
+    norm scales are the frozen base), and ``drop`` (``(key, token ids [B, S])``) is LoRA's dropout while training.
     """
     if post_norm is not None and norm is None:
         raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
     wa = fsdp_axes(over_data)
     act = P((DATA, FSDP), SEQ, None)
+    base = dict(g=w_gate_DF, u=w_up_DF, d=w_down_FD, norm=None if norm is None else norm[0], post=post_norm)
+    base = {k: v for k, v in base.items() if v is not None}
+    base_specs = dict(g=P(wa, None), u=P(wa, None), d=P(None, wa), norm=P(wa), post=P(wa))
+    lora_mode = adapters is not None
+    adapters = adapters or {}
+    # an adapter matrix at rest is split over the FSDP axes on its embed dimension, if it has one
+    ad_specs = {t: (_rest_spec(t, "a", over_data), _rest_spec(t, "b", over_data)) for t in adapters}
+    key, ids = drop if drop is not None and lora_cfg is not None and lora_cfg.dropout else (None, None)
 
-    scales = ([norm[0]] if norm else []) + ([post_norm] if post_norm is not None else [])  # at rest
+    def gather(w, spec):
+        axes = [i for i, e in enumerate(spec) if e is not None]
+        return gather_param(w, axes[0], over_data=over_data) if axes else w
 
-    def sublayer(xc, ws):  # one chunk: x + [post_norm](mlp(norm(x)))
-        y = swiglu(rms_norm(xc, ws[3], norm[1]), *ws[:3], act=activation)
-        return xc + (rms_norm(y, ws[4], norm[1]) if post_norm is not None else y)
+    def sublayer(xc, ad, ws, ids_c):  # one chunk: [x +] [post_norm](mlp([norm](x)))
+        d = None if ids_c is None else (ws["key"], ids_c)
+        h = rms_norm(xc, ws["norm"], norm[1]) if norm else xc
+        y = swiglu(h, ws["g"], ws["u"], ws["d"], act=activation, adapters=ad, lora_cfg=lora_cfg, drop=d)
+        if not norm:
+            return y
+        return xc + (rms_norm(y, ws["post"], norm[1]) if post_norm is not None else y)
 
-    def local(x_bsD, wg, wu, wd, *scale):
-        wg, wu = (gather_param(w, 0, over_data=over_data) for w in (wg, wu))
-        wd = gather_param(wd, 1, over_data=over_data)
+    def local(x_bsD, ids_bs, key, base, adapters):
+        base = {k: gather(w, base_specs[k]) for k, w in base.items()}
+        adapters = {t: tuple(gather(m, sp) for m, sp in zip(pair, ad_specs[t])) for t, pair in adapters.items()}
         n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
-        if scale:
-            gs = tuple(gather_param(g, 0, over_data=over_data) for g in scale)
-            return chunk_map(sublayer, n, x_bsD, (wg, wu, wd, *gs))
-        return chunk_map(lambda xc, ws: swiglu(xc, *ws, act=activation), n, x_bsD, (wg, wu, wd))
+        if lora_mode:  # only the adapters train: the base rides along as frozen, no gradient formed for it
+            return chunk_map(sublayer, n, x_bsD, adapters, {**base, "key": key}, ids_bs)
+        return chunk_map(lambda xc, ws: sublayer(xc, None, ws, None), n, x_bsD, base)
 
-    specs = (act, P(wa, None), P(wa, None), P(None, wa), *[P(wa)] * len(scales))
+    specs = (act, None if ids is None else P((DATA, FSDP), SEQ), None if key is None else P(),
+             {k: base_specs[k] for k in base}, ad_specs)
     # chunk_map's backward carries no varying-manual-axes types
     fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
-    return fn(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *scales)
+    return fn(x_BSD, ids, key, base, adapters)
+
+
+def _rest_spec(target: str, side: str, over_data: bool) -> P:
+    """The at-rest spec of an MLP adapter matrix, as ``lora.Adapters`` makes it: ``A`` takes the weight's input axis,
+    ``B`` its output axis (gate/up ``[D, F]``, down ``[F, D]``), the rank axis whole."""
+    w_names = ("mlp", "embed") if target == "down" else ("embed", "mlp")
+    return param_spec((w_names[0], None) if side == "a" else (None, w_names[1]), over_data=over_data)
 
 
 class MLP(nnx.Module):
@@ -75,21 +105,30 @@ class MLP(nnx.Module):
         self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
         self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
 
-    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None):
+    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None, adapters=None, drop=None):
         """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
-        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``."""
+        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``. ``adapters``: LoRA's at rest (``lora.pairs``)."""
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
         ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
         post = None if post_norm is None else norm_scale(post_norm.scale.get_value(), cfg)
         return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
                             over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
-                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post)
+                            norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post,
+                            **self._lora(adapters, drop))
 
-    def __call__(self, x_BSD):
+    def _lora(self, adapters, drop) -> dict:
+        """``tiled_swiglu``'s LoRA arguments: none without LoRA (every weight trains)."""
+        if self.cfg.lora is None:
+            return {}
+        return dict(adapters=adapters or {}, lora_cfg=self.cfg.lora, drop=drop)
+
+    def __call__(self, x_BSD, adapters=None, drop=None):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         if cfg.mlp_chunk:
             ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
             return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
-                                over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg))
+                                over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
+                                **self._lora(adapters, drop))
         ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
-        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg)), mesh, ("batch", "seq", "embed"))
+        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop),
+                         mesh, ("batch", "seq", "embed"))

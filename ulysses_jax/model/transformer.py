@@ -99,13 +99,18 @@ class Attention(nnx.Module):
         if cfg.attn_sinks:  # gpt-oss: a sink logit per head (zeros: exp(0) joins each row's softmax denominator)
             self.sinks_N = make("attn.sinks", (n,), ("heads",), init="zeros")
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0):
-        """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one)."""
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0, adapters=None, drop=None):
+        """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one).
+        ``adapters``: LoRA's ``{target: (A, B)}`` (``lora.pairs``), ``drop`` its dropout's ``(key, token ids)``."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         window = cfg.window_kinds[kind]
-        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt))
-        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt))
-        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt))
+
+        def adapted(t, x):  # LoRA's term of target t's projection of x, 0 without an adapter there
+            return lora.low_rank(x, adapters[t], t, cfg.lora, drop) if adapters and t in adapters else 0
+
+        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt)) + adapted("q", x_BSD)
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt)) + adapted("k", x_BSD)
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt)) + adapted("v", x_BSD)
         if cfg.qkv_bias:
             q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
             k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
@@ -123,7 +128,7 @@ class Attention(nnx.Module):
             scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
             sinks=use(self.sinks_N, mesh, jnp.float32) if cfg.attn_sinks else None,
         )
-        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt))
+        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt)) + adapted("o", o_BSNH)
         if cfg.o_bias:
             out_BSD = out_BSD + use(self.bo_D, mesh, dt)
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
@@ -161,15 +166,16 @@ class Block(nnx.Module):
         if make.cfg.lora is not None:  # LoRA adapters on the projections (model/lora.py)
             lora.attach(self, make.cfg, make.mesh, make.rngs)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None, drop=None):
         """``(x, router sums)``: the layer's output and, with experts, its ``(assigned [E], prob sums [E], tokens)``
         (``moe.py``; ``()`` without experts). ``kind``: this layer's index into ``cfg.window_kinds`` (traced under the
         layer scan): a ``lax.switch`` runs the attention sublayer of that kind; ``None`` with a single kind.
         ``sparse``: whether this layer's MLP is the experts (traced; needed when the model mixes dense and sparse
-        layers); ``valid_BS``: the tokens the router statistics count."""
+        layers); ``valid_BS``: the tokens the router statistics count; ``drop``: LoRA dropout's ``(key, token ids)``
+        while training (``lora.low_rank``)."""
         cfg = self.attn.cfg
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
-        branches = [functools.partial(self._attention, kind=i) for i in range(len(cfg.window_kinds))]
+        branches = [functools.partial(self._attention, kind=i, drop=drop) for i in range(len(cfg.window_kinds))]
         if len(branches) == 1:
             h_BSD = branches[0](x_BSD, positions_BS, segment_ids_BS)
         elif kind is None:
@@ -178,7 +184,7 @@ class Block(nnx.Module):
             h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
         if not cfg.num_experts:
-            return self._dense(h_BSD), ()
+            return self._dense(h_BSD, drop), ()
         if valid_BS is None:
             valid_BS = jnp.ones(h_BSD.shape[:2], bool)
 
@@ -193,27 +199,28 @@ class Block(nnx.Module):
                              f"layer's sparse flag")
         e = cfg.num_experts
         nothing = (jnp.zeros(e, jnp.float32), jnp.zeros(e, jnp.float32), jnp.zeros((), jnp.float32))
-        return jax.lax.cond(sparse, experts, lambda h: (self._dense(h), nothing), h_BSD)
+        return jax.lax.cond(sparse, experts, lambda h: (self._dense(h, drop), nothing), h_BSD)
 
-    def _dense(self, h_BSD):
+    def _dense(self, h_BSD, drop=None):
         """``h + mlp(norm(h))`` (with ``post_norms``: ``h + post_norm(mlp(norm(h)))``), tiled with ``mlp_chunk``."""
         cfg = self.attn.cfg
         if cfg.mlp_chunk:  # the norms and the residual inside the chunks too
             post = self.post_mlp_norm if cfg.post_norms else None
-            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post), self.mesh, ("batch", "seq", "embed"))
-        y_BSD = self.mlp(self.mlp_norm(h_BSD))
+            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post, lora.pairs(self, "mlp", True), drop),
+                             self.mesh, ("batch", "seq", "embed"))
+        y_BSD = self.mlp(self.mlp_norm(h_BSD), lora.pairs(self, "mlp"), drop)
         if cfg.post_norms:
             y_BSD = self.post_mlp_norm(y_BSD)
         return constrain(h_BSD + y_BSD, self.mesh, ("batch", "seq", "embed"))
 
-    def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int):
+    def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int, drop=None):
         """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``."""
         cfg = self.attn.cfg
         if cfg.attn_chunk:
             return tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(), cfg=cfg,
                                    mesh=self.mesh, chunk=cfg.attn_chunk, head_chunk=cfg.attn_head_chunk,
                                    recompute=cfg.attn_recompute, kind=kind)
-        y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind)
+        y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind, lora.pairs(self, "attn"), drop)
         return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
 
     def attention_params(self) -> dict:
@@ -319,9 +326,11 @@ class Transformer(nnx.Module):
         return self.hidden_and_router(tokens, positions, segment_ids, permuted=permuted)[0]
 
     def hidden_and_router(self, tokens: jax.Array, positions: jax.Array | None = None,
-                          segment_ids: jax.Array | None = None, *, permuted: bool = False):
+                          segment_ids: jax.Array | None = None, *, permuted: bool = False,
+                          dropout_key: jax.Array | None = None):
         """``(hidden_states(...), RouterStats)`` of the sparse layers (``None`` without experts); the router counts
-        the tokens whose segment id is not 0 (0 is padding in the data pipeline), every token without segment ids."""
+        the tokens whose segment id is not 0 (0 is padding in the data pipeline), every token without segment ids.
+        ``dropout_key``: a training step's key for LoRA's dropout (``LoraConfig.dropout``); ``None``: no dropout."""
         cfg, mesh = self.config, self.mesh
         tokens_BS, positions_BS, segment_ids_BS = tokens, positions, segment_ids
         if tokens_BS.ndim != 2:
@@ -350,17 +359,23 @@ class Transformer(nnx.Module):
         graphdef, blocks = nnx.split(self.blocks)
         # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
         sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
-        stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L))
+        stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L),
+                   jnp.arange(cfg.num_layers, dtype=jnp.int32))
         valid_BS = None if segment_ids_BS is None else segment_ids_BS != 0
+        ids_BS = None
+        if dropout_key is not None and cfg.lora is not None and cfg.lora.dropout:  # each token's mask: its index
+            ids_BS = lora.token_ids(tokens_BS.shape)
+            ids_BS = constrain(ids_BS if perm is None else ids_BS[:, perm], mesh, ("batch", "seq"))
 
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
-            layer_state, kind, sparse = layer_state
+            layer_state, kind, sparse, index = layer_state
+            drop = None if ids_BS is None else (jax.random.fold_in(dropout_key, index), ids_BS)
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
             if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
                 layer_state = host_offload.stream_in(layer_state)
-            block = lora.merged(nnx.merge(graphdef, layer_state))  # with adapters: W + scale A B per target
-            return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS)
+            block = lora.merged(nnx.merge(graphdef, layer_state))  # tiled attention: its targets merged
+            return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":

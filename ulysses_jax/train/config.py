@@ -83,7 +83,7 @@ class TrainConfig:
     lora_targets: str | None = None
     """with --lora-rank: the projections with adapters, comma-separated, of q,k,v,o,gate,up,down (or peft's q_proj, ...,
     down_proj); None: all seven (q,k,v,o on a mixture of experts)"""
-    lora_dropout: float = 0.0  # with --lora-rank: only 0 (the adapters are merged into their weights per layer)
+    lora_dropout: float = 0.0  # with --lora-rank: dropout on the adapters' inputs while training (e.g. 0.05)
     optim: OptimConfig = OptimConfig()
     data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
     data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files

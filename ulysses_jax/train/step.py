@@ -265,13 +265,13 @@ def state_shardings(state: Any) -> Any:
     return jax.tree.map(lambda x: x.sharding, state)
 
 
-def _loss_sums(graphdef, params, batch):
+def _loss_sums(graphdef, params, batch, dropout_key=None):
     """``(objective, sums)``: the sum of token losses (with experts plus ``coef x aux x count``, so that divided by the
     step's token count it is the mean loss plus ``coef x`` the token-weighted mean of the micro-batches' load-balancing
     losses) and the sums the metrics read: ``count``, the language-model ``lm_sum``, ``aux_sum`` (aux x count) and
-    ``load`` (assignments per expert; empty without experts)."""
+    ``load`` (assignments per expert; empty without experts). ``dropout_key``: LoRA dropout's, while training."""
     model = nnx.merge(graphdef, params)
-    out = next_token_loss(model, batch)
+    out = next_token_loss(model, batch, dropout_key=dropout_key)
     if out.aux_loss is None:
         return out.sum, {**zero_sums(0), "count": out.count, "lm_sum": out.sum}
     aux_sum = out.aux_loss * out.count.astype(jnp.float32)
@@ -300,22 +300,23 @@ def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh, num_experts:
     """``((objective, sums), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in micro-batch
     ``i % grad_accum``), the objectives, the sums (``_loss_sums``) and the gradients added, the gradients in float32
     whatever the parameters' dtype (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``:
-    ``((objective, sums), gradients)``."""
+    ``((objective, sums), gradients)``, ``grad_fn(params, micro, i)`` for micro-batch ``i``."""
     micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
         x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, micro_sharding)
 
-    def body(carry, micro):
+    def body(carry, xs):
         g_acc, s_acc = carry
-        out, g = grad_fn(params, micro)
+        micro, index = xs
+        out, g = grad_fn(params, micro, index)
         return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g),
                 jax.tree.map(lambda a, x: a + x, s_acc, out)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     init = (zeros, (jnp.zeros((), jnp.float32), zero_sums(num_experts)))
-    (grads, out), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+    (grads, out), _ = jax.lax.scan(body, init, (jax.tree.map(split, batch), jnp.arange(grad_accum)))
     return out, grads
 
 
@@ -323,7 +324,8 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
-    grad_of = jax.value_and_grad(lambda p, frozen, b: _loss_sums(graphdef, lora.join(p, frozen), b), has_aux=True)
+    grad_of = jax.value_and_grad(lambda p, frozen, b, key: _loss_sums(graphdef, lora.join(p, frozen), b, key),
+                                 has_aux=True)
 
     def step(state, batch):
         # with LoRA adapters only they are differentiated and updated; the frozen rest passes through unchanged
@@ -331,7 +333,12 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
         model_cfg = nnx.merge(graphdef, state["params"]).config
         host_params = model_cfg.offload_params
         check_offload_params(host_params, tx, grad_accum)
-        grad_fn = lambda p, b: grad_of(p, frozen, b)  # noqa: E731
+        # LoRA's dropout: a key per step (and micro-batch) from the state's seed; None when nothing drops
+        key = None
+        if model_cfg.lora is not None and model_cfg.lora.dropout:
+            key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        grad_fn = lambda p, b, i=0: grad_of(  # noqa: E731
+            p, frozen, b, None if key is None else jax.random.fold_in(key, i))
         if grad_accum == 1:
             (_, sums), grads = grad_fn(params, batch)
         else:
