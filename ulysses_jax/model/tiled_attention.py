@@ -177,11 +177,22 @@ def _buffer(b, sp, n, c, like, anchor):
     return _row_major(fresh((b, sp, n, c, like.shape[2] // sp, like.shape[3]), like.dtype, anchor))
 
 
+def _tied(x, pos, w):
+    """``x`` and ``pos`` (the whole sequence) tied to a group's weights ``w`` by an optimisation barrier (no copy).
+    Each chunk's norm and RoPE tables, even its slice of ``x``, do not depend on the group; left free, XLA hoists
+    the chunk loop's group-independent part out of the loop over head groups as a loop of its own that stacks every
+    chunk's result: a whole ``[b, s, D]`` copy of the (normed) input and two float32 ``[s, H/2]`` tables, live
+    through every group (the H100 buffer assignment, Llama-3.1-8B LoRA at 1.1M tokens: 8.4 GiB)."""
+    x, pos, _ = jax.lax.optimization_barrier((x, pos, w))
+    return x, pos
+
+
 def fill_in(project, n: int, sp: int, x, pos, w):
     """``x [b, s, D]`` -> ``q [b, S, size, H], k, v [b, S, kv, H]``: ``project`` and the sequence -> heads
     all-to-alls chunk by chunk, written into whole-sequence buffers."""
     b, s, _ = x.shape
     c = s // n
+    x, pos = _tied(x, pos, w)
     shapes = jax.eval_shape(project, chunk(x, 0, c), chunk(pos, 0, c), w)
     bufs = tuple(_buffer(b, sp, n, c, t, x) for t in shapes)
 
@@ -197,6 +208,7 @@ def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
     through ``project``'s backward; returns ``dx`` plus the input's gradient, and ``w``'s gradient in float32."""
     b, s, _ = x.shape
     c = s // n
+    x, pos = _tied(x, pos, w)
     cts = [ct.reshape(b, sp, n, c, *ct.shape[2:]) for ct in cts]
 
     def body(i, carry):
