@@ -353,9 +353,39 @@ def _sublayer(spec: _Spec, x, pos, seg, w):
     return _sublayer_fwd(spec, x, pos, seg, w)[0]
 
 
+def add_out(n: int, sp: int, o, acc, wo):
+    """``acc [b, s, D]`` plus one group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's
+    output, whole sequence), ``wo [sp * size, H, D]`` (the group's output weights, slot order, dummy heads zero): per
+    chunk the heads -> sequence all-to-all of ``o`` and ``o @ wo``, added onto ``acc`` in place."""
+    b, s, _ = acc.shape
+    c = s // n
+    o6 = o.reshape(b, sp, n, c, *o.shape[2:])
+
+    def body(i, acc):
+        y = jnp.einsum("bsnh,nhd->bsd", heads_to_seq(_exchanged(o6, i), SP), wo, preferred_element_type=_F32)
+        return put(acc, chunk(acc, i, c).astype(_F32) + y, i, c)
+
+    return jax.lax.fori_loop(0, n, body, acc)
+
+
 def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
     groups, sp, n = spec.groups, spec.sp, spec.n
     b, s, _ = x.shape
+    if spec.recompute and "post_norm" not in w and groups.count > 1:
+        # no output kept: each group's output projection is added up as the group finishes, so that no [b, S, hq, H]
+        # buffer of every head's output exists (one [b, s, D] buffer less at the forward's peak); the sum is kept in
+        # the compute dtype (as the input's gradient over groups in the backward), then added to the residual
+        def group_acc(t, acc):
+            wg = group_weights(w, groups, t)
+            q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+            o_t, _ = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
+            return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"])
+
+        acc = _over_groups(groups.count, group_acc, fresh(x.shape, w["wo"].dtype, x) * 0)
+        c = s // n
+        y = jax.lax.fori_loop(0, n, lambda i, y: put(y, chunk(x, i, c) + chunk(y, i, c).astype(x.dtype), i, c),
+                              acc.astype(x.dtype))
+        return y, (x, pos, seg, w, None, None)
     o = _row_major(fresh((b, sp * s, groups.layout.heads_per_device, spec.cfg.head_dim), w["wo"].dtype, x))
     keep_lse = spec.impl != "cudnn" and not spec.recompute
     lse = fresh((groups.count, b, groups.size, sp * s), _F32, x) if keep_lse else None
