@@ -320,6 +320,17 @@ def test_remat_every_second_layer_same_gradients(policy, seed):
                 plain)
 
 
+def test_remat_nested_same_gradients(seed):
+    """remat_nested: a group's backward offloads its layers' inputs too: same loss and gradients."""
+    cfg = dataclasses.replace(VARIANTS["gqa-llama3"](), num_layers=4)
+    batch = packed_batch(seed)
+    plain = run_model(build(cfg, "fsdp2xsp4", seed), batch)
+    nested = dataclasses.replace(cfg, remat="offload", remat_every=2, remat_nested=True)
+    assert_same(run_model(build(nested, "fsdp2xsp4", seed), batch), plain)
+    with pytest.raises(ValueError, match="remat_nested .* needs remat='offload'"):
+        dataclasses.replace(cfg, remat="full", remat_every=2, remat_nested=True)
+
+
 def saved_residuals(cfg, seed) -> list[str]:
     """Type and shape (``f32<host>[L,B,S,D]``) of each residual the loss's backward saves, on sp=2."""
     graphdef, state = nnx.split(build(cfg, "sp2", seed))

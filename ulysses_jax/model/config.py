@@ -146,6 +146,9 @@ class ModelConfig:
     attn_keep: bool = False
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
+    # with remat='offload' and remat_every > 1: a group's backward offloads its layers' inputs too (pinned host memory,
+    # one group's worth), instead of holding them on the device while it runs the group's layers backward
+    remat_nested: bool = False
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
     # Per-layer attention (model/layer_kinds.py): ``layer_pattern`` repeats over the layers ("global" / "local"); an
     # empty pattern is all "local" with a sliding_window, else all "global". Local layers see sliding_window tokens.
@@ -202,6 +205,9 @@ class ModelConfig:
             raise ValueError(f"attention_impl ({self.attention_impl!r}) must be a non-empty string such as 'xla'")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        if self.remat_nested and self.remat != "offload":
+            raise ValueError(f"remat_nested offloads the layer inputs inside a remat_every group: needs remat='offload', "
+                             f"not {self.remat!r}")
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")

@@ -379,7 +379,9 @@ class Transformer(nnx.Module):
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":
-            inner = remat_policy(cfg.remat, mesh, keep_attention=cfg.attn_keep) if every == 1 else (
+            # inside a group (every > 1) the layers' inputs stay on the device for the group's backward, or with
+            # remat_nested go to pinned host memory as with every == 1 (the group's input is offloaded anyway)
+            inner = remat_policy(cfg.remat, mesh, keep_attention=cfg.attn_keep) if every == 1 or cfg.remat_nested else (
                 remat_policy("full", mesh, keep_attention=True) if cfg.attn_keep else None)
             layer = jax.checkpoint(layer, policy=inner, prevent_cse=False)
 

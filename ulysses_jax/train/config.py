@@ -43,6 +43,9 @@ class TrainConfig:
     attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
     remat: Remat | None = None  # rematerialisation per layer; None: the preset's
     remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
+    remat_nested: bool = False
+    """with --remat offload --remat-every k: a group's backward offloads its k layer inputs to pinned host memory too
+    (one group's worth more host memory; k-1 [seq/sp, hidden] device buffers less at the peak)"""
     loss_chunk: int | None = None  # tiled loss chunk in tokens (0: off; None: the preset's)
     mlp_chunk: int | None = None  # tiled MLP chunk in tokens (0: off; None: the preset's)
     attn_chunk: int | None = None
@@ -149,8 +152,8 @@ PRESET_AND_HF = ("--preset and --init-from-hf exclude each other (the model is t
 def compute_settings(cfg: TrainConfig) -> dict:
     """The ``ModelConfig`` fields the flags set: None (not set by any flag, here or in the run) keeps the model's own
     value; a switch (``--attn-recompute``, ``--offload-params``) is always on or off, whatever the model says."""
-    return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, loss_chunk=cfg.loss_chunk,
-                mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+    return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, remat_nested=cfg.remat_nested,
+                loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl)
 
