@@ -14,10 +14,10 @@ from ulysses_jax.train.devices import MeshConfig
 # schedule, the mesh, the batch) and the memory pool it was planned in; the others (data, run, logging, process)
 # do not change the program.
 PROGRAM_FIELDS = ("init_from_hf", "preset", "tokenizer", "steps", "seq_len", "batch_size", "grad_accum", "mesh",
-                  "attention", "remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
-                  "attn_recompute", "attn_keep", "attn_max_documents", "param_dtype", "offload_params", "optim",
-                  "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank", "lora_alpha", "lora_targets",
-                  "lora_dropout")
+                  "attention", "remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk",
+                  "attn_head_chunk", "attn_recompute", "attn_keep", "attn_max_documents", "param_dtype",
+                  "offload_params", "optim", "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank",
+                  "lora_alpha", "lora_targets", "lora_dropout")
 ALWAYS = ("preset", "seq_len", "batch_size", "mesh", "memory_fraction")  # written even when they are the defaults
 
 

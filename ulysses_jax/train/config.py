@@ -152,8 +152,9 @@ PRESET_AND_HF = ("--preset and --init-from-hf exclude each other (the model is t
 def compute_settings(cfg: TrainConfig) -> dict:
     """The ``ModelConfig`` fields the flags set: None (not set by any flag, here or in the run) keeps the model's own
     value; a switch (``--attn-recompute``, ``--offload-params``) is always on or off, whatever the model says."""
-    return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every, remat_nested=cfg.remat_nested,
-                loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk, attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+    return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every,
+                remat_nested=cfg.remat_nested, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
+                attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl)
 
