@@ -190,7 +190,10 @@ def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
             assert all(local is None or local % c == 0 for c in chunks), (flags, local)
         else:
             assert tile is None and "attn-chunk" in flags and f"divides each device's {local:,} tokens" in skip
-    assert sum(skip is None for *_, skip in choices) == (6 if tile is None else 8)  # 2 of them --attn-keep
+    assert sum(skip is None for *_, skip in choices) == (6 if tile is None else 9)  # 2 of them --attn-keep
+    nested = [c for f, c, _ in choices if "--remat-nested" in f]  # 32 layers: groups of 4, every input offloaded
+    assert len(nested) == 1 and nested[0]["remat_every"] == 4 and nested[0]["attn_recompute"]
+    assert sum(c["remat_nested"] for _, c, _ in choices) == 1  # the others say they do not nest
 
 
 def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():

@@ -374,7 +374,8 @@ def compile_only_notes(cfg: PlanConfig, model, workspace: int = 0, seq_len: int 
 def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: int, batch_size: int,
                         optimizer_bytes: int, layer_param_bytes: int = 0) -> int:
     """Bytes one device moves over PCIe per step (both ways): the optimizer state in and out (``--optim.offload``),
-    the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers), and with
+    the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers, and with
+    ``--remat-nested`` every layer's again in its group's backward), and with
     ``--offload-params`` the stacked layers' parameters in for the forward (and again for the recomputation under
     remat), their gradients out, in twice for the update (norm, then update) and the new parameters out."""
     total = 2 * optimizer_bytes if cfg.optim.offload else 0
@@ -383,5 +384,7 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
     if model.remat == "offload":
         local_tokens = (batch_size // (mesh["data"] * mesh["fsdp"])) * (seq_len // (mesh.get("ring", 1) * mesh["sp"]))
         saved = model.num_layers // model.remat_every
+        if model.remat_nested and model.remat_every > 1:  # a group's backward offloads its layers' inputs too
+            saved += model.num_layers
         total += 2 * saved * local_tokens * model.hidden * model.compute_jnp_dtype.itemsize
     return total

@@ -181,7 +181,12 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
             # attention output there (refused with post_norms: the post-attention norm's backward reads it)
             choices.append((f"--remat offload --remat-every 2 {host_flags} {tiled} --attn-recompute{tile_flags}",
                             dict(remat="offload", remat_every=2, attn_recompute=True, **host, **attn), tiled_skip))
-    return [(" ".join(flags.split()), changes, skip) for flags, changes, skip in choices]
+        if k > 1 and not post_norms:  # every layer's input in host memory, a group's too: L/k + L offloads
+            choices.append((f"--remat offload --remat-every {k} --remat-nested {host_flags} {tiled} --attn-recompute"
+                            f"{tile_flags}", dict(remat="offload", remat_every=k, remat_nested=True,
+                                                  attn_recompute=True, **host, **attn), tiled_skip))
+    # each set says whether it nests (a --remat-nested given with --memory auto does not leak into the others)
+    return [(" ".join(flags.split()), {"remat_nested": False, **changes}, skip) for flags, changes, skip in choices]
 
 
 def _summary(flags: str, p: Plan | None, *, length: int | None, note: str = "") -> dict:
