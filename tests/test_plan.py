@@ -319,6 +319,22 @@ def test_head_groups_shrink_the_kernels_buffers(tmp_path):
     assert temps[0] > temps[4] > temps[1] and temps[0] - temps[1] > q_bytes, temps
 
 
+def test_remat_nested_moves_a_groups_layer_inputs_to_host_memory():
+    """--remat offload --remat-every 2 --remat-nested on one compile-only H100: a group's backward sends its layers'
+    inputs to pinned host memory instead of holding them on the device: host memory grows by about one layer input,
+    the device's temporaries shrink by about as much."""
+    seq = 32768
+    layer_input = seq * WIDE["hidden"] * 2  # bf16 [1, S, D]: 64 MiB
+    figures = {}
+    for nested in (False, True):
+        cfg = ModelConfig(**WIDE, remat="offload", remat_every=2, remat_nested=nested)
+        mem = _step_memory(cfg, seq=seq)[0]
+        figures[nested] = (mem.temp_size_in_bytes, mem.host_temp_size_in_bytes)
+    (temp, host), (temp_nested, host_nested) = figures[False], figures[True]
+    assert host_nested - host >= layer_input // 2, figures
+    assert temp - temp_nested >= layer_input // 2, figures
+
+
 TRAIN_ARGS_CASES = {
     "plain": dict(),
     "host optimizer": dict(remat="offload", param_dtype="bfloat16", optim=OptimConfig(master_weights=True,
