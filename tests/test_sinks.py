@@ -207,7 +207,8 @@ def test_tiled_attention_head_groups_with_sinks(impl, heads, sp, head_chunk, rec
         return step.lower(x, params).compile(FAST_COMPILE)(x, params)
 
     (want, want_g), (got, got_g) = run(plain), run(tiled)
-    assert rel_err(got, want) < TOL
+    # the value is a sum of b*s*d signed terms that cancel: its error is relative to the terms' size, not to the sum
+    assert abs(float(got) - float(want)) < TOL * float(jnp.sum(jnp.abs(plain(x, params) * ct)))
     for name in ["x", *params]:
         g, w = (got_g[0], want_g[0]) if name == "x" else (got_g[1][name], want_g[1][name])
         assert rel_err(g, w) < TOL, (name, rel_err(g, w))
