@@ -292,3 +292,14 @@ def test_cudnn_fused_attention_compiles_forward_and_backward(h100, tmp_path):
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower().compile()
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', compiled.as_text())
     assert len(calls) == 2 and any("Backward" in c for c in calls), calls
+
+
+def test_dk_and_dv_are_written_into_k_and_v(h100):
+    """The dK/dV kernel writes its gradients into K's and V's buffers (input_output_aliases), after the dQ kernel,
+    which reads K and V whole: in the compiled H100 program its call aliases both outputs to operands 1 and 2."""
+    q, k, v, seg = _structs(h100, s=4096, h=8, hkv=2, d=128, dtype=jnp.bfloat16, segments=False)
+    with jax.default_device(h100):
+        text = _grad_fn().trace(q, k, v, seg).lower().compile().as_text()
+    calls = [line for line in text.splitlines() if "custom-call(" in line and "flash_attention_dkv" in line]
+    assert len(calls) == 1, calls
+    assert "output_to_operand_aliasing={{0}: (1, {}), {1}: (2, {})}" in calls[0], calls[0][:400]

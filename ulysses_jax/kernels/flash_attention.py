@@ -307,8 +307,12 @@ def _flash_bwd(cfg: Config, res, do):
     q, k, v, seg, sinks, out, lse = res
     # delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij: [B, S, H] -> [B, H, S], float32
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    dk, dv = backward_dkv(q, k, v, seg, do, lse, delta, cfg)
     dq = backward_dq(q, k, v, seg, do, lse, delta, cfg)
+    # dK and dV are written into K's and V's buffers (``backward_dkv``); the dQ kernel reads K and V whole, so it runs
+    # first: the barrier makes the K and V the dKV kernel takes depend on dQ. Two whole-sequence buffers fewer at the
+    # backward's peak (at the longest contexts, a tiled head group's K and V: 4 GiB each for 16M tokens on 8 GPUs)
+    k, v, _ = lax.optimization_barrier((k, v, dq))
+    dk, dv = backward_dkv(q, k, v, seg, do, lse, delta, cfg)
     dsinks = None if sinks is None else sink_grad(sinks, lse * math.log(2.0), delta)  # L is base 2
     return dq, dk, dv, None if seg is None else (None, None), dsinks
 
@@ -359,6 +363,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, do_ref, lse_ref, delt
 
 
 def backward_dkv(q, k, v, seg, do, lse, delta, cfg: Config):
+    """``(dK, dV)``, in place of ``K`` and ``V`` where their dtypes agree: program ``j`` reads K's and V's block ``j``
+    before it writes their gradients there, and no other program reads that block (XLA copies K and V first where
+    the caller still reads them afterwards)."""
     b, s, hkv, d = k.shape
     bk, g = cfg.blocks.block_k_dkv, cfg.group
     q_heads = pl.BlockSpec((None, s, g, d), lambda j, bi, hi: (bi, 0, hi, 0))
@@ -372,6 +379,7 @@ def backward_dkv(q, k, v, seg, do, lse, delta, cfg: Config):
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, cfg.out_dtype(k.dtype)),
                    jax.ShapeDtypeStruct(v.shape, cfg.out_dtype(v.dtype))],
+        input_output_aliases={1: 0, 2: 1} if cfg.out_dtype(k.dtype) == k.dtype == v.dtype else {},
         compiler_params=_compiler_params(cfg, 1, d),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
