@@ -84,7 +84,8 @@ def _loss_and_grads(cfg, mesh, batch, key=None, b_scale=0.05):
     return float(value), [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-@pytest.mark.parametrize("tools", [{}, dict(remat="full", mlp_chunk=4)], ids=["plain", "remat-tiled-mlp"])
+@pytest.mark.parametrize("tools", [pytest.param({}, marks=pytest.mark.slow), dict(remat="full", mlp_chunk=4)],
+                         ids=["plain", "remat-tiled-mlp"])
 def test_loss_and_gradients_are_those_of_the_merged_weights_written_out(tools):
     """The reference: the model without adapters whose targeted weights are W + scale A B, formed here in float64 and
     differentiated through; the adapters' terms beside the frozen products (lora.low_rank) must give its loss and
