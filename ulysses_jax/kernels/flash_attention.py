@@ -308,9 +308,7 @@ def _flash_bwd(cfg: Config, res, do):
     # delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij: [B, S, H] -> [B, H, S], float32
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     dq = backward_dq(q, k, v, seg, do, lse, delta, cfg)
-    # dK and dV are written into K's and V's buffers (``backward_dkv``); the dQ kernel reads K and V whole, so it runs
-    # first: the barrier makes the K and V the dKV kernel takes depend on dQ. Two whole-sequence buffers fewer at the
-    # backward's peak (at the longest contexts, a tiled head group's K and V: 4 GiB each for 16M tokens on 8 GPUs)
+    # dK, dV go into K's and V's buffers (backward_dkv) after the dQ kernel, which reads K and V whole (the barrier)
     k, v, _ = lax.optimization_barrier((k, v, dq))
     dk, dv = backward_dkv(q, k, v, seg, do, lse, delta, cfg)
     dsinks = None if sinks is None else sink_grad(sinks, lse * math.log(2.0), delta)  # L is base 2
