@@ -74,14 +74,13 @@ def _chunk(e, i, c):
 def _chunk_map(fn, n: int, x: jax.Array, w, frozen, extra) -> jax.Array:
     c = x.shape[1] // n
     out = jax.eval_shape(fn, chunk(x, 0, c), w, frozen, _chunk(extra, 0, c))
-    if out.shape[2:] == x.shape[2:] and out.dtype == x.dtype:
-        # in place: chunk i of x is read only by step i, just before step i overwrites it, so the output takes x's
-        # buffer where x is not read afterwards (a layer's forward whose input is not kept: one [b, s, D] buffer
-        # less); where x is kept, XLA copies it first, as much memory as a fresh buffer
-        return jax.lax.fori_loop(
-            0, n, lambda i, y: put(y, fn(chunk(y, i, c), w, frozen, _chunk(extra, i, c)), i, c), x)
-    y = fresh((*x.shape[:2], *out.shape[2:]), out.dtype, x)
-    return jax.lax.fori_loop(0, n, lambda i, y: put(y, fn(chunk(x, i, c), w, frozen, _chunk(extra, i, c)), i, c), y)
+    # in place where shapes allow: chunk i of x is read only by step i, just before step i overwrites it, so the output
+    # takes x's buffer where x is not read afterwards (a layer's forward whose input is not kept: one [b, s, D] buffer
+    # less); where x is kept, XLA copies it first, as much memory as a fresh buffer
+    in_place = out.shape[2:] == x.shape[2:] and out.dtype == x.dtype
+    y = x if in_place else fresh((*x.shape[:2], *out.shape[2:]), out.dtype, x)
+    return jax.lax.fori_loop(
+        0, n, lambda i, y: put(y, fn(chunk(y if in_place else x, i, c), w, frozen, _chunk(extra, i, c)), i, c), y)
 
 
 def _chunk_map_fwd(fn, n, x, w, frozen, extra):

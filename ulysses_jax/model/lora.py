@@ -173,10 +173,13 @@ def dropout(x: jax.Array, rate: float, key: jax.Array, ids: jax.Array) -> jax.Ar
     return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
-def low_rank(x: jax.Array, pair, target: str, lora: LoraConfig, drop=None) -> jax.Array:
-    """The adapter's term of a projection of ``x [b, s, in...]``: ``scale * dropout(x) A B`` ``[b, s, out...]`` in
-    ``x``'s dtype. ``drop``: ``(key, token ids [b, s])`` while training with ``lora.dropout``, else ``None``."""
-    a, b = pair
+def low_rank(x: jax.Array, adapters: dict | None, target: str, lora: LoraConfig | None, drop=None):
+    """The adapter's term of ``target``'s projection of ``x [b, s, in...]``: ``scale * dropout(x) A B``
+    ``[b, s, out...]`` in ``x``'s dtype, with ``(A, B) = adapters[target]``; 0 where ``adapters`` (``pairs``) has
+    none. ``drop``: ``(key, token ids [b, s])`` while training with ``lora.dropout``, else ``None``."""
+    if not adapters or target not in adapters:
+        return 0
+    a, b = adapters[target]
     n_in = WEIGHTS[target][2]
     if drop is not None and lora.dropout:
         key, ids = drop

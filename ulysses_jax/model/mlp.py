@@ -7,6 +7,8 @@ sequence inside ``shard_map`` (so chunking never moves activations between devic
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from flax import nnx
 from jax.sharding import Mesh
@@ -23,12 +25,9 @@ from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param, pa
 def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None):
     """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3). ``adapters``: LoRA's ``{target: (A, B)}``
     on gate, up, down (``lora.low_rank`` with ``lora_cfg`` and dropout's ``drop``)."""
-
-    def adapted(t, x):  # LoRA's term of target t's projection of x, 0 without an adapter there
-        return lora.low_rank(x, adapters[t], t, lora_cfg, drop) if adapters and t in adapters else 0
-
-    h_BSF = act(x_BSD @ w_gate_DF + adapted("gate", x_BSD)) * (x_BSD @ w_up_DF + adapted("up", x_BSD))
-    return h_BSF @ w_down_FD + adapted("down", h_BSF)
+    adapted = functools.partial(lora.low_rank, adapters=adapters, lora=lora_cfg, drop=drop)  # LoRA's terms, or 0
+    h_BSF = act(x_BSD @ w_gate_DF + adapted(x_BSD, target="gate")) * (x_BSD @ w_up_DF + adapted(x_BSD, target="up"))
+    return h_BSF @ w_down_FD + adapted(h_BSF, target="down")
 
 
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
@@ -61,7 +60,7 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     adapters = adapters or {}
     # an adapter matrix at rest is split over the FSDP axes on its embed dimension, if it has one
     ad_specs = {t: (_rest_spec(t, "a", over_data), _rest_spec(t, "b", over_data)) for t in adapters}
-    key, ids = drop if drop is not None and lora_cfg is not None and lora_cfg.dropout else (None, None)
+    key, ids = drop if drop is not None else (None, None)  # given only while training with dropout
 
     def gather(w, spec):
         axes = [i for i, e in enumerate(spec) if e is not None]

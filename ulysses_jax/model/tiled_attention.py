@@ -237,6 +237,7 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
             return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"])
 
         acc = _over_groups(groups.count, group_acc, fresh(x.shape, w["wo"].dtype, x) * 0)
+        # the residual added per chunk into the sum's buffer (a plain x + acc: 13 GiB more, 8B LoRA at 2.15M tokens)
         c = s // n
         y = jax.lax.fori_loop(0, n, lambda i, y: put(y, chunk(x, i, c) + chunk(y, i, c).astype(x.dtype), i, c),
                               acc.astype(x.dtype))

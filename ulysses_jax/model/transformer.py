@@ -104,13 +104,10 @@ class Attention(nnx.Module):
         ``adapters``: LoRA's ``{target: (A, B)}`` (``lora.pairs``), ``drop`` its dropout's ``(key, token ids)``."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         window = cfg.window_kinds[kind]
-
-        def adapted(t, x):  # LoRA's term of target t's projection of x, 0 without an adapter there
-            return lora.low_rank(x, adapters[t], t, cfg.lora, drop) if adapters and t in adapters else 0
-
-        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt)) + adapted("q", x_BSD)
-        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt)) + adapted("k", x_BSD)
-        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt)) + adapted("v", x_BSD)
+        adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
+        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt)) + adapted(x_BSD, target="q")
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt)) + adapted(x_BSD, target="k")
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt)) + adapted(x_BSD, target="v")
         if cfg.qkv_bias:
             q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
             k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
@@ -128,7 +125,7 @@ class Attention(nnx.Module):
             scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
             sinks=use(self.sinks_N, mesh, jnp.float32) if cfg.attn_sinks else None,
         )
-        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt)) + adapted("o", o_BSNH)
+        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt)) + adapted(o_BSNH, target="o")
         if cfg.o_bias:
             out_BSD = out_BSD + use(self.bo_D, mesh, dt)
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
