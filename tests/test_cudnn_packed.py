@@ -10,18 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ulysses_jax.data.pipeline import check_documents_per_row, documents_per_row
+from ulysses_jax.data.pipeline import check_documents_per_row
 from ulysses_jax.kernels.attention import attention, attention_mask, resolve_impl
 from ulysses_jax.kernels.cudnn_packed import (
+    around_packed,
     default_max_documents,
-    document_starts,
     packed_workspace_bytes,
-    padding,
     ragged_mask,
     resolve_max_documents,
     rows_not_described,
     segments_to_ragged,
 )
+from ulysses_jax.kernels.segments import document_starts, documents_per_row, padding, split_documents
 from ulysses_jax.model.config import ModelConfig
 
 
@@ -49,7 +49,7 @@ def test_ragged_offsets_stand_for_the_segment_mask(causal, seed):
         m = m or max(int(documents_per_row(np.asarray(seg)).max(initial=0)), 1)
         seqlen, offsets, count = segments_to_ragged(seg, m)
         zeros_row = ~np.asarray(seg).any(axis=1)  # a row of zeros is one document to cuDNN, as to the other kernels
-        np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)) + zeros_row)
+        np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)))  # the data path's count, the same
         real = np.asarray(seg != 0) | zeros_row[:, None]
         for window in (None, 3):
             want = np.asarray(attention_mask(s, causal=causal, segment_ids=seg, window=window))
@@ -84,10 +84,65 @@ def test_rows_beyond_the_bound_are_refused_before_the_step():
     with pytest.raises(ValueError, match=r"^a row holds 3 documents, more than --attn-max-documents 2 .*raise "
                                          r"--attn-max-documents .* or use --attention pallas$"):
         check_documents_per_row({"segment_ids": seg}, 2)
-    one = np.array([[0, 0, 1, 1]], np.int32)  # one document, but not at the row's start: M = 1 cannot say so
+    one = np.array([[0, 0, 1, 1]], np.int32)  # ids from 0: two documents to the data path and to cuDNN alike
     check_documents_per_row({"segment_ids": one}, 2)
-    with pytest.raises(ValueError, match=r"^a row's document starts after padding"):
+    with pytest.raises(ValueError, match=r"^a row holds 2 documents, more than --attn-max-documents 1 "):
         check_documents_per_row({"segment_ids": one}, 1)
+
+
+@pytest.mark.parametrize("row", [[0, 0, 1, 1, 2, 2, 0, 0], [1, 1, 0, 0, 2, 2, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0],
+                                 [3, 3, 3, 3, 3, 3, 3, 3], [1, 2, 3, 4, 5, 6, 7, 0]])
+def test_the_data_path_and_cudnn_count_documents_alike(row):
+    """Zeros before or between documents are documents to both (only the zeros after the last nonzero id are
+    padding): a bound equal to the data path's count describes the row (no NaN), one less is refused up front."""
+    seg = np.asarray([row], np.int32)
+    n = int(documents_per_row(seg)[0])
+    assert n == int(segments_to_ragged(jnp.asarray(seg), 8)[2][0])
+    for m in {1, n, 8}:
+        beyond = bool(rows_not_described(jnp.asarray(seg), m))
+        assert beyond == (n > m)
+        if beyond:
+            with pytest.raises(ValueError, match=f"^a row holds {n} documents, more than --attn-max-documents {m} "):
+                check_documents_per_row({"segment_ids": seg}, m)
+        else:
+            check_documents_per_row({"segment_ids": seg}, m)
+
+
+def test_one_id_for_two_runs_is_refused_everywhere():
+    """``[1, 1, 2, 2, 1, 1, 0, 0]``: the id-comparing kernels would join the two runs of 1 across the gap, cuDNN
+    would split them; neither is taken. attention() refuses concrete rows, the data path refuses the batch (with or
+    without a cuDNN bound), and inside a program cuDNN's packed path marks the row (its output turns NaN)."""
+    seg = np.asarray([[1, 1, 2, 2, 1, 1, 0, 0], [1, 1, 2, 2, 3, 3, 0, 0]], np.int32)
+    assert split_documents(seg).tolist() == [True, False]
+    want = r"^row 0 uses segment id 1 for separate runs of tokens \(starting at positions 0, 4\); a document's"
+    for limit in (None, 16):
+        with pytest.raises(ValueError, match=want):
+            check_documents_per_row({"segment_ids": seg}, limit)
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 2, 8)), jnp.float32)
+    for impl in ("xla", "blockwise"):
+        with pytest.raises(ValueError, match=want):
+            attention(q, q, q, segment_ids=jnp.asarray(seg), impl=impl)
+    attention(q, q, q, segment_ids=jnp.asarray(seg[1:2].repeat(2, 0)), impl="xla")  # contiguous documents pass
+    for m in (1, 3, 16):
+        assert bool(jax.jit(rows_not_described, static_argnums=1)(jnp.asarray(seg[:1]), m))
+        assert not bool(rows_not_described(jnp.asarray(seg[1:]), max(m, 3)))
+
+
+def test_rows_cudnn_cannot_describe_turn_the_output_nan():
+    """``around_packed`` (every cuDNN path's wrapper) with a stand-in kernel on the CPU: a row within the bound gives
+    the kernel's output with padding zeroed; a row beyond it, or with one id for two runs, makes the output NaN."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 2, 8)), jnp.float32) for _ in range(3))
+
+    def call(q, k, v):
+        return attention(q, k, v, impl="xla")
+
+    fine = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0]], jnp.int32)
+    out = around_packed(call, q, k, v, fine, 3)
+    assert bool(jnp.all(jnp.isfinite(out))) and bool(jnp.all(out[:, 6:] == 0))
+    assert bool(jnp.all(jnp.isnan(around_packed(call, q, k, v, fine, 2))))
+    split = jnp.asarray([[1, 1, 2, 2, 1, 1, 0, 0]], jnp.int32)
+    assert bool(jnp.all(jnp.isnan(jax.jit(lambda q, k, v, s: around_packed(call, q, k, v, s, 4))(q, k, v, split))))
 
 
 def test_attn_max_documents_is_checked():
@@ -195,3 +250,18 @@ def test_eval_raises_the_bound_to_what_its_rows_hold_and_training_refuses_up_fro
         check_eval_documents(data, 512, 1, 2, 16, "evaluation during training")
     cpu_model = dataclasses.replace(model, attention_impl="blockwise")
     assert _documents_bound(cpu_model, mesh, data, 512, 1, 2, None) == (cpu_model, None)
+
+
+@pytest.mark.aot
+def test_the_ring_takes_any_number_of_documents_on_gpus():
+    """With a ring (``--mesh.ring > 1``) each ring step runs our kernel, whatever ``auto`` would pick without one, so
+    no cuDNN bound applies: rows of many documents at 32K and of two at 512K are not refused."""
+    from ulysses_jax.parallel.mesh import make_mesh
+    from ulysses_jax.plan.targets import target_devices
+    from ulysses_jax.train.devices import documents_limit
+
+    devices = target_devices("h100", devices=8)
+    model = ModelConfig.from_preset("tiny", attention_impl="auto", compute_dtype="bfloat16")
+    assert documents_limit(model, make_mesh(sp=8, devices=devices), 524288) == 1
+    ring = make_mesh(ring=2, sp=4, devices=devices)
+    assert documents_limit(model, ring, 32768) is None and documents_limit(model, ring, 524288) is None

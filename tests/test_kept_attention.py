@@ -5,6 +5,7 @@ attention forward per layer where plain remat runs two (three with --remat-every
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,6 +38,41 @@ def test_kept_attention_gives_the_same_loss_and_gradients(impl, remat, every, se
     assert abs(float(kept_loss) - float(plain_loss)) <= 1e-5 * abs(float(plain_loss))
     for g, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
         assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
+
+
+def _count(jaxpr, name: str) -> int:
+    """How many equations of primitive ``name`` a jaxpr holds, inside loops, remat and custom rules included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    n += _count(inner, name)
+    return n
+
+
+@pytest.mark.parametrize("remat", ["full", "offload"])
+def test_the_kept_path_runs_attention_forward_once(remat):
+    """On CPU, in the traced training gradient: with ``attn_keep`` the program holds fewer loops (the blockwise
+    kernel's forward is not re-run by remat) and names the kept output; a config that ignored the flag fails."""
+    mesh = make_mesh(fsdp=2, sp=4)
+    base = ModelConfig.from_preset("tiny", num_layers=2, hidden=64, num_heads=8, num_kv_heads=4, head_dim=16,
+                                   mlp_dim=128, vocab_size=97, attention_impl="blockwise", compute_dtype="float32",
+                                   remat=remat)
+    tokens = jnp.zeros((2, 128), jnp.int32)
+    seg = jnp.ones((2, 128), jnp.int32)
+    batch = dict(tokens=tokens, labels=shift_labels(tokens, seg), segment_ids=seg)
+    loops, named = {}, {}
+    for keep in (False, True):
+        cfg = dataclasses.replace(base, attn_keep=keep)
+        graphdef, state = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+        jaxpr = jax.make_jaxpr(jax.grad(lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss))(state)
+        loops[keep] = _count(jaxpr.jaxpr, "while")
+        named[keep] = "attn_out" in str(jaxpr)
+    assert loops[True] < loops[False], loops
+    assert named == {False: False, True: True}
 
 
 def test_attn_keep_needs_remat_and_the_whole_sublayer():

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from ulysses_jax.data.documents import IGNORE, DataConfig, Split, document_encoder, split_documents
 from ulysses_jax.data.sources import fingerprint
 from ulysses_jax.data.tokenizers import make_tokenizer
+from ulysses_jax.kernels.segments import documents_per_row, split_message
 from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ, SP
 
 KEYS = ("tokens", "labels", "segment_ids", "positions")
@@ -325,27 +326,22 @@ def eval_batches(
     return gen()
 
 
-def documents_per_row(segment_ids: np.ndarray) -> np.ndarray:
-    """How many documents each row of ``segment_ids [B, S]`` holds (a document starts where the id changes, padding
-    ``0`` starts none)."""
-    seg = np.asarray(segment_ids)
-    prev = np.concatenate([np.zeros_like(seg[:, :1]), seg[:, :-1]], axis=1)
-    starts = (seg != 0) & ((np.arange(seg.shape[1]) == 0) | (seg != prev))
-    return starts.sum(axis=1)
-
-
-def check_documents_per_row(batch: dict[str, np.ndarray], limit: int) -> None:
-    """Raise ``ValueError`` (one sentence: the count, the bound, the fix) when a row holds more than ``limit``
-    documents, or, with ``limit == 1``, a document that does not start the row: what cuDNN's packed attention was
-    compiled for (``kernels/cudnn_packed.py``) cannot describe it."""
-    seg = batch["segment_ids"]
-    counts = documents_per_row(seg)
-    worst = int(counts.max(initial=0))
-    late = limit == 1 and bool(np.any((counts == 1) & (np.asarray(seg)[:, 0] == 0)))
-    if worst > limit or late:
-        what = f"a row holds {worst} documents" if worst > limit else "a row's document starts after padding"
-        raise ValueError(f"{what}, more than --attn-max-documents {limit} lets cuDNN's packed attention describe; "
-                         f"raise --attn-max-documents (its workspace grows with it) or use --attention pallas")
+def check_documents_per_row(batch: dict[str, np.ndarray], limit: int | None) -> None:
+    """Raise ``ValueError`` (one sentence: the row, the value, the fix) when a row uses one segment id for two separate
+    runs (refused by every kernel: ``kernels/segments.py``), or, with ``limit`` (cuDNN's packed attention runs the
+    step), holds more than ``limit`` documents, which the program compiled for that bound cannot describe. Documents
+    and padding are counted by the kernels' own rule (``kernels/segments.py``)."""
+    seg = np.asarray(batch["segment_ids"])
+    message = split_message(seg)
+    if message:
+        raise ValueError(message)
+    if limit is None:
+        return
+    worst = int(documents_per_row(seg).max(initial=0))
+    if worst > limit:
+        raise ValueError(f"a row holds {worst} documents, more than --attn-max-documents {limit} lets cuDNN's packed "
+                         f"attention describe; raise --attn-max-documents (its workspace grows with it) or use "
+                         f"--attention pallas")
 
 
 def check_eval_documents(cfg, seq_len: int, global_batch: int, max_batches: int | None, limit: int, what: str) -> None:

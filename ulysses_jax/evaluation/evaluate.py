@@ -23,10 +23,11 @@ import jax
 import numpy as np
 
 from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
-from ulysses_jax.data.pipeline import documents_per_row, eval_batches
+from ulysses_jax.data.pipeline import eval_batches
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.evaluation import passkey_eval, plots, position
 from ulysses_jax.evaluation.token_scores import make_token_step
+from ulysses_jax.kernels.segments import documents_per_row
 from ulysses_jax.train import resume, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.config import Impl, Paths, Remat, model_config_from_run

@@ -3,7 +3,8 @@
 Shapes: ``q: [B, S, H, D]``, ``k, v: [B, S, Hkv, D]`` with ``H % Hkv == 0`` (MHA when
 ``Hkv == H``, GQA when ``1 < Hkv < H``, MQA when ``Hkv == 1``); query head ``h`` reads
 KV head ``h // (H // Hkv)``. ``segment_ids: [B, S]`` integers: a token attends only to
-tokens with the same id (and, when ``causal``, not to later positions). ``window=W``: a causal sliding window,
+tokens of its own document, a run of equal ids (and, when ``causal``, not to later positions); a row that uses one
+id for two separate runs is refused (``kernels/segments.py``: one rule for every kernel and the data path). ``window=W``: a causal sliding window,
 query ``i`` sees keys ``i - W < j <= i`` (``kernels/window.py``); every implementation takes it. ``sinks: [H]``:
 attention sinks (gpt-oss), one logit per query head in each row's softmax denominator (``kernels/sinks.py``); every
 implementation but cuDNN takes them.
@@ -35,6 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.kernels.segments import check_segment_ids
 from ulysses_jax.kernels.sinks import check_sinks
 from ulysses_jax.kernels.window import check_window
 
@@ -152,6 +154,7 @@ def attention(
     ``sinks``: ``[H]`` attention-sink logits, in the units of the scaled scores ``q . k * scale``; ``None``: none.
     """
     check_qkv(q, k, v, segment_ids)
+    check_segment_ids(segment_ids)
     window = check_window(window, causal=causal)
     sinks = check_sinks(sinks, q.shape[2])
     if platform is None:

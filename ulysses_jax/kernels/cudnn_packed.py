@@ -6,14 +6,12 @@ row, unused entries ``-1`` (jax's ``jax._src.cudnn.fused_attention_stablehlo.dot
 layout needs a Hopper GPU or later). ``segments_to_ragged`` turns the segment ids the packer writes into those,
 inside the program.
 
-The segment-id convention it reads (``ulysses_jax/data/pipeline.py``): each document's tokens are contiguous, with
-an id different from its neighbours'; the zeros after a row's last nonzero id are padding (``padding``). The id
-values themselves are not used, only where they change: a document starts where the id differs from the token
-before (or at the row's start), unless that token is padding. So ids counted from 0 work (a leading run of 0 is a
-document), and so does a row of zeros (one document), as in the other kernels. Padding tokens belong to no
-document: cuDNN writes nothing meaningful there, so the output is zeroed at padding (their cotangent is zero under a
-loss that ignores them, so their gradients are zero too); the other kernels let padding attend to padding, so
-outputs at padding differ between kernels and mean nothing.
+The segment-id convention is ``kernels/segments.py``'s, the data path's too: a document is a run of equal ids, the
+zeros after a row's last nonzero id are padding, and a row that uses one id for two separate runs is refused (here:
+its output is NaN, as cuDNN cannot express one document with a gap). Padding tokens belong to no document: cuDNN
+writes nothing meaningful there, so the output is zeroed at padding (their cotangent is zero under a loss that
+ignores them, so their gradients are zero too); the other kernels let padding attend to padding, so outputs at
+padding differ between kernels and mean nothing.
 
 The bound ``M`` is static: ``resolve_max_documents`` (0: by the row's length), ``M = 1`` takes cuDNN's padding mask
 (one document from the row's start) and no packed workspace, whose size ``packed_workspace_bytes`` gives for the
@@ -28,19 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def padding(segment_ids: jax.Array) -> jax.Array:
-    """``[B, S]`` bool: the padding, the zeros after a row's last nonzero id (none in a row of zeros: one document)."""
-    pos = jnp.arange(segment_ids.shape[1])
-    last = jnp.max(jnp.where(segment_ids != 0, pos, -1), axis=1, keepdims=True)
-    return (pos > last) & (last >= 0)
-
-
-def document_starts(segment_ids: jax.Array) -> jax.Array:
-    """``[B, S]`` bool: the first token of each document (padding starts none)."""
-    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=0)
-    first = jnp.arange(segment_ids.shape[1]) == 0
-    return ~padding(segment_ids) & (first | (segment_ids != prev))
+from ulysses_jax.kernels.segments import document_starts, padding
 
 
 def segments_to_ragged(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -125,22 +111,26 @@ def _answer_for_compile_only_targets(platform: str) -> None:
 
 def _ragged(segment_ids, max_segments: int | None) -> tuple[dict, jax.Array]:
     """cuDNN's keyword arguments for the rows of ``segment_ids`` (None: no mask beyond causal), and whether some row
-    cannot be described by the bound (``M = 1``: a row of more than one document, or one not at its start)."""
+    cannot be described: more documents than the bound (``M = 1``: more than one), or one id for two separate runs
+    (``kernels/segments.py``), found among the runs listed."""
     if segment_ids is None:
         return {}, jnp.zeros((), bool)
     m = resolve_max_documents(max_segments, segment_ids.shape[1])
     if m <= 1:
-        real = ~padding(segment_ids)
         count = jnp.sum(document_starts(segment_ids), axis=1)
-        seqlen = jnp.sum(real, axis=1, dtype=jnp.int32)
-        return dict(q_seqlen=seqlen, kv_seqlen=seqlen), jnp.any((count > 1) | ((count == 1) & ~real[:, 0]))
+        seqlen = jnp.sum(~padding(segment_ids), axis=1, dtype=jnp.int32)
+        return dict(q_seqlen=seqlen, kv_seqlen=seqlen), jnp.any(count > 1)
     seqlen, offsets, count = segments_to_ragged(segment_ids, m)
+    listed = offsets[:, :m] >= 0
+    ids = jnp.take_along_axis(segment_ids, jnp.maximum(offsets[:, :m], 0), axis=1)  # [B, M]: each run's id
+    later = jnp.arange(m)[:, None] < jnp.arange(m)[None, :]
+    split = jnp.any(listed[:, :, None] & listed[:, None, :] & later & (ids[:, :, None] == ids[:, None, :]))
     return (dict(q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets),
-            jnp.any(count > m))
+            jnp.any(count > m) | split)
 
 
 def rows_not_described(segment_ids, max_segments: int | None) -> jax.Array:
-    """Scalar bool: a row the bound on documents cannot describe (``_ragged``)."""
+    """Scalar bool: a row cuDNN's packed layout cannot describe with the bound (``_ragged``)."""
     return _ragged(segment_ids, max_segments)[1]
 
 

@@ -16,7 +16,7 @@ from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
 from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.parallel.head_layout import head_groups, plan_heads
-from ulysses_jax.parallel.mesh import make_mesh
+from ulysses_jax.parallel.mesh import RING, make_mesh
 from ulysses_jax.parallel.ring import RING_IMPLS
 
 
@@ -37,7 +37,6 @@ def build_mesh(m: MeshConfig, model: ModelConfig, seq_len: int, devices=None) ->
     """The mesh of the ``--mesh.*`` flags over ``devices`` (default: all), ``sp=0`` resolved (see ``MeshConfig``)."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
-    per_host = n // len({d.process_index for d in devices})
     for name, v, ok, what in (
         ("data", m.data, m.data >= 1, "a positive number"),
         ("fsdp", m.fsdp, m.fsdp >= 1 or m.fsdp == -1, "a positive number or -1 (the devices left)"),
@@ -54,10 +53,7 @@ def build_mesh(m: MeshConfig, model: ModelConfig, seq_len: int, devices=None) ->
             raise ValueError(f"--mesh.data {data} x --mesh.fsdp {fsdp}{ring_flag} = {data * fsdp * ring} does not "
                              f"divide the {n} devices; choose sizes whose product divides {n}")
     elif sp == 0:
-        seq_ring = seq_len // ring if seq_len % ring == 0 else 0
-        fits = [d for d in range(per_host, 0, -1) if per_host % d == 0 and d <= model.num_heads and seq_ring % d == 0
-                and n % (data * ring * d) == 0]
-        sp = fits[0] if fits else 1
+        sp = _auto_sp(m, model, seq_len, devices)
     if fsdp == -1:
         if n % (data * ring * sp):
             raise ValueError(f"--mesh.data {data}{ring_flag} x --mesh.sp {sp} = {data * ring * sp} does not divide "
@@ -68,6 +64,39 @@ def build_mesh(m: MeshConfig, model: ModelConfig, seq_len: int, devices=None) ->
                          f"{data * fsdp * ring * sp} but there are {n} devices; make the product {n} (or let "
                          f"--mesh.fsdp -1 take the devices left)")
     return make_mesh(data=data, fsdp=fsdp, ring=ring, sp=sp, devices=devices)
+
+
+def _auto_sp(m: MeshConfig, model: ModelConfig, seq_len: int | None, devices) -> int:
+    """The sp that ``sp=0`` resolves to with ``fsdp=-1``; ``seq_len=None``: whatever the length (the most it can be)."""
+    n = len(devices)
+    per_host = n // len({d.process_index for d in devices})
+    seq_ring = seq_len // m.ring if seq_len is not None and seq_len % m.ring == 0 else 0
+    fits = [d for d in range(per_host, 0, -1) if per_host % d == 0 and d <= model.num_heads
+            and n % (m.data * m.ring * d) == 0 and (seq_len is None or seq_ring % d == 0)]
+    return fits[0] if fits else 1
+
+
+def sequence_multiple(m: MeshConfig, devices=None) -> int:
+    """The multiple of which ``--seq-len`` keeps the sequence split as the ``--mesh.*`` flags ask: ``ring x sp``
+    (and ``2 x ring``, the zigzag order); with ``sp`` auto, the devices of a host in place of ``sp``."""
+    devices = list(jax.devices() if devices is None else devices)
+    sp = m.sp or len(devices) // len({d.process_index for d in devices})
+    return math.lcm(m.ring * sp, 2 * m.ring) if m.ring > 1 else sp
+
+
+def auto_sp_note(m: MeshConfig, model: ModelConfig, seq_len: int, mesh) -> str | None:
+    """Why an automatic ``sp`` (``--mesh.sp 0``) is smaller than the devices allow, with the length that keeps them
+    all: ``--seq-len`` not a multiple of them. None when nothing fell."""
+    if m.sp or m.fsdp != -1:
+        return None
+    devices = list(mesh.devices.flat)
+    best = _auto_sp(m, model, None, devices)
+    got = mesh.shape["sp"]
+    if got >= best:
+        return None
+    unit = best * m.ring
+    return (f"sp {got}, not {best}: --seq-len {seq_len} is not a multiple of {unit}; --seq-len "
+            f"{-(-seq_len // unit) * unit} (or --mesh.sp {best}, which refuses this length) keeps sp {best}")
 
 
 def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:
@@ -192,7 +221,10 @@ def device_total_bytes(mem) -> int | None:
 
 def documents_limit(model: ModelConfig, mesh, seq_len: int) -> int | None:
     """The bound on documents per row the step was compiled for when attention runs on cuDNN's packed layout (its
-    ``attn_max_documents``, or the default for ``seq_len``), else None (every other kernel takes any segment ids)."""
+    ``attn_max_documents``, or the default for ``seq_len``), else None: every other kernel takes any number of
+    documents, and a ring (``ring > 1``) runs our kernel in each ring step whatever ``attention_impl`` says."""
+    if mesh.shape.get(RING, 1) > 1:
+        return None
     impl = resolve_impl(model.attention_impl, dtype=model.compute_jnp_dtype, head_dim=model.head_dim,
                         has_segment_ids=True, platform=device_platform(mesh), sinks=model.attn_sinks)
     return resolve_max_documents(model.attn_max_documents, seq_len) if impl == "cudnn" else None
