@@ -428,6 +428,25 @@ def test_defaults_fit_8_devices_and_one_node():
     assert dict(odd.shape)["sp"] == 2
 
 
+def test_an_automatic_mesh_says_why_sp_fell_and_refusals_advise_a_length_that_keeps_it():
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.train.devices import MeshConfig, auto_sp_note, build_mesh, sequence_multiple
+
+    tiny = ModelConfig.from_preset("tiny")
+    mesh = build_mesh(MeshConfig(), tiny, 99)
+    assert dict(mesh.shape)["sp"] == 1
+    assert auto_sp_note(MeshConfig(), tiny, 99, mesh) == (
+        "sp 1, not 8: --seq-len 99 is not a multiple of 8; --seq-len 104 (or --mesh.sp 8, which refuses this length) "
+        "keeps sp 8")
+    assert auto_sp_note(MeshConfig(), tiny, 104, build_mesh(MeshConfig(), tiny, 104)) is None
+    assert auto_sp_note(MeshConfig(sp=1), tiny, 99, mesh) is None  # asked for: nothing fell
+    assert sequence_multiple(MeshConfig()) == 8 and sequence_multiple(MeshConfig(sp=2, ring=2)) == 4
+    from ulysses_jax.data.lengths import _keeps_mesh
+
+    assert _keeps_mesh(99, 8) == " (104: a multiple of 8 keeps the sequence split over the mesh)"
+    assert _keeps_mesh(96, 8) == "" and _keeps_mesh(99, 1) == ""
+
+
 # ------------------------------------------------------------------------------------ failures
 
 

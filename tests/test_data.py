@@ -517,6 +517,9 @@ BAD = {
     "malformed line": ({"c.jsonl": jsonl({"text": "ok"}, '{"text": "x",}')}, dict(paths=("c.jsonl",)), False,
                        r"line 2 of --data file .*c.jsonl is not valid JSON \(.+ at column 1\d\); fix it \(one JSON "
                        r"object per line\) or leave the file out of --data"),
+    "unterminated string": ({"c.jsonl": '{"text": "ok"}\n{"text": "x}\n'}, dict(paths=("c.jsonl",)), False,
+                            r"line 2 of --data file .*c.jsonl is not valid JSON \(Unterminated string starting at "
+                            r"column 10\); fix it"),
     "line not an object": ({"c.jsonl": jsonl(["text", "x"])}, dict(paths=("c.jsonl",)), False,
                            r"line 1 of --data file .*c.jsonl is a JSON array, not an object; write one JSON object "
                            r"per line with the text under 'text'"),

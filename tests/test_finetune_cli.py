@@ -34,6 +34,33 @@ def sft_file(path: pathlib.Path, short: int = 10, long: int = 2) -> pathlib.Path
     return path
 
 
+def test_records_without_an_answer_are_counted_and_a_folder_tokenizer_is_named_as_the_folders(folder, tmp_path,
+                                                                                                capsys):
+    from ulysses_jax.data.documents import DataConfig
+    from ulysses_jax.data.lengths import empty_completion, measure
+
+    assert empty_completion('{"prompt": "q", "completion": ""}') and not empty_completion('{"prompt": "q", '
+                                                                                           '"completion": "a"}')
+    assert empty_completion('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}')
+    assert not empty_completion('{"messages": [{"role": "assistant", "content": "a"}]}')
+    data = sft_file(tmp_path / "sft.jsonl")
+    lines = data.read_text().splitlines()
+    lines[5] = json.dumps({"prompt": "the sky", "completion": ""})
+    data.write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(paths=(str(data),), tokenizer=str(folder), format="sft", eval_fraction=0.0)
+    found = measure(cfg, 128)
+    assert found.empty == 1 and str(found).endswith(
+        f"; 1 of 12 SFT records have an empty completion and train on the end-of-sequence token alone (the first: "
+        f"line 6 of --data file {data})"), str(found)
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    refused(capsys, ["train", "--init-from-hf", broken, "--run-dir", tmp_path / "run", *FLAGS],
+            f"the tokenizer of --init-from-hf {broken / 'tokenizer.json'} is not a Hugging Face tokenizer.json",
+            "(or pass another with --tokenizer)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_fine_tuning_defaults_overlong_sft_dropped_and_an_edited_folder(folder, tmp_path, capsys):
     data, run = sft_file(tmp_path / "sft.jsonl"), tmp_path / "run"
     capsys.readouterr()

@@ -19,7 +19,7 @@ from test_step import CFG, random_batch
 from ulysses_jax import make_mesh
 from ulysses_jax.cli import main
 from ulysses_jax.model import lora
-from ulysses_jax.model.lora_config import LoraConfig
+from ulysses_jax.model.lora_config import LoraConfig, projection_sides
 from ulysses_jax.model.transformer import Transformer
 from ulysses_jax.train.step import OptimConfig, _loss_sums, init_state, make_optimizer, make_train_step
 
@@ -192,6 +192,24 @@ def test_lora_config_refusals():
     with pytest.raises(ValueError, match="'gate': .* mixture of experts"):
         LoraConfig().check(moe)
     LoraConfig(targets="q,k,v,o").check(moe)
+    narrow = dataclasses.replace(CFG, lora=None)
+    sides = {t: min(v) for t, v in projection_sides(narrow).items()}
+    least = min(sides.values())
+    LoraConfig(rank=least).check(narrow)
+    with pytest.raises(ValueError, match=rf"^--lora-rank {least + 1} is larger than the \w+ projection's smaller side "
+                                         rf"\({least}: .*use --lora-rank {least} or less$"):
+        LoraConfig(rank=least + 1).check(narrow)
+
+
+def test_resuming_a_lora_run_without_its_adapters_names_the_rank():
+    from ulysses_jax.train.config import TrainConfig, with_lora
+
+    record = {"config": {"lora_rank": 16, "lora_alpha": 32.0}}
+    given = TrainConfig(lora_rank=None, lora_alpha=32.0)  # what a resume with --lora-rank None leaves
+    with pytest.raises(ValueError, match=r"^--lora-rank None: this run trains LoRA adapters of rank 16, which a "):
+        with_lora(given, CFG, record=record)
+    with pytest.raises(ValueError, match=r"^--lora-alpha qualifies LoRA adapters, but --lora-rank is not set"):
+        with_lora(given, CFG)  # a new run: the flag given without a rank is the one named
 
 
 # ------------------------------------------------------------------------------------ the CLI, transformers, peft
@@ -259,7 +277,7 @@ def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, ca
               *hf_helpers.FLAGS]
     assert main([str(a) for a in ["train", *common, "--steps", "2", "--checkpoint-every", "1", "--run-dir", run]]) == 0
     out = capsys.readouterr().out
-    assert "LoRA: rank 8, alpha 16 (scale 2), on q,k,v,o,gate,up,down: " in out, out
+    assert "LoRA: rank 8, alpha 16 (scale 2), dropout 0.1, on q,k,v,o,gate,up,down: " in out, out
     assert "peak lr 0.0002 (LoRA default for --lora-rank)" in out, out
     record = json.loads((run / "run.json").read_text())
     assert record["config"]["lora_rank"] == 8 and record["config"]["lora_alpha"] == 16.0
@@ -278,7 +296,7 @@ def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, ca
     hf_helpers.refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "4", "--lora-rank", "4"],
                        "--lora-rank is 4 here but 8 in the run")
     hf_helpers.refused(capsys, ["train", "--run-dir", run, "--resume", "--steps", "4", "--lora-rank", "None"],
-                       "--lora-rank is not set")
+                       "--lora-rank None: this run trains LoRA adapters of rank 8, which a resumed run keeps")
     assert (run / "metrics.jsonl").read_text() == metrics and runs_steps(run) == (1, 2, 3)
     for flags, needle in ((["--lora-rank", "0"], "--lora-rank (0) must be a positive integer"),
                           (["--lora-rank", "-2"], "--lora-rank (-2) must be a positive integer"),
@@ -325,6 +343,54 @@ def test_lora_run_exports_an_adapter_peft_loads_and_a_merged_folder(tmp_path, ca
     for name in original:
         same = np.array_equal(original[name], after[name])
         assert same != any(f".{t}." in name for t in targets), name
+
+
+def test_merge_writes_the_base_folders_tensors_and_export_finds_a_moved_base(tmp_path, capsys):
+    """A float32 folder, a LoRA run with the default bfloat16 base: ``export --merge`` writes every other tensor byte
+    for byte and each target as ``W + scale B A`` in float32 from the folder's W (no bfloat16 copy in between), and
+    peft's model on the folder gives the merged folder's logits. After the folder moves, ``--base`` names it: the
+    adapter's ``base_model_name_or_path`` is the new place and ``--merge`` reads it there; without it ``--merge`` is
+    refused in one line, as is a folder that is not the run's."""
+    pytest.importorskip("peft")
+    from safetensors.numpy import load_file
+
+    folder = hf_helpers.make_folder(tmp_path / "tiny-llama")
+    corpus, run = hf_helpers.write_corpus(tmp_path / "c.jsonl"), tmp_path / "run"
+    args = ["train", "--init-from-hf", folder, "--data", corpus, "--lora-rank", "4", "--lora-targets", "q,v,down",
+            "--optim.lr", "0.01", "--steps", "2", "--checkpoint-every", "2", "--run-dir", run, *hf_helpers.FLAGS]
+    assert main([str(a) for a in args]) == 0
+    assert json.loads((run / "run.json").read_text())["model"]["param_dtype"] == "bfloat16"
+    moved = tmp_path / "elsewhere"
+    folder.rename(moved)
+    hf_helpers.refused(capsys, ["export", "--run-dir", run, "--out", tmp_path / "m0", "--merge"],
+                       f"which is gone; pass where it is now with --base DIR")
+    hf_helpers.refused(capsys, ["export", "--run-dir", run, "--out", tmp_path / "a0"],
+                       "if the run's base folder moved, pass it with --base DIR")
+    hf_helpers.refused(capsys, ["export", "--run-dir", run, "--out", tmp_path / "a0", "--base", corpus.parent],
+                       f"--base {corpus.parent} has no config.json")
+    assert not (tmp_path / "m0").exists() and not (tmp_path / "a0").exists()
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, []), (merged, ["--merge"])):
+        assert main(["export", "--run-dir", str(run), "--out", str(out), "--base", str(moved), *extra]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(moved.resolve())
+    original, after = load_file(moved / "model.safetensors"), load_file(merged / "model.safetensors")
+    lora_ab = load_file(adapter / "adapter_model.safetensors")
+    assert set(original) == set(after) and all(x.dtype == np.float32 for x in after.values())
+    changed = 0
+    for name, w in original.items():
+        key = "base_model.model." + name.removesuffix(".weight")
+        if key + ".lora_A.weight" not in lora_ab:
+            assert after[name].tobytes() == w.tobytes(), name  # byte for byte
+            continue
+        a, b = lora_ab[key + ".lora_A.weight"], lora_ab[key + ".lora_B.weight"]
+        np.testing.assert_array_equal(after[name], w + np.float32(config["lora_alpha"] / config["r"]) * (b @ a))
+        changed += not np.array_equal(after[name], w)
+    assert changed == 3 * 2  # q, v and down of both layers moved
+    tokens = np.random.default_rng(0).integers(0, hf_helpers.VOCAB, (2, 32))
+    with_peft, _ = _peft_model(moved, adapter)
+    with_merge = hf_helpers.hf_logits(hf_helpers.load_quietly(merged), tokens)
+    assert np.abs(hf_helpers.hf_logits(with_peft, tokens) - with_merge).max() <= 1e-4
 
 
 def runs_steps(run):

@@ -224,6 +224,13 @@ def _checked(setup, cfg):
         return None
 
 
+def _sp_note(cfg: TrainConfig, model, mesh) -> str:
+    from ulysses_jax.train.devices import auto_sp_note
+
+    note = auto_sp_note(cfg.mesh, model, cfg.seq_len, mesh)
+    return f" ({note})" if note else ""
+
+
 def _train(cfg: TrainConfig) -> int:
     from ulysses_jax.train.metrics import tensorboard_command
     from ulysses_jax.train.step import describe_optim
@@ -246,7 +253,8 @@ def _train(cfg: TrainConfig) -> int:
     verb = f"Continuing {run.run_dir} from step {run.start_step}:" if run.start_step else "Training"
     print(
         f"{verb} {m.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads}/{m.num_kv_heads} heads) "
-        f"on mesh {dict(run.mesh.shape)}: {run.batch_size} x {cfg.seq_len} tokens per step, "
+        f"on mesh {dict(run.mesh.shape)}{_sp_note(cfg, m, run.mesh)}: {run.batch_size} x {cfg.seq_len} tokens per "
+        f"step, "
         f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m, run.mesh)}"
     )
     if m.num_experts:
@@ -407,6 +415,9 @@ def _export(cfg: ExportConfig) -> int:
                 f"with --merge for a full model folder")
         print(f"Exported the LoRA adapters of step {result['step']} of {cfg.run_dir} to {result['out']} as a peft "
               f"adapter folder ({', '.join(result['files'])}; {source}).\n  load it with: {load}")
+        if result.get("base_gone"):
+            print(f"note: the run's base folder {base} is gone, so base_model_name_or_path names where it was; "
+                  f"export again with --base DIR to name where it is now")
         return 0
     print(f"Exported step {result['step']} of {cfg.run_dir} to {result['out']} as {result['architecture']} "
           f"({', '.join(result['files'])}; {source}).\n"

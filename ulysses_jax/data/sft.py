@@ -129,7 +129,8 @@ class SFTRenderer:
         if self._template is None:
             if not self.conventions.chat_template:
                 raise ValueError(f"{pathlib.Path(self.conventions.tokenizer_json).parent} has no chat template; "
-                                 f"use prompt/completion records or a folder whose tokenizer_config.json has one")
+                                 f"use prompt/completion records, or a folder with one (chat_template.jinja, as "
+                                 f"transformers 5 writes it, or tokenizer_config.json's chat_template)")
             import jinja2
 
             try:

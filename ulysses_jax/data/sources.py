@@ -187,7 +187,8 @@ def _json_line(raw: bytes, where: str, flag: str):
         return json.loads(line)
     except json.JSONDecodeError as e:
         at = "the end of the line" if e.pos >= len(line.rstrip()) else f"column {e.pos + 1}"
-        raise ValueError(f"{where} is not valid JSON ({e.msg} at {at}); fix it (one JSON object per line) or leave the "
+        what = e.msg.removesuffix(" at")  # "Unterminated string starting at": the position follows once
+        raise ValueError(f"{where} is not valid JSON ({what} at {at}); fix it (one JSON object per line) or leave the "
                          f"file out of {flag}") from None
 
 

@@ -11,8 +11,11 @@ Ours: ``A [L, in..., r]``, ``B [L, r, out...]`` with ``W [L, in..., out...]`` (`
 ``lora_A`` is ``A`` flattened to ``[in, r]`` and transposed, ``lora_B`` is ``B`` flattened to ``[r, out]`` and
 transposed, the flattened dimensions in the order of the HF tensor's letters (``NH`` for q, ``N`` major).
 
-``merged`` gives the model without adapters whose targeted weights are ``W + scale A B`` (float32 sum, rounded once
-to the base's dtype): what ``export --merge`` writes with ``hf.to_hf``.
+``merge_into_folder`` writes the base folder the run started from (``--init-from-hf``) with the adapters merged in:
+each targeted tensor ``W + (alpha / r) B A`` summed in float32 from the folder's own ``W`` and rounded once, to the
+folder's dtype or ``--dtype``; every other tensor byte for byte (what ``export --merge`` writes). ``merged`` gives the
+model without adapters whose targeted weights are ``W + scale A B`` from the run's own copy of the base: what a run
+whose base is a preset's initialisation merges (it has no folder).
 """
 
 from __future__ import annotations
@@ -127,3 +130,63 @@ def merged(model):
                       .astype(w.dtype), out_shardings=w.sharding)
         var.set_value(add(w, a, b))
     return nnx.merge(graphdef, state)
+
+
+def merge_into_folder(model, base, path, *, dtype: str | None = None, max_position: int | None = None) -> list[str]:
+    """Write the Hugging Face folder ``base`` into ``path`` (new or empty) with ``model``'s adapters merged into its
+    targeted tensors (module doc); ``dtype``: the floating tensors' dtype in the files (None: each tensor's own);
+    ``max_position``: a longer ``max_position_embeddings`` for config.json (the run trained past the folder's). Every
+    process must call it (the adapters are gathered); process 0 reads the base, one shard at a time, and writes."""
+    from safetensors.numpy import save_file
+
+    cfg, base, out = model.config, pathlib.Path(base), pathlib.Path(path).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} is not an empty folder; export into a new or empty folder")
+    adapters = adapter_tensors(model, "float32")
+    if jax.process_index() != 0:
+        return []
+    folder = hf.SafetensorsFolder(base)
+    deltas = {}  # the targeted tensor's name -> (A [r, in], B [out, r])
+    for name in adapters:
+        if name.endswith(".lora_A.weight"):
+            module = name.removeprefix(PREFIX).removesuffix(".lora_A.weight")
+            deltas[module + ".weight"] = (adapters[name], adapters[name.replace(".lora_A.", ".lora_B.")])
+    missing = sorted(set(deltas) - set(folder.tensors))
+    if missing:
+        raise ValueError(f"{base} has no tensor {missing[0]} for the adapters to merge into; pass the folder the run "
+                         f"started from")
+    out.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list[str]] = {}
+    for name, (file, _, _) in folder.tensors.items():
+        by_file.setdefault(file, []).append(name)
+    sizes = {}
+    for file, names in sorted(by_file.items()):
+        tensors = {}
+        for name in names:
+            x = folder.read(name, tuple(slice(None) for _ in folder.tensors[name][1]))
+            floating = jnp.issubdtype(x.dtype, jnp.floating)
+            if name in deltas:
+                a, b = deltas[name]
+                x = (x.astype(np.float32) + np.float32(cfg.lora.scale) * (b @ a)).astype(jnp.dtype(dtype or x.dtype))
+            elif dtype is not None and floating:
+                x = x.astype(jnp.dtype(dtype))
+            tensors[name] = np.ascontiguousarray(x)
+            sizes[name] = tensors[name].nbytes
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+        folder.release()
+    index = base / "model.safetensors.index.json"
+    if index.is_file():
+        raw = hf.read_json(index)
+        raw["metadata"] = {**(raw.get("metadata") or {}), "total_size": sum(sizes.values())}
+        (out / index.name).write_text(json.dumps(raw, indent=2) + "\n")
+    config = hf.read_json(base / "config.json")
+    if dtype is not None:
+        config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
+    if max_position and max_position > config.get("max_position_embeddings", 0):
+        config["max_position_embeddings"] = max_position
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("generation_config.json", *hf.TOKENIZER_FILES):
+        if (base / name).is_file():
+            shutil.copyfile(base / name, out / name)
+    return sorted(p.name for p in out.iterdir())

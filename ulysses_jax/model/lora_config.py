@@ -71,6 +71,13 @@ class LoraConfig:
                 raise ValueError(f"--lora-targets {mlp[0]!r}: {model.name}'s MLP is a mixture of experts, and LoRA on "
                                  f"experts is not supported; it has {','.join(ATTENTION_TARGETS)} (pass --lora-targets "
                                  f"{','.join(ATTENTION_TARGETS)})")
+        sides = projection_sides(model)
+        narrow = min(self.targets, key=lambda t: min(sides[t]))
+        if self.rank > min(sides[narrow]):
+            d_in, d_out = sides[narrow]
+            raise ValueError(f"--lora-rank {self.rank} is larger than the {narrow} projection's smaller side "
+                             f"({min(d_in, d_out)}: it maps {d_in} to {d_out}), so the adapter would hold more "
+                             f"parameters than the weight it adapts; use --lora-rank {min(d_in, d_out)} or less")
         attn = [t for t in self.targets if t in ATTENTION_TARGETS]
         if self.dropout and model.attn_chunk and attn:
             raise ValueError(f"--lora-dropout {self.dropout:g} with --attn-chunk {model.attn_chunk} on the attention "
@@ -78,4 +85,12 @@ class LoraConfig:
                              f"which leave no adapter input to drop; use --lora-dropout 0, or leave --attn-chunk unset")
 
     def describe(self) -> str:
-        return f"rank {self.rank}, alpha {self.alpha:g} (scale {self.scale:g}), on {','.join(self.targets)}"
+        return (f"rank {self.rank}, alpha {self.alpha:g} (scale {self.scale:g}), dropout {self.dropout:g}, on "
+                f"{','.join(self.targets)}")
+
+
+def projection_sides(model) -> dict[str, tuple[int, int]]:
+    """Per target, the (input, output) width of its projection in ``model`` (a ``ModelConfig``)."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    d, f = model.hidden, model.mlp_dim
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}

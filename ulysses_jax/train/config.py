@@ -171,7 +171,7 @@ def recorded_model(record: dict) -> ModelConfig:
 def model_config(cfg: TrainConfig, vocab_size: int, *, record: dict | None = None) -> ModelConfig:
     """``_model_config_of`` with ``--router-aux-loss-coef`` over the model's own weight (a learned setting: the run
     records the weight it trains with, and a resume keeps it unless the flag is given again)."""
-    model = with_lora(cfg, _model_config_of(cfg, vocab_size, record=record))
+    model = with_lora(cfg, _model_config_of(cfg, vocab_size, record=record), record=record)
     if cfg.router_aux_loss_coef is None:
         return model
     if not model.num_experts:
@@ -196,9 +196,13 @@ def lora_settings(cfg: TrainConfig, model: ModelConfig) -> dict:
     return out
 
 
-def with_lora(cfg: TrainConfig, model: ModelConfig) -> ModelConfig:
+def with_lora(cfg: TrainConfig, model: ModelConfig, record: dict | None = None) -> ModelConfig:
     """``model`` with the adapters of ``--lora-rank`` (``ModelConfig.lora``), or without any; ``ValueError`` naming the
-    flag on a bad value (a rank below 1, a target the model does not have)."""
+    flag on a bad value (a rank below 1, a target the model does not have). ``record``: the run being resumed."""
+    recorded_rank = ((record or {}).get("config") or {}).get("lora_rank")
+    if cfg.lora_rank is None and recorded_rank is not None:
+        raise ValueError(f"--lora-rank None: this run trains LoRA adapters of rank {recorded_rank}, which a resumed "
+                         f"run keeps; drop --lora-rank None (or start a new --run-dir without adapters)")
     if cfg.lora_rank is None:
         qualifiers = [f for f in ("lora_alpha", "lora_targets") if getattr(cfg, f) is not None]
         if qualifiers or cfg.lora_dropout:

@@ -2,7 +2,9 @@
 
 Everything comes from the run's record: the model (``run.json``'s ``model``), the checkpoint (the latest, or
 ``--step``), the tokenizer files (copied from the run's ``--init-from-hf`` folder, or from the folder of its
-``--tokenizer``; a run on UTF-8 bytes has none). The parameters are restored onto a mesh of the local devices (8 fake
+``--tokenizer``; a run on UTF-8 bytes has none). A base folder that moved since the run is named with ``--base``.
+A LoRA run exports its adapters as a peft folder (``base_model_name_or_path``: where the base is now), or with
+``--merge`` the base folder's own tensors with the adapters added to the targeted ones (``interop/peft.py``). The parameters are restored onto a mesh of the local devices (8 fake
 CPU devices without an accelerator, as ``train``) and written by ``hf.to_hf``: ``config.json`` (Llama, Qwen2, Qwen3
 or Mistral, whichever holds the model) and ``generation_config.json``, safetensors shards of at most 5 GB with their
 index, gathered one tensor at a time. A run with ``--optim.master-weights`` exported in a dtype other than its
@@ -32,7 +34,10 @@ class ExportConfig:
     dtype: Literal["float32", "bfloat16", "float16"] | None = None  # the tensors' dtype in the files; None: the run's
     merge: bool = False
     """a LoRA run (--lora-rank): write its base with the adapters merged in (W + alpha/r B A) as a full model folder,
-    instead of the peft adapter folder"""
+    instead of the peft adapter folder; from the --init-from-hf folder's own tensors, the others copied exactly"""
+    base: str | None = None
+    """the run's --init-from-hf folder where it is now, when it moved since the run last read it (checked against the
+    run's record by content); None: where the run last read it"""
     cpu_devices: int = 8  # fake CPU devices when there is no accelerator
     distributed: bool = False  # multi-host: call jax.distributed.initialize() (cluster settings auto-detected)
     coordinator_address: str | None = None  # multi-host without a cluster manager: "host:port" of process 0
@@ -40,16 +45,44 @@ class ExportConfig:
     process_id: int | None = None  # ... and this process's index
 
 
-def _tokenizer_source(record: dict) -> tuple[pathlib.Path | None, pathlib.Path | None]:
-    """``(folder whose tokenizer files and generation_config.json go along, the run's tokenizer.json)``."""
+def _base_folder(record: dict, given: str | None) -> pathlib.Path | None:
+    """The run's ``--init-from-hf`` folder as it is now: ``--base`` (checked against the record by content), or the
+    path the run last read; None when the run has none, or when that path is gone and no ``--base`` says where."""
+    from ulysses_jax.train.resume import describe_hf_folder
+
+    recorded = record.get("init_from_hf")
+    if given is None:
+        if recorded is None or not (pathlib.Path(recorded["path"]) / "config.json").is_file():
+            return None
+        return pathlib.Path(recorded["path"])
+    if recorded is None:
+        raise ValueError(f"--base {given}: the run did not start from a Hugging Face folder (no --init-from-hf); drop "
+                         f"--base (nothing was written)")
+    if not (pathlib.Path(given).expanduser() / "config.json").is_file():
+        raise ValueError(f"--base {given} has no config.json; pass the Hugging Face folder the run started from "
+                         f"(nothing was written)")
+    now = describe_hf_folder(given)
+    if now["fingerprint"] != recorded["fingerprint"]:
+        raise ValueError(f"--base {given} is not the run's folder (its settings files differ from those of "
+                         f"{recorded['path']}, which the run read); pass the folder the run started from")
+    return pathlib.Path(now["path"])
+
+
+def _tokenizer_source(record: dict, base: pathlib.Path | None) -> tuple[pathlib.Path | None, pathlib.Path | None]:
+    """``(folder whose tokenizer files and generation_config.json go along, the run's tokenizer.json)``; a tokenizer
+    that lived in the run's base folder is looked for where that folder is now (``base``)."""
     from ulysses_jax.data.tokenizers import describe_tokenizer
 
     tok = record.get("tokenizer") or {}
     if not tok.get("path"):
         return None, None  # UTF-8 bytes: no tokenizer files
     path = pathlib.Path(tok["path"])
+    recorded_base = (record.get("init_from_hf") or {}).get("path")
+    if base is not None and recorded_base and path.parent == pathlib.Path(recorded_base):
+        path = base / path.name
     if not path.is_file():
-        raise ValueError(f"the run's tokenizer {path} is gone; put it back to export its files with the model")
+        hint = " or, if the run's base folder moved, pass it with --base DIR" if recorded_base else ""
+        raise ValueError(f"the run's tokenizer {path} is gone; put it back{hint} to export its files with the model")
     if describe_tokenizer(str(path)).get("fingerprint") != tok.get("fingerprint"):
         raise ValueError(f"the run's tokenizer {path} has changed since the run; restore the file it was trained with")
     return path.parent, path
@@ -79,7 +112,12 @@ def export_run(cfg: ExportConfig) -> dict:
                          f"parameter (no --lora-rank); export it without --merge (nothing was written)")
     if record["seq_len"] > model_cfg.max_seq_len:  # trained past the folder's length: config.json says so
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=record["seq_len"])
-    folder, tokenizer = _tokenizer_source(record)
+    base = _base_folder(record, cfg.base)
+    if cfg.merge and base is None and record.get("init_from_hf"):
+        raise ValueError(f"--merge adds the adapters to the tensors of the run's base folder "
+                         f"{record['init_from_hf']['path']}, which is gone; pass where it is now with --base DIR "
+                         f"(nothing was written)")
+    folder, tokenizer = _tokenizer_source(record, base)
     source_config = hf.read_json(folder / "config.json") if folder and (folder / "config.json").is_file() else {}
     arch = hf.export_architecture(model_cfg, source_config.get("architectures"))  # refuses what HF cannot hold
     mesh = build_mesh(MeshConfig(), model_cfg, record["seq_len"])
@@ -100,12 +138,21 @@ def export_run(cfg: ExportConfig) -> dict:
     if model_cfg.lora is not None and not cfg.merge:  # the adapters alone, as peft loads them onto the base
         from ulysses_jax.interop import peft
 
-        base = (record.get("init_from_hf") or {}).get("path")
-        files = peft.write_adapter(model, out, base_model=base, tokenizer_from=folder, dtype=cfg.dtype)
+        recorded = (record.get("init_from_hf") or {}).get("path")
+        base_model = str(base) if base is not None else recorded
+        files = peft.write_adapter(model, out, base_model=base_model, tokenizer_from=folder, dtype=cfg.dtype)
         return {"step": step, "out": str(out), "architecture": "peft LoRA adapter", "files": files,
-                "tokenizer_from": str(folder) if folder else None, "base_model": base, "lora": True,
-                "preset": None if base else model_cfg.name}
-    if model_cfg.lora is not None:
+                "tokenizer_from": str(folder) if folder else None, "base_model": base_model, "lora": True,
+                "preset": None if base_model else model_cfg.name, "base_gone": base is None and bool(recorded)}
+    if model_cfg.lora is not None and base is not None:  # from the folder's own tensors, the rest copied exactly
+        from ulysses_jax.interop import peft
+
+        files = peft.merge_into_folder(model, base, out, dtype=cfg.dtype, max_position=record["seq_len"])
+        if tokenizer is not None and tokenizer.name != "tokenizer.json" and (out / "config.json").is_file():
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
+        return {"step": step, "out": str(out), "architecture": arch, "files": files,
+                "tokenizer_from": str(folder) if folder else None}
+    if model_cfg.lora is not None:  # a preset's base: the run's own copy is the base
         from ulysses_jax.interop import peft
 
         model = peft.merged(model)

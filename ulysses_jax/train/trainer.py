@@ -59,6 +59,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     documents_limit,
     memory_pool,
     resolve_batch,
+    sequence_multiple,
 )
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
@@ -217,8 +218,15 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     recorded = runconfig.read_record(cfg.run_dir) if resuming or where.record else None
 
     data_cfg = data_config(cfg)
-    summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
-    lengths_found = lengths.measure(data_cfg, cfg.seq_len)  # refuses an SFT record longer than a row
+    try:
+        summary = validate_sources(data_cfg, need_eval=cfg.eval_every > 0)
+    except ValueError as e:  # the tokenizer read from the --init-from-hf folder is named as that folder's
+        if cfg.init_from_hf is None or cfg.tokenizer != cfg.init_from_hf or not str(e).startswith("--tokenizer "):
+            raise
+        raise ValueError(f"the tokenizer of --init-from-hf{str(e).removeprefix('--tokenizer')} (or pass another with "
+                         f"--tokenizer)") from None
+    # refuses an SFT record longer than a row, advising a length that keeps the mesh
+    lengths_found = lengths.measure(data_cfg, cfg.seq_len, sequence_multiple(cfg.mesh))
     sources, tokenizer = describe_sources(data_cfg), describe_tokenizer(cfg.tokenizer)
     hf_folder = None if cfg.init_from_hf is None else resume.describe_hf_folder(cfg.init_from_hf,
                                                                                   missing_ok=resuming)
