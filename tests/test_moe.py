@@ -84,6 +84,11 @@ def test_aux_loss_is_transformers_formula(seed):
     want, assigned = load_balancing_reference(logits, valid, k)
     np.testing.assert_allclose(float(moe.aux_loss(stats)), want, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(moe.expert_load(stats)), assigned.astype(int))
+    # perfectly balanced: every expert gets tokens * k / E assignments and 1/E of the probability: the loss is k
+    tokens = 60.0
+    balanced = moe.RouterStats(jnp.full((layers, e), tokens * k / e), jnp.full((layers, e), tokens / e),
+                               jnp.asarray(tokens))
+    np.testing.assert_allclose(float(moe.aux_loss(balanced)), k, rtol=1e-6)
 
 
 def batch_of(seed, rows=2, seq=32):
@@ -119,7 +124,7 @@ def test_eight_devices_equal_one(seed, variant):
     batch = batch_of(seed)
     one, g1 = loss_and_grads(TINY, uj.make_mesh(fsdp=1, sp=1, devices=jax.devices()[:1]), batch)
     eight, g8 = loss_and_grads(dataclasses.replace(TINY, **variant), uj.make_mesh(fsdp=2, sp=4), batch)
-    assert float(one.aux_loss) > 0.9  # near 1 when balanced, E x the sum of f_e P_e
+    assert float(one.aux_loss) > 0.9  # near top-k when balanced: E x the sum of f_e P_e, the f_e summing to k
     np.testing.assert_allclose(float(eight.loss), float(one.loss), rtol=1e-5)
     np.testing.assert_allclose(float(eight.aux_loss), float(one.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(one.loss), float(one.sum / one.count) + 0.01 * float(one.aux_loss), rtol=1e-6)

@@ -403,3 +403,26 @@ def test_a_moe_plan_lists_its_grouped_matmul_kernels(capsys):
     listed = out[out.index("Pallas kernels"):]
     for name in ("flash_attention_fwd", "grouped_matmul ", "grouped_matmul_dx", "grouped_matmul_dw"):
         assert f"\n  {name}" in listed, (name, listed[:800])
+
+
+def test_train_args_carry_the_data_flags_and_an_over_plan_says_so_first():
+    import types
+
+    from ulysses_jax.cli import parse
+    from ulysses_jax.plan.flags import train_args
+    from ulysses_jax.plan.report import train_command_lines
+    from ulysses_jax.train.config import TrainConfig
+
+    cfg = TrainConfig(data=("corpus.jsonl", "more.jsonl"), data_format="sft", tokenizer="tok.json")
+    args = train_args(cfg, seq_len=1024, batch_size=2, mesh=dict(data=1, fsdp=1, ring=1, sp=8), memory_fraction=0.95)
+    back = parse(["train", *args])
+    assert back.data == ("corpus.jsonl", "more.jsonl") and back.data_format == "sft" and back.tokenizer == "tok.json"
+    assert "--data" not in train_args(TrainConfig(), seq_len=1024, batch_size=2,
+                                      mesh=dict(data=1, fsdp=1, ring=1, sp=8), memory_fraction=0.95)
+
+    def tail(fits, given):  # the report's last block (format_plan ends with it; the rest needs a compiled plan)
+        return "\n".join(train_command_lines(types.SimpleNamespace(train_args=given, fits=fits)))
+
+    over = tail(False, ["--seq-len", "8"])
+    assert "does NOT fit" in over and "Train the planned program with" not in over
+    assert "(no --data given to plan" in over and "(no --data" not in tail(True, ["--data", "x.jsonl"])

@@ -19,6 +19,8 @@ PROGRAM_FIELDS = ("init_from_hf", "preset", "tokenizer", "steps", "seq_len", "ba
                   "offload_params", "optim", "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank",
                   "lora_alpha", "lora_targets", "lora_dropout")
 ALWAYS = ("preset", "seq_len", "batch_size", "mesh", "memory_fraction")  # written even when they are the defaults
+# the data settings given to plan: they do not change the program, but a command without them trains on other data
+DATA_FIELDS = ("data", "data_field", "data_format", "sft_overlong", "eval_data", "eval_fraction")
 
 
 def _flag(path: str, value) -> list[str]:
@@ -27,6 +29,8 @@ def _flag(path: str, value) -> list[str]:
     prefix = f"--{head.replace('_', '-')}." if head else "--"
     if isinstance(value, bool):
         return [f"{prefix}{'' if value else 'no-'}{name.replace('_', '-')}"]
+    if isinstance(value, (tuple, list)):
+        return [f"{prefix}{name.replace('_', '-')}", *map(str, value)]
     return [f"{prefix}{name.replace('_', '-')}", "None" if value is None else str(value)]
 
 
@@ -37,7 +41,7 @@ def train_args(cfg: TrainConfig, *, seq_len: int, batch_size: int, mesh: dict[st
                                    mesh=MeshConfig(**{a: mesh[a] for a in ("data", "fsdp", "ring", "sp")}))
     default = TrainConfig()
     args: list[str] = []
-    for name in PROGRAM_FIELDS:
+    for name in PROGRAM_FIELDS + DATA_FIELDS:
         value, was = getattr(resolved, name), getattr(default, name)
         if name == "preset" and resolved.init_from_hf is not None:
             continue  # the model is the folder's

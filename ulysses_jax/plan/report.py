@@ -68,9 +68,10 @@ def format_plan(p) -> str:
         lines += [
             f"Estimated step time (an ESTIMATE, not a measurement; no GPU has run it): {seconds(e['step_seconds'])} "
             f"per step, {e['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU, MFU {e['mfu']:.1%}",
-            f"  trust band: {seconds(e['trust_band_seconds'][0])} to {seconds(e['trust_band_seconds'][1])} per step "
-            f"(published runs of the same shapes took {CALIBRATION_SPREAD[0]}x to {CALIBRATION_SPREAD[1]}x the "
-            f"estimate; experiments/results/plan_calibration_h100.md)",
+            f"  published-run range: {seconds(e['trust_band_seconds'][0])} to {seconds(e['trust_band_seconds'][1])} "
+            f"per step, if this run fares as published runs of the same shapes did: they took "
+            f"{CALIBRATION_SPREAD[0]}x to {CALIBRATION_SPREAD[1]}x the estimate (other kernels and methods, so the "
+            f"estimate lies below the range; experiments/results/plan_calibration_h100.md)",
             "  parts: " + ", ".join(f"{k[:-2]} {seconds(v)}" for k, v in e["parts"].items()),
             "  assumptions:",
         ]
@@ -93,7 +94,20 @@ def format_plan(p) -> str:
     if p.notes:
         lines += ["", "Compile-only target vs a GPU (what this program cannot hold the same way):"]
         lines += [f"  - {n}" for n in p.notes]
-    if p.train_args:
-        lines += ["", "Train the planned program with:", f"  ulysses-jax train {shlex.join(p.train_args)}"]
+    lines += train_command_lines(p)
     lines.append(f"(compiled in {p.compile_seconds:.1f} s; optimised HLO fingerprint {p.hlo_fingerprint})")
     return "\n".join(lines)
+
+
+def train_command_lines(p) -> list[str]:
+    """The report's last block: the ``train`` command of the planned program, headed by whether it fits, and a word
+    when no ``--data`` was given (the command would then train on the built-in corpus)."""
+    if not p.train_args:
+        return []
+    head = ("Train the planned program with:" if p.fits else
+            "The planned program does NOT fit (verdict OVER above); its train flags, for reference only:")
+    lines = ["", head, f"  ulysses-jax train {shlex.join(p.train_args)}"]
+    if "--data" not in p.train_args:
+        lines.append("  (no --data given to plan: as written it trains on the built-in corpus, the Python standard "
+                     "library's sources; add --data and --tokenizer for your own)")
+    return lines

@@ -272,7 +272,8 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     p, flags, changes = min(fitting, key=lambda f: f[0].estimate["step_seconds"])
     chosen = _choose(cfg, p, flags, changes)
     chosen.alternatives = [r for r in results if r["flags"] != flags]
-    log_alternatives(chosen, log)
+    log(f"Chosen (--memory auto): the lowest estimated step time of the {len(fitting)} sets that fit, each listed "
+        f"above: {flags}")
     return chosen
 
 
