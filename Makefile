@@ -1,4 +1,5 @@
-# `make test` and `make train` set themselves up: they create .venv and install on first use.
+# `make test` and `make train` set themselves up: they create .venv and install on first use (`make train` only
+# what training needs, `make test` the test extras too).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,9 +15,16 @@ venv: $(STAMP)
 comma := ,
 EXTRAS := $(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),test$(comma)aot,test)
 
-$(STAMP): pyproject.toml
+# Two stages: `make train` needs the package and its runtime dependencies only (TRAIN_STAMP); `make test` adds the
+# test extras (pytest, torch, transformers, peft, the CUDA compile-only wheels) on top (STAMP).
+TRAIN_STAMP := $(VENV)/.installed-train
+$(TRAIN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(TRAIN_STAMP)
+
+$(STAMP): $(TRAIN_STAMP)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
@@ -49,6 +57,6 @@ clean:
 # fsdp=2 x sp=4 on 8 fake CPU devices when there is no GPU. A new run directory each time.
 TRAIN_ARGS ?=
 RUN_DIR ?= runs/tiny-$(shell date +%Y%m%d-%H%M%S)
-train: $(STAMP)
+train: $(TRAIN_STAMP)
 	$(VENV)/bin/ulysses-jax train --preset tiny --mesh.fsdp 2 --mesh.sp 4 --seq-len 2048 --batch-size 2 \
 		--steps 24 --checkpoint-every 8 --optim.lr 3e-3 --optim.warmup-steps 4 --run-dir $(RUN_DIR) $(TRAIN_ARGS)

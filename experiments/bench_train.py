@@ -6,10 +6,11 @@ are present, and record tokens/s, MFU and peak memory per configuration.
         --loss-chunk 4096 --mlp-chunk 4096
     python experiments/bench_train.py --allow-cpu --quick          # tiny smoke run on fake CPU devices
 
-Batches are random tokens (never zeros) packed as 4 documents per row, labels shifted before the split.
-Each figure is the median of --steps timed steps after --warmup steps (the first compiles), each ending
-in jax.block_until_ready. MFU counts model FLOPs (6 * matmul params * tokens + causal attention, no
-rematerialisation) against the device's dense bf16 peak (known GPUs) or --peak-tflops. Out-of-memory
+Batches are random tokens (never zeros), --documents per row (default 1: one document, what a peer without
+packing runs; more: cut at random places), labels shifted before the split. Each figure is the median of --steps
+timed steps after --warmup steps (the first compiles), each ending in jax.block_until_ready. MFU counts model FLOPs
+as ulysses_jax.model.flops does (6 * matmul params * tokens + each document's causal attention; no
+rematerialisation; LoRA: the FLOPs performed) against the device's dense bf16 peak (known GPUs) or --peak-tflops. Out-of-memory
 and other failures become a row note. Results: a markdown table and a CSV in --out-dir, headed by date,
 hardware, jax version, command line and git commit.
 """
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--attn-keep", action="store_true", help="keep attention's output: its forward runs once")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank (alpha 2 x rank, every projection), the base frozen in bf16")
+    p.add_argument("--documents", type=int, default=1, help="documents per row (1: one whole-row document)")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -51,14 +53,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, documents: int = 1) -> dict:
     import numpy as np
 
     from ulysses_jax.data.pipeline import next_token_labels
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, vocab, (rows, seq_len), dtype=np.int32)
-    cuts = np.sort(rng.integers(1, seq_len, (rows, 3)), axis=1)
+    cuts = np.sort(rng.choice(np.arange(1, seq_len), (rows, documents - 1), replace=False), axis=1) if (
+        documents > 1) else np.zeros((rows, 0), np.int64)
     seg = (1 + (np.arange(seq_len)[None, :, None] >= cuts[:, None, :]).sum(-1)).astype(np.int32)
     # no "positions": the model derives per-document positions from the segment ids
     return {"tokens": tokens, "segment_ids": seg, "labels": next_token_labels(tokens, seg)}
@@ -96,7 +99,8 @@ def bench_one(args, seq_len: int) -> dict:
     tx = make_optimizer(OptimConfig().resolved(1000, lora=bool(args.lora_rank)), 1000)
     graphdef, state = init_state(cfg, mesh, tx, seed=0)
     step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 1000), mesh, state_shardings(state))
-    batch = to_global(random_batch(rows, seq_len, cfg.vocab_size), mesh)
+    local = random_batch(rows, seq_len, cfg.vocab_size, documents=args.documents)
+    batch = to_global(local, mesh)
     times = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -105,7 +109,7 @@ def bench_one(args, seq_len: int) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     dt = statistics.median(times)
-    per_device = flops.flops_per_device(cfg, batch=rows, seq_len=seq_len, n_devices=n)
+    per_device = flops.batch_flops_per_device(cfg, local["segment_ids"], global_batch=rows, n_devices=n)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else flops.peak_flops(jax.devices()[0].device_kind)
     mem = peak_memory_bytes()
     return {
@@ -118,9 +122,11 @@ def bench_one(args, seq_len: int) -> dict:
 
 
 def header(args) -> dict:
-    lora = f", LoRA rank {args.lora_rank} (MFU counts full fine-tuning FLOPs)" if args.lora_rank else ""
+    lora = f", LoRA rank {args.lora_rank} (MFU counts the FLOPs performed: no frozen weight's gradient)" if (
+        args.lora_rank) else ""
     return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}"
-                            f"{' + attn-keep' if args.attn_keep else ''}{lora}, "
+                            f"{' + attn-keep' if args.attn_keep else ''}{lora}, {args.documents} document(s) "
+                            f"per row (MFU: causal attention per document), "
                             f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}")
 
 

@@ -113,6 +113,37 @@ def test_flops_hand_count_for_tiny():
     assert flops_per_token(cfg, 1024) == 64_424_509_440 / 2048
 
 
+def test_flops_count_each_document_apart_and_what_lora_performs():
+    """Packed rows: each document's causal pairs (a row of four 8K documents holds a quarter of one 32K document's
+    attention), padding none; the batch's segment ids give the same count. LoRA: 4 P_mm (no frozen weight gradient)
+    plus 6 r (in + out) per adapter, hand-counted for tiny."""
+    import dataclasses
+
+    import numpy as np
+
+    from ulysses_jax.model.flops import batch_flops_per_device, flops_convention
+    from ulysses_jax.model.lora_config import LoraConfig
+
+    cfg = ModelConfig.from_preset("tiny")
+    dense = 6 * matmul_params(cfg) * 1024
+    one = training_flops(cfg, batch=1, seq_len=1024)
+    four = training_flops(cfg, batch=1, seq_len=1024, document_lengths=[[256] * 4])
+    assert one - dense == 4 * (four - dense) == 12 * 4 * 1024**2 / 2 * 8 * 32
+    assert training_flops(cfg, batch=1, seq_len=1024, document_lengths=[[1024]]) == one
+    seg = np.repeat(np.arange(1, 5), 256)[None].astype(np.int32)
+    padded = np.where(np.arange(1024) < 768, seg, 0)  # three documents, then padding: no attention counted there
+    assert batch_flops_per_device(cfg, seg, global_batch=1, n_devices=8) == four / 8
+    assert batch_flops_per_device(cfg, padded, global_batch=1, n_devices=1) == pytest.approx(dense + 3 / 4 * (
+        four - dense))
+    with pytest.raises(ValueError, match="document_lengths has 1 rows but batch is 2"):
+        training_flops(cfg, batch=2, seq_len=1024, document_lengths=[[1024]])
+    lora = dataclasses.replace(cfg, lora=LoraConfig(rank=4, targets="q,down"))
+    adapters = 4 * 4 * ((256 + 8 * 32) + (768 + 256))  # 4 layers, rank 4, q: 256 -> 256, down: 768 -> 256
+    want = 4 * matmul_params(cfg) * 1024 + 6 * adapters * 1024 + (one - dense)
+    assert training_flops(lora, batch=1, seq_len=1024) == want
+    assert "LoRA: the FLOPs performed" in flops_convention(lora) and "LoRA" not in flops_convention(cfg)
+
+
 def test_flops_of_llama3_8b_at_128k():
     """The attention term grows with context: at 128K tokens it is ~2.3x the dense term for Llama-3.1-8B."""
     cfg = ModelConfig.from_preset("llama3.1-8b")

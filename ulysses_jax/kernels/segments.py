@@ -48,6 +48,18 @@ def documents_per_row(segment_ids):
     return _xp(segment_ids).sum(document_starts(segment_ids), axis=1)
 
 
+def document_lengths(segment_ids) -> list[list[int]]:
+    """Per row, the lengths of its documents in order (padding belongs to none). NumPy, on the host."""
+    seg = np.asarray(segment_ids)
+    starts, real = document_starts(seg), ~padding(seg)
+    out = []
+    for r in range(seg.shape[0]):
+        first = np.flatnonzero(starts[r])
+        end = int(real[r].sum())  # padding only trails: the real tokens are a prefix
+        out.append(np.diff(np.append(first, end)).tolist())
+    return out
+
+
 def split_documents(segment_ids):
     """``[B]`` bool: rows in which one id names two separate runs (refused, see the module docstring). NumPy rows only:
     in a program, ``cudnn_packed`` finds them among the runs it lists."""

@@ -10,17 +10,28 @@ for MFU):
     the softmax are left out: they are elementwise, well under 1% at these sizes.
   * attention scores: per layer, ``Q K^T`` and ``P V`` each cost ``2 * B * S^2 * N * H`` forward, so
     ``12 * L * B * S^2 * N * H`` forward + backward, halved when causal (only the unmasked half counts,
-    as in FlashAttention's accounting). Packed documents are counted as one causal sequence of length S.
+    as in FlashAttention's accounting). Packed rows count each document apart (``document_lengths``: a document of
+    ``n`` tokens has ``n^2 / 2`` causal pairs, padding none), as the kernels do the work: a row of four 8K documents
+    is a quarter of one 32K sequence's attention. Without ``document_lengths`` a row is one document of ``S`` tokens.
     A local layer with a window of ``W < S`` tokens counts the pairs its window holds, ``S * W - W^2 / 2`` instead of
     ``S^2 / 2`` (``attention_pairs``; the kernels skip the tiles outside the window, ``kernels/window.py``).
+  * LoRA (``cfg.lora``): the FLOPs the step performs, not full fine-tuning's: a frozen weight's matmul runs forward
+    and for the input's gradient (``4 * P_mm``: no weight gradient), each adapter's two small matmuls all three ways
+    (``6 * r * (in + out)`` per target and layer). ``flops_convention`` says which count a figure uses.
 
+This is the convention of the FlashAttention papers (causal pairs, per document); NVIDIA's formula counts every
+layer's full ``S^2`` score matrix and so reads about 2x higher at long context (docs/planning.md).
 ``flops_per_device`` divides by the number of devices: the work is split evenly across data, fsdp and sp.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from ulysses_jax.kernels.segments import document_lengths
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.layer_kinds import layer_windows
+from ulysses_jax.model.lora_config import projection_sides
 
 # Dense bf16 peak FLOP/s (no sparsity), from the vendors' datasheets.
 PEAK_FLOPS: dict[str, float] = {
@@ -82,11 +93,38 @@ def param_count(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + mlp + embeddings + d
 
 
-def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs of one forward + backward over ``batch`` rows of ``seq_len`` tokens (all devices)."""
-    dense = 6 * matmul_params(cfg) * batch * seq_len
-    pairs = sum(attention_pairs(seq_len, w, causal=causal) for w in layer_windows(cfg))
-    return float(dense + 12 * batch * pairs * cfg.num_heads * cfg.head_dim)
+def adapter_matmul_params(cfg: ModelConfig) -> float:
+    """Per token, the LoRA adapters' matmul weights over every layer: ``r * (in + out)`` per target (0 without LoRA)."""
+    if cfg.lora is None:
+        return 0.0
+    sides = projection_sides(cfg)
+    return float(cfg.num_layers * sum(cfg.lora.rank * sum(sides[t]) for t in cfg.lora.targets))
+
+
+def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool = True,
+                   document_lengths: list[list[int]] | None = None) -> float:
+    """Model FLOPs of one forward + backward over ``batch`` rows of ``seq_len`` tokens (all devices; module doc).
+
+    ``document_lengths``: per row, the lengths of its documents (``kernels.segments.document_lengths`` of the
+    batch's segment ids), each document's attention counted apart; None: each row one document of ``seq_len``.
+    A LoRA model (``cfg.lora``) counts the FLOPs the step performs (``flops_convention``)."""
+    if document_lengths is not None and len(document_lengths) != batch:
+        raise ValueError(f"document_lengths has {len(document_lengths)} rows but batch is {batch}")
+    tokens = batch * seq_len
+    frozen = 4 if cfg.lora is not None else 6  # a frozen weight: forward and the input's gradient only
+    dense = frozen * matmul_params(cfg) * tokens + 6 * adapter_matmul_params(cfg) * tokens
+    rows = [[seq_len]] * batch if document_lengths is None else document_lengths
+    pairs = sum(attention_pairs(int(n), w, causal=causal) for row in rows for n in row if n > 0
+                for w in layer_windows(cfg))
+    return float(dense + 12 * pairs * cfg.num_heads * cfg.head_dim)
+
+
+def flops_convention(cfg: ModelConfig, packed: bool = True) -> str:
+    """The count an MFU figure of ``cfg`` uses, in a phrase (for the lines that print one)."""
+    what = "causal attention per document" if packed else "causal attention over whole rows"
+    if cfg.lora is not None:
+        return f"{what}; LoRA: the FLOPs performed (no frozen weight's gradient)"
+    return what
 
 
 def attention_pairs(seq_len: int, window: int | None, *, causal: bool = True) -> float:
@@ -105,9 +143,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> f
     return training_flops(cfg, batch=1, seq_len=seq_len, causal=causal) / seq_len
 
 
-def flops_per_device(cfg: ModelConfig, *, batch: int, seq_len: int, n_devices: int, causal: bool = True) -> float:
+def flops_per_device(cfg: ModelConfig, *, batch: int, seq_len: int, n_devices: int, causal: bool = True,
+                     document_lengths: list[list[int]] | None = None) -> float:
     """``training_flops / n_devices`` for a global batch of ``batch`` rows."""
-    return training_flops(cfg, batch=batch, seq_len=seq_len, causal=causal) / n_devices
+    return training_flops(cfg, batch=batch, seq_len=seq_len, causal=causal,
+                          document_lengths=document_lengths) / n_devices
+
+
+def batch_flops_per_device(cfg: ModelConfig, segment_ids, *, global_batch: int, n_devices: int) -> float:
+    """FLOPs per device of a step over a batch whose rows ``segment_ids [rows, S]`` (NumPy; this process's rows of a
+    ``global_batch``) hold: each document's attention apart. With several processes the other processes' rows are
+    taken to hold documents like these (the matmul FLOPs are exact, the attention's the local mean)."""
+    seg = np.asarray(segment_ids)
+    rows = seg.shape[0]
+    local = training_flops(cfg, batch=rows, seq_len=seg.shape[1], document_lengths=document_lengths(seg))
+    return local * global_batch / max(rows, 1) / n_devices
 
 
 def peak_flops(device_kind: str) -> float | None:

@@ -364,7 +364,6 @@ def _save(run: Run, step: int, state: dict) -> None:
 def train_run(run: Run) -> dict:
     cfg, mesh = run.cfg, run.mesh
     n_dev = mesh.devices.size
-    step_flops = flops.flops_per_device(run.model, batch=run.batch_size, seq_len=cfg.seq_len, n_devices=n_dev)
     log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress,
                         wandb_project=cfg.wandb_project, wandb_id=run.record.get("wandb_id"),
                         config=run.record.get("config"))
@@ -381,6 +380,8 @@ def train_run(run: Run) -> dict:
                 if doc_limit:
                     check_documents_per_row(local, doc_limit)
                 batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
+                step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
+                                                          global_batch=run.batch_size)  # each document apart
                 t0 = time.perf_counter()
                 state, metrics = run.step_fn(state, batch)
                 loss = float(metrics["loss"])  # waits for the step
