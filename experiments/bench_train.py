@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank (alpha 2 x rank, every projection), the base frozen in bf16")
     p.add_argument("--documents", type=int, default=1, help="documents per row (1: one whole-row document)")
+    p.add_argument("--optim-offload", action="store_true",
+                   help="bfloat16 parameters, float32 master weights and AdamW state in host memory (--optim.offload)")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -95,10 +97,13 @@ def bench_one(args, seq_len: int) -> dict:
     if args.lora_rank:
         cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
                                   param_dtype="bfloat16")
+    optim = OptimConfig(offload=True, master_weights=True) if args.optim_offload else OptimConfig()
+    if args.optim_offload:
+        cfg = dataclasses.replace(cfg, param_dtype="bfloat16")
     check_parallel(cfg, mesh, seq_len=seq_len, batch_size=rows)
-    tx = make_optimizer(OptimConfig().resolved(1000, lora=bool(args.lora_rank)), 1000)
+    tx = make_optimizer(optim.resolved(1000, lora=bool(args.lora_rank)), 1000)
     graphdef, state = init_state(cfg, mesh, tx, seed=0)
-    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 1000), mesh, state_shardings(state))
+    step = make_train_step(graphdef, tx, make_schedule(optim, 1000), mesh, state_shardings(state))
     local = random_batch(rows, seq_len, cfg.vocab_size, documents=args.documents)
     batch = to_global(local, mesh)
     times = []

@@ -1,0 +1,331 @@
+"""Our training step beside the peer's, on the same GPU in one invocation: same model shapes, same tokens, one document
+per row; the step times, their ratio, the peaks, and `plan`'s estimate for our flags, in one CSV and its table.
+
+    python experiments/bench_peers.py                                  # every row (minutes per row on one GPU)
+    python experiments/bench_peers.py --rows 1b-32k,8b-lora-32k        # a selection (names: --list)
+    python experiments/bench_peers.py --allow-cpu --quick              # CPU dry run: tiny shapes, every code path
+    python experiments/bench_peers.py --fill-estimates CSV --target h200   # on a CPU machine: plan's estimates
+
+Each measurement runs in a child process of its own (`--child`), so neither framework's memory pool sees the other's
+and each peak is the measured one's alone; a child that runs out of memory or fails leaves its time empty and says
+why in `note`. Ours: `experiments/bench_train.py`'s step (the real training step: model, loss, AdamW) with the row's
+flags. The peers, in the way a user would pick them:
+- `transformers`: `AutoModelForCausalLM.from_config` of the same shapes, SDPA attention, gradient checkpointing,
+  float32 weights under bfloat16 autocast, `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and
+  `peft.get_peft_model` with r 16, alpha 32 on the seven projections (ours: the same adapters, `--lora-rank 16`);
+- `transformers+liger`: the same after `liger_kernel.transformers.apply_liger_kernel_to_<family>()` (fused linear
+  cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel).
+Packed rows for the peer (flex attention with packed position ids) are not timed: every row here is one document.
+Both step times are the median of --steps timed steps after --warmup; `speedup` = peer / ours. `estimate_s` is
+`ulysses-jax plan`'s estimate for our flags on one compile-only GPU of the matching kind; a GPU run leaves it empty
+and `--fill-estimates` fills it on any machine with the aot extra (compiling takes minutes, not GPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+COLUMNS = ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s", "speedup",
+           "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
+BASE = "--remat full --loss-chunk 4096 --mlp-chunk 4096"
+HOST_OPTIM = "--remat full --loss-chunk 4096 --mlp-chunk 4096 --optim-offload"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    preset: str
+    mode: str  # "full" or "lora16"
+    seq_len: int
+    flag_sets: tuple[str, ...]  # our flags (bench_train's, which are train's names), one timing each
+
+
+ROWS = (
+    Row("1b-8k", "llama3.2-1b", "full", 8192, (BASE, BASE + " --attn-keep")),
+    Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, BASE + " --attn-keep")),
+    Row("1b-128k", "llama3.2-1b", "full", 131072, (BASE + " --attn-keep",)),
+    Row("8b-lora-32k", "llama3.1-8b", "lora16", 32768, (BASE, BASE + " --attn-keep")),
+    Row("8b-lora-64k", "llama3.1-8b", "lora16", 65536, (BASE + " --attn-keep",)),
+    Row("qwen3-8b-32k", "qwen3-8b", "full", 32768, (HOST_OPTIM,)),
+)
+QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",
+                                            "--remat full --loss-chunk 64 --mlp-chunk 64 --attn-keep")),
+         Row("quick-lora", "tiny", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)))
+PEERS = ("transformers", "transformers+liger")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=None, help="comma-separated row names (default: all; --list shows them)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=600, help="seconds for each child measurement")
+    p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a dry run; times mean nothing)")
+    p.add_argument("--quick", action="store_true", help="the tiny rows (with --allow-cpu: the CI dry run)")
+    p.add_argument("--fill-estimates", type=pathlib.Path, default=None, help="a CSV of this script: fill estimate_s")
+    p.add_argument("--target", default=None, help="with --fill-estimates: h100 or h200 (default: from the gpu column)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # JSON of one measurement (internal)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ children
+
+
+def ours(spec: dict) -> dict:
+    """Our step: bench_train's, one document per row, on one device."""
+    sys.path.insert(0, str(HERE))
+    import bench_train
+
+    argv = ["--preset", spec["preset"], "--seq-lens", str(spec["seq_len"]), "--sp", "1", "--fsdp", "1",
+            "--batch-size", "1", "--documents", str(spec["documents"]), "--steps", str(spec["steps"]),
+            "--warmup", str(spec["warmup"]), *spec["flags"].split()]
+    if spec["mode"] == "lora16":
+        argv += ["--lora-rank", "16"]
+    if spec.get("allow_cpu"):
+        argv += ["--allow-cpu"]
+    args = bench_train.parse_args(argv)
+    row = bench_train.bench_one(args, spec["seq_len"])
+    return {"step_s": float(row["step_s"]), "peak_gib": float(row["peak_mem_gib"]) if row["peak_mem_gib"] else None,
+            "loss": float(row["loss"])}
+
+
+def _hf_config(preset: str):
+    """transformers' config of one of our presets, through our own config.json writer (the same shapes)."""
+    import transformers
+
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.model.hf_config import export_architecture, hf_config
+
+    cfg = ModelConfig.from_preset(preset)
+    raw = hf_config(cfg, export_architecture(cfg), "float32")
+    kind = transformers.CONFIG_MAPPING[raw.pop("model_type")]
+    return kind(**{k: v for k, v in raw.items() if k != "architectures"}), raw["architectures"][0]
+
+
+def peer(spec: dict) -> dict:
+    """The peer's step (module doc): the same tokens as ours (bench_train's random batch, one document)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(HERE))
+    from bench_train import random_batch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not spec.get("allow_cpu"):
+        raise RuntimeError("no CUDA device for the peer")
+    device = "cuda" if cuda else "cpu"
+    config, arch = _hf_config(spec["preset"])
+    if spec["peer"] == "transformers+liger":
+        import liger_kernel.transformers as liger  # noqa: F401 - raises where it is not installed
+
+        family = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
+                  "MistralForCausalLM": "mistral"}[arch]
+        getattr(liger, f"apply_liger_kernel_to_{family}")()
+    lora = spec["mode"] == "lora16"
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16 if lora else
+                                                              torch.float32)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
+    batch = random_batch(1, spec["seq_len"], config.vocab_size, documents=spec["documents"])
+    ids = torch.as_tensor(batch["tokens"].astype(np.int64), device=device)
+    times, loss = [], None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not lora):
+            # transformers shifts the labels itself: the tokens as labels, as its users pass them (ours' targets)
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        loss = float(out.loss)
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {"step_s": statistics.median(times), "peak_gib": peak, "loss": loss}
+
+
+def child_main(spec: dict) -> int:
+    try:
+        result = ours(spec) if spec["who"] == "ours" else peer(spec)
+    except Exception as e:  # noqa: BLE001 - reported as the row's note
+        text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        oom = "out of memory" in str(e).lower() or "RESOURCE_EXHAUSTED" in str(e) or "OutOfMemory" in text
+        result = {"error": ("out of memory: " if oom else "") + text[:200]}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def measure(spec: dict, timeout: int) -> dict:
+    """One child measurement (``--child``); its RESULT line, or the reason there is none."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if spec["who"] == "peer" else dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device: the peer has one
+    if spec.get("allow_cpu"):
+        env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+    return {"error": f"exit {proc.returncode}: {tail[0][:200]}"}
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+
+def _gib(x):
+    return "" if x is None else f"{x:.1f}"
+
+
+def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[dict]:
+    common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=1, steps=args.steps,
+                  warmup=args.warmup, allow_cpu=args.allow_cpu)
+    theirs = {p: measure({**common, "who": "peer", "peer": p}, args.timeout) for p in peers}
+    out = []
+    for flags in row.flag_sets:
+        mine = measure({**common, "who": "ours", "flags": flags}, args.timeout)
+        for p in peers:
+            t = theirs[p]
+            ours_s, peer_s = mine.get("step_s"), t.get("step_s")
+            notes = [f"ours: {mine['error']}" if "error" in mine else "",
+                     f"{p}: {t['error']}" if "error" in t else ""]
+            out.append({
+                "model": row.preset, "mode": row.mode, "seq_len": row.seq_len, "documents": 1, "flags": flags,
+                "peer": p, "ours_step_s": "" if ours_s is None else f"{ours_s:.3f}",
+                "peer_step_s": "" if peer_s is None else f"{peer_s:.3f}",
+                "speedup": f"{peer_s / ours_s:.2f}" if ours_s and peer_s else "", "estimate_s": "",
+                "ours_peak_gib": _gib(mine.get("peak_gib")), "peer_peak_gib": _gib(t.get("peak_gib")), "gpu": gpu,
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "commit": commit,
+                "note": "; ".join(n for n in notes if n)})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def write(stem: pathlib.Path, rows: list[dict], header: list[str]) -> list[pathlib.Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    cols = COLUMNS[:12] + ["note"]
+    lines = ["# Our training step beside the peer's, same GPU, same call", ""] + [f"- {h}" for h in header] + [""]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return [stem.with_suffix(".csv"), stem.with_suffix(".md")]
+
+
+def fill_estimates(path: pathlib.Path, target: str | None) -> int:
+    """``estimate_s`` of every row: ``plan`` for our flags on one compile-only GPU (h100 / h200 by the gpu column)."""
+    from ulysses_jax.cli import parse
+    from ulysses_jax.plan.planner import plan
+
+    rows = list(csv.DictReader(open(path)))
+    cache = {}
+    for r in rows:
+        kind = target or ("h200" if "h200" in r["gpu"].lower() else "h100")
+        key = (r["model"], r["mode"], r["seq_len"], r["flags"], kind)
+        if key not in cache:
+            flags = r["flags"].replace("--optim-offload", "--optim.offload --optim.master-weights --param-dtype "
+                                                          "bfloat16").split()
+            lora = ["--lora-rank", "16"] if r["mode"] == "lora16" else []
+            cfg = parse(["plan", "--preset", r["model"], "--seq-len", r["seq_len"], "--batch-size", "1", "--devices",
+                         "1", "--mesh.fsdp", "1", "--mesh.sp", "1", "--target", kind, "--no-kernels", *lora, *flags])
+            p = plan(cfg, detail=False)
+            cache[key] = "" if p.estimate is None else f"{p.estimate['step_seconds']:.3f}"
+            print(f"{key}: estimate {cache[key]} s", flush=True)
+        r["estimate_s"] = cache[key]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS + [c for c in rows[0] if c not in COLUMNS] if rows else COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(json.loads(args.child))
+    if args.fill_estimates:
+        return fill_estimates(args.fill_estimates, args.target)
+    table = QUICK if args.quick else ROWS
+    if args.list:
+        for r in table:
+            print(f"{r.name}: {r.preset} {r.mode} {r.seq_len:,} tokens; ours: {' | '.join(r.flag_sets)}")
+        return 0
+    chosen = [r for r in table if args.rows is None or r.name in args.rows.split(",")]
+    unknown = set(args.rows.split(",")) - {r.name for r in table} if args.rows else set()
+    if unknown or not chosen:
+        print(f"bench_peers: unknown rows {sorted(unknown)}; choose from {', '.join(r.name for r in table)}",
+              file=sys.stderr)
+        return 2
+    gpu = _gpu_name()
+    if gpu is None and not args.allow_cpu:
+        print("bench_peers: no GPU (nvidia-smi found none); pass --allow-cpu for a dry run", file=sys.stderr)
+        return 2
+    gpu = gpu or "cpu"
+    commit = os.environ.get("ULYSSES_JAX_COMMIT") or _git("rev-parse", "HEAD")
+    peers = [p for p in args.peers.split(",") if p]
+    rows = [r for row in chosen for r in rows_for(row, peers, args, gpu, commit)]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    kind = gpu.lower().replace("nvidia ", "").split()[0] if gpu != "cpu" else "cpu"
+    header = [f"date: `{stamp:%Y-%m-%d %H:%M} UTC`", f"gpu: `{gpu}`", f"commit: `{commit}`",
+              f"command: `python experiments/bench_peers.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+              "one document per row, batch 1, one device; step times: median of the timed steps; speedup = peer / ours",
+              "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated"]
+    print("wrote", *write(args.out_dir / f"peers_{kind}_{stamp:%Y%m%d}", rows, header))
+    return 0
+
+
+def _gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = out.stdout.strip().splitlines()
+    return names[0] if out.returncode == 0 and names else None
+
+
+def _git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
