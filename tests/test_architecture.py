@@ -1,4 +1,5 @@
-"""The package's shape: subpackages in layers, every import pointing down, no cycle, modules of readable size.
+"""The package's shape: subpackages in layers, every import pointing down, no cycle, modules of readable size, and a
+model family in one module.
 
 Imports are read from the source (``ast``), those inside functions included: a lazy import that dodges a cycle at
 import time is still a cycle in the design. Subpackage ``__init__`` files hold a docstring only; the package root
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -131,3 +133,43 @@ def test_public_names_stay_importable():
     for name in ulysses_jax.__all__:
         assert getattr(ulysses_jax, name) is not None, name
     assert ulysses_jax.ModelConfig.from_hf.__qualname__ == "ModelConfig.from_hf"
+
+
+# the modules of model/families/ that are not a family
+FAMILY_HELPERS = ("fields", "tensors", "registry")
+FAMILY_INTERFACE = ("ARCHITECTURE", "MODEL_TYPE", "fields", "claims", "hf_config", "ENTRIES", "PRESETS")
+
+
+def architectures_named_outside(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Each registered architecture string (``LlamaForCausalLM``, ...) -> the modules other than its family's that
+    name it."""
+    from ulysses_jax.model.families import registry
+
+    out = {}
+    for family in registry.FAMILIES:
+        word = re.compile(rf"\b{re.escape(family.ARCHITECTURE)}\b")
+        if named := sorted(m for m, src in sources.items() if m != family.__name__ and word.search(src)):
+            out[family.ARCHITECTURE] = named
+    return out
+
+
+def test_a_family_is_named_in_its_module_only():
+    """Adding a family is one module (and its registry line): the generic reader and writer, the weights' table and
+    every other module name no architecture."""
+    sources = {m: p.read_text(encoding="utf-8") for m, p in MODULES.items()}
+    assert not (named := architectures_named_outside(sources)), f"architectures named outside their family: {named}"
+    caught = architectures_named_outside({**sources, "ulysses_jax.model.hf_config": 'if arch == "LlamaForCausalLM":'})
+    assert caught == {"LlamaForCausalLM": ["ulysses_jax.model.hf_config"]}
+
+
+def test_every_family_is_registered_with_its_interface_and_presets():
+    from ulysses_jax.model.config import PRESETS
+    from ulysses_jax.model.families import registry
+
+    prefix = "ulysses_jax.model.families."
+    modules = {m for m in MODULES if m.startswith(prefix) and m.removeprefix(prefix) not in FAMILY_HELPERS}
+    assert {f.__name__ for f in registry.FAMILIES} == modules, "a family module missing from registry.FAMILIES"
+    assert sorted(f.__name__ for f in registry.EXPORT_ORDER) == sorted(modules), "EXPORT_ORDER lists each once"
+    for family in registry.FAMILIES:
+        assert not (missing := [a for a in FAMILY_INTERFACE if not hasattr(family, a)]), (family.__name__, missing)
+        assert all(PRESETS[name].name == name for name in family.PRESETS), family.__name__

@@ -1,15 +1,16 @@
 """Hugging Face model folders in and out: ``*.safetensors`` weights, with ``config.json`` (``model/hf_config.py``) and
 the tokenizer files (``data/tokenizers.py``) beside them.
 
-One table, ``TABLE``, names every tensor both ways: our parameter (a path in the NNX model, its dimension
-letters) and the Hugging Face tensor (its name, its dimension letters, ``"NH,D"`` meaning a ``[N*H, D]`` matrix).
-Import reshapes and transposes HF -> ours with it, export ours -> HF; nothing else knows a tensor name.
+Each model family (``model/families/``) names its tensors both ways in its ``ENTRIES``: our parameter (a path in the
+NNX model, its dimension letters) and the Hugging Face tensor (its name, its dimension letters, ``"NH,D"`` meaning a
+``[N*H, D]`` matrix). Import reshapes and transposes HF -> ours with the rows of the model's family, export ours ->
+HF; nothing else knows a tensor name. For example (the Llama layout):
 
-  ours                          HF (LlamaForCausalLM, Qwen2/Qwen3/MistralForCausalLM, Gemma3ForCausalLM)
-  embed_VD [V, D]               model.embed_tokens.weight [V, D]
+  ours                              HF
+  embed_VD [V, D]                   model.embed_tokens.weight [V, D]
   blocks.attn.wq_DNH [L, D, N, H]   model.layers.{i}.self_attn.q_proj.weight [N*H, D]   (one per layer)
   blocks.attn.wo_NHD [L, N, H, D]   model.layers.{i}.self_attn.o_proj.weight [D, N*H]
-  blocks.mlp.w_gate_DF [L, D, F]    model.layers.{i}.mlp.gate_proj.weight [F, D]   ... (see TABLE)
+  blocks.mlp.w_gate_DF [L, D, F]    model.layers.{i}.mlp.gate_proj.weight [F, D]   ... (see model/families/tensors.py)
 
 Our layers are stacked on a leading axis (the scanned block), HF's are numbered; RoPE is the same half-split
 rotation in both, so no permutation of q/k rows is needed.
@@ -28,7 +29,6 @@ Llama 3.x folders (``rope_theta`` + ``rope_scaling``), which transformers 4 read
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -42,7 +42,8 @@ from jax.sharding import Mesh
 
 from ulysses_jax.interop import mxfp4
 from ulysses_jax.model.config import ModelConfig
-from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS, export_architecture, hf_config, read_json
+from ulysses_jax.model.families.tensors import Entry
+from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS, export_architecture, export_family, hf_config, read_json
 from ulysses_jax.model.transformer import Transformer
 from ulysses_jax.parallel.sharding import param_shardings
 
@@ -53,109 +54,10 @@ MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default "5GB"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers that old checkpoints carry; recomputed, never read
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One tensor both ways. ``dims``: our letters (per layer); ``hf_dims``: HF letters, ``,`` between dimensions."""
-
-    param: str
-    dims: str
-    hf: str  # ``{i}``: the layer number, for parameters of the stacked block
-    hf_dims: str
-    when: str | None = None  # what must hold: "untied", "qkv_bias", "qk_norm", "post_norms", "pre_norms", "dense",
-    # "qwen_moe", "mixtral" (the expert tables; "dense" and these are also the layers that have the tensor)
-
-    @property
-    def stacked(self) -> bool:
-        return self.param.startswith("blocks.")
-
-    @property
-    def experts(self) -> bool:
-        """One HF tensor per expert (``{j}`` in the name), stacked on our ``E`` dimension (the router has an ``E``
-        dimension too, in one tensor)."""
-        return "{j}" in self.hf
-
-    @property
-    def per_tensor(self) -> Entry:
-        """This entry for one HF tensor: without our ``E`` dimension for an experts' entry."""
-        return dataclasses.replace(self, dims=self.dims.replace("E", "")) if self.experts else self
-
-    def layers(self, cfg: ModelConfig) -> list[int]:
-        """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP."""
-        if self.when in ("qwen_moe", "mixtral", "gpt_oss"):
-            return list(cfg.sparse_layers)
-        if self.when == "dense":
-            return [i for i in range(cfg.num_layers) if i not in cfg.sparse_layers]
-        return list(range(cfg.num_layers))
-
-    def hf_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
-        return tuple(math.prod(sizes[c] for c in g) for g in self.hf_dims.split(","))
-
-    def to_ours(self, x: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
-        """An HF tensor (or a block of it whose single-letter dimensions are cut) -> our layout."""
-        shape = []
-        for group, n in zip(self.hf_dims.split(","), x.shape):
-            shape += [n] if len(group) == 1 else [sizes[c] for c in group]  # merged dims are never cut
-        flat = self.hf_dims.replace(",", "")
-        return x.reshape(shape).transpose([flat.index(c) for c in self.dims])
-
-    def to_hf(self, x: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
-        flat = self.hf_dims.replace(",", "")
-        return x.transpose([self.dims.index(c) for c in flat]).reshape(self.hf_shape(sizes))
-
-
-_L = "model.layers.{i}."
-TABLE: tuple[Entry, ...] = (
-    Entry("embed_VD", "VD", "model.embed_tokens.weight", "V,D"),
-    Entry("blocks.attn_norm.scale", "D", _L + "input_layernorm.weight", "D"),
-    Entry("blocks.attn.wq_DNH", "DNH", _L + "self_attn.q_proj.weight", "NH,D"),
-    Entry("blocks.attn.wk_DKH", "DKH", _L + "self_attn.k_proj.weight", "KH,D"),
-    Entry("blocks.attn.wv_DKH", "DKH", _L + "self_attn.v_proj.weight", "KH,D"),
-    Entry("blocks.attn.bq_NH", "NH", _L + "self_attn.q_proj.bias", "NH", "qkv_bias"),
-    Entry("blocks.attn.bk_KH", "KH", _L + "self_attn.k_proj.bias", "KH", "qkv_bias"),
-    Entry("blocks.attn.bv_KH", "KH", _L + "self_attn.v_proj.bias", "KH", "qkv_bias"),
-    Entry("blocks.attn.q_norm.scale", "H", _L + "self_attn.q_norm.weight", "H", "qk_norm"),
-    Entry("blocks.attn.k_norm.scale", "H", _L + "self_attn.k_norm.weight", "H", "qk_norm"),
-    Entry("blocks.attn.wo_NHD", "NHD", _L + "self_attn.o_proj.weight", "D,NH"),
-    Entry("blocks.attn.bo_D", "D", _L + "self_attn.o_proj.bias", "D", "o_bias"),
-    Entry("blocks.attn.sinks_N", "N", _L + "self_attn.sinks", "N", "attn_sinks"),
-    # Llama family: "post_attention_layernorm" is the norm before the MLP; Gemma 3 norms after each sublayer too
-    Entry("blocks.mlp_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "pre_norms"),
-    Entry("blocks.post_attn_norm.scale", "D", _L + "post_attention_layernorm.weight", "D", "post_norms"),
-    Entry("blocks.mlp_norm.scale", "D", _L + "pre_feedforward_layernorm.weight", "D", "post_norms"),
-    Entry("blocks.post_mlp_norm.scale", "D", _L + "post_feedforward_layernorm.weight", "D", "post_norms"),
-    Entry("blocks.mlp.w_gate_DF", "DF", _L + "mlp.gate_proj.weight", "F,D", "dense"),
-    Entry("blocks.mlp.w_up_DF", "DF", _L + "mlp.up_proj.weight", "F,D", "dense"),
-    Entry("blocks.mlp.w_down_FD", "FD", _L + "mlp.down_proj.weight", "D,F", "dense"),
-    # mixtures of experts: the router and one tensor per expert {j} (G: an expert's width, moe_mlp_dim)
-    Entry("blocks.moe.w_router_DE", "DE", _L + "mlp.gate.weight", "E,D", "qwen_moe"),
-    Entry("blocks.moe.w_gate_EDF", "EDG", _L + "mlp.experts.{j}.gate_proj.weight", "G,D", "qwen_moe"),
-    Entry("blocks.moe.w_up_EDF", "EDG", _L + "mlp.experts.{j}.up_proj.weight", "G,D", "qwen_moe"),
-    Entry("blocks.moe.w_down_EFD", "EGD", _L + "mlp.experts.{j}.down_proj.weight", "D,G", "qwen_moe"),
-    Entry("blocks.moe.w_router_DE", "DE", _L + "block_sparse_moe.gate.weight", "E,D", "mixtral"),
-    Entry("blocks.moe.w_gate_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w1.weight", "G,D", "mixtral"),
-    Entry("blocks.moe.w_up_EDF", "EDG", _L + "block_sparse_moe.experts.{j}.w3.weight", "G,D", "mixtral"),
-    Entry("blocks.moe.w_down_EFD", "EGD", _L + "block_sparse_moe.experts.{j}.w2.weight", "D,G", "mixtral"),
-    # gpt-oss: every expert in one tensor per layer, gate and up fused with interleaved columns (X = 2G), biases;
-    # on the Hub the two expert matrices are MXFP4 ``_blocks`` + ``_scales`` (interop/mxfp4.py)
-    Entry("blocks.moe.w_router_DE", "DE", _L + "mlp.router.weight", "E,D", "gpt_oss"),
-    Entry("blocks.moe.b_router_E", "E", _L + "mlp.router.bias", "E", "gpt_oss"),
-    Entry("blocks.moe.w_gate_up_EDX", "EDX", _L + "mlp.experts.gate_up_proj", "E,D,X", "gpt_oss"),
-    Entry("blocks.moe.b_gate_up_EX", "EX", _L + "mlp.experts.gate_up_proj_bias", "E,X", "gpt_oss"),
-    Entry("blocks.moe.w_down_EFD", "EGD", _L + "mlp.experts.down_proj", "E,G,D", "gpt_oss"),
-    Entry("blocks.moe.b_down_ED", "ED", _L + "mlp.experts.down_proj_bias", "E,D", "gpt_oss"),
-    Entry("final_norm.scale", "D", "model.norm.weight", "D"),
-    Entry("lm_head_VD", "VD", "lm_head.weight", "V,D", "untied"),
-)
-
-
-def entries(cfg: ModelConfig) -> list[Entry]:
-    """The rows of ``TABLE`` that a model with ``cfg`` has."""
-    arch = export_architecture(cfg) if cfg.num_experts else None
-    have = {None: True, "untied": not cfg.tie_embeddings, "qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm,
-            "post_norms": cfg.post_norms, "pre_norms": not cfg.post_norms, "dense": cfg.has_dense_mlp,
-            "qwen_moe": arch == "Qwen3MoeForCausalLM", "mixtral": arch == "MixtralForCausalLM",
-            "gpt_oss": arch == "GptOssForCausalLM", "o_bias": cfg.o_bias, "attn_sinks": cfg.attn_sinks}
-    return [e for e in TABLE if have[e.when]]
+def entries(cfg: ModelConfig, hint=None) -> list[Entry]:
+    """The tensor rows of the family that writes ``cfg`` (``hint``: the source folder's ``architectures``) that a model
+    with ``cfg`` has; ``ValueError`` for a model that no Hugging Face architecture here holds."""
+    return [e for e in export_family(cfg, hint).ENTRIES if e.applies(cfg)]
 
 
 def letter_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -172,10 +74,6 @@ def hf_names(entry: Entry, cfg: ModelConfig) -> list[str]:
         return [entry.hf]
     experts = range(cfg.num_experts) if entry.experts else [None]
     return [tensor_name(entry, i, j) for i in entry.layers(cfg) for j in experts]
-
-
-# ----------------------------------------------------------------------------------------------
-# config.json
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,11 +284,12 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
     dtype = dtype or str(params["embed_VD"].dtype)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"export dtype {dtype!r} must be float32, bfloat16 or float16")
-    arch = export_architecture(cfg, src_cfg.get("architectures"))
+    hint = src_cfg.get("architectures")
+    arch, table = export_architecture(cfg, hint), entries(cfg, hint)
     sizes, itemsize = letter_sizes(cfg), jnp.dtype(dtype).itemsize
-    rows = [e for e in entries(cfg) if not e.stacked]
+    rows = [e for e in table if not e.stacked]
     order = [(rows[0], None, None)] + [
-        (e, i, j) for i in range(cfg.num_layers) for e in entries(cfg) if e.stacked and i in e.layers(cfg)
+        (e, i, j) for i in range(cfg.num_layers) for e in table if e.stacked and i in e.layers(cfg)
         for j in (range(cfg.num_experts) if e.experts else [None])]
     order += [(e, None, None) for e in rows[1:]]
     shards: list[list] = [[]]

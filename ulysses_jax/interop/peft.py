@@ -4,8 +4,9 @@ A peft adapter folder holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, 
 ``base_model_name_or_path``, ...) and ``adapter_model.safetensors``, whose tensors are named after the base model's
 modules under ``base_model.model.`` (the ``PeftModel`` wrapper, then the ``...ForCausalLM``), without the adapter's own
 name: ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and ``... .lora_B.weight``
-``[out, r]``, so that the layer computes ``W x + (lora_alpha / r) B (A x)``. The module names are ``interop/hf.py``'s
-``TABLE``'s (the targeted weight's tensor name without ``.weight``), so every family exports the same way.
+``[out, r]``, so that the layer computes ``W x + (lora_alpha / r) B (A x)``. The module names are the tensor names of
+the model's family (``interop/hf.py: entries``, the targeted weight's name without ``.weight``), so every family
+exports the same way.
 
 Ours: ``A [L, in..., r]``, ``B [L, r, out...]`` with ``W [L, in..., out...]`` (``W + scale A B``): per layer, peft's
 ``lora_A`` is ``A`` flattened to ``[in, r]`` and transposed, ``lora_B`` is ``B`` flattened to ``[r, out]`` and

@@ -1,43 +1,23 @@
 """``ModelConfig``: the frozen description of a Llama / Qwen / Mistral-family transformer, with presets.
 
-Presets carry the shapes of the published checkpoints (Hugging Face ``config.json`` of each model):
+Presets carry the shapes of the published checkpoints (Hugging Face ``config.json`` of each model); each family's
+module (``model/families/``) holds its own and tabulates them in its docstring:
 
-| preset       | layers | hidden | heads | kv | head_dim | mlp   | vocab  | theta  | scaling    | tied | extras   |
-|--------------|--------|--------|-------|----|----------|-------|--------|--------|------------|------|----------|
-| llama3.2-1b  | 16     | 2048   | 32    | 8  | 64       | 8192  | 128256 | 500000 | llama3 x32 | yes  |          |
-| llama3.2-3b  | 28     | 3072   | 24    | 8  | 128      | 8192  | 128256 | 500000 | llama3 x32 | yes  |          |
-| llama3.1-8b  | 32     | 4096   | 32    | 8  | 128      | 14336 | 128256 | 500000 | llama3 x8  | no   |          |
-| llama3.1-70b | 80     | 8192   | 64    | 8  | 128      | 28672 | 128256 | 500000 | llama3 x8  | no   |          |
-| qwen2.5-0.5b | 24     | 896    | 14    | 2  | 64       | 4864  | 151936 | 1e6    | -          | yes  | qkv bias |
-| qwen2.5-7b   | 28     | 3584   | 28    | 4  | 128      | 18944 | 152064 | 1e6    | -          | no   | qkv bias |
-| qwen3-0.6b   | 28     | 1024   | 16    | 8  | 128      | 3072  | 151936 | 1e6    | -          | yes  | qk-norm  |
-| qwen3-4b     | 36     | 2560   | 32    | 8  | 128      | 9728  | 151936 | 1e6    | -          | yes  | qk-norm  |
-| qwen3-8b     | 36     | 4096   | 32    | 8  | 128      | 12288 | 151936 | 1e6    | -          | no   | qk-norm  |
-| mistral-7b   | 32     | 4096   | 32    | 8  | 128      | 14336 | 32768  | 1e6    | -          | no   | (v0.3)   |
-| gemma3-1b    | 26     | 1152   | 4     | 1  | 256      | 6912  | 262144 | 1e6    | -          | yes  | Gemma 3  |
-| gemma3-4b    | 34     | 2560   | 8     | 4  | 256      | 10240 | 262208 | 1e6    | linear x8  | yes  | Gemma 3  |
+| family     | presets                                                   | module                       |
+|------------|-----------------------------------------------------------|------------------------------|
+| Llama 3.x  | llama3.2-1b, llama3.2-3b, llama3.1-8b, llama3.1-70b       | ``families/llama.py``        |
+| Qwen2.5    | qwen2.5-0.5b, qwen2.5-7b (q/k/v bias)                     | ``families/qwen2.py``        |
+| Qwen3      | qwen3-0.6b, qwen3-4b, qwen3-8b (qk-norm)                  | ``families/qwen3.py``        |
+| Mistral    | mistral-7b (v0.3, no sliding window)                      | ``families/mistral.py``      |
+| Qwen3-MoE  | qwen3-30b-a3b (128 experts, top-8, 30.5B / 3.3B active)   | ``families/qwen3_moe.py``    |
+| Mixtral    | mixtral-8x7b (8 experts, top-2, 46.7B / 12.9B active)     | ``families/mixtral.py``      |
+| gpt-oss    | gpt-oss-20b, gpt-oss-120b (sinks, biases, YaRN, windows)  | ``families/gpt_oss.py``      |
+| Gemma 3    | gemma3-1b, gemma3-4b (5 local : 1 global, post-norms)     | ``families/gemma3.py``       |
 
-Mixtures of experts (``model/moe.py``; ``mlp`` above is the expert's width here):
-
-| preset        | layers | hidden | heads | kv | head_dim | experts | top-k | expert mlp | vocab  | total / active |
-|---------------|--------|--------|-------|----|----------|---------|-------|------------|--------|----------------|
-| qwen3-30b-a3b | 48     | 2048   | 32    | 4  | 128      | 128     | 8     | 768        | 151936 | 30.5B / 3.3B   |
-| mixtral-8x7b  | 32     | 4096   | 32    | 8  | 128      | 8       | 2     | 14336      | 32000  | 46.7B / 12.9B  |
-
-| gpt-oss-20b   | 24     | 2880   | 64    | 8  | 64       | 32      | 4     | 2880       | 201088 | 20.9B / 3.6B   |
-| gpt-oss-120b  | 36     | 2880   | 64    | 8  | 64       | 128     | 4     | 2880       | 201088 | 116.8B / 5.1B  |
-
-All renormalise the top-k weights; Qwen3-30B-A3B has qk-norm and every layer sparse; ``tiny-moe`` (CPU-sized) has one
-dense layer among three sparse ones. gpt-oss: sliding (128 tokens) and full layers alternating, biases on q, k, v, o,
-attention sinks, YaRN RoPE (x32 of 4096, theta 150000), experts with biases and the clamped SwiGLU (limit 7).
-
-Gemma 3 (text; the 4B's language model): five local layers of a sliding window (512 tokens for 1B, 1024 for 4B) to one
-global, local RoPE base 10000, norms around both sublayers with (1 + w), qk-norm, GeGLU (tanh GELU), embeddings times
-sqrt(hidden), attention scale 1/sqrt(256).
-
-``mistral-7b`` is v0.3 (no sliding window; v0.1's 4096-token window is not modelled). ``tiny`` is a
-CPU-sized GQA model (5.2M parameters) for smoke runs. Variations: ``dataclasses.replace(cfg, ...)``, which
-re-runs the validation, so an invalid combination raises ``ValueError`` at once.
+Two CPU-sized models for smoke runs live here: ``tiny``, a GQA model of 5.2M parameters, and ``tiny-moe``, eight
+experts (top-2, renormalised, qk-norm) with one dense layer among three sparse ones. Variations:
+``dataclasses.replace(cfg, ...)``, which re-runs the validation, so an invalid combination raises ``ValueError`` at
+once.
 
 The long-context memory switches (each tested for equality with the plain path):
   * ``loss_chunk``: tokens per chunk of each device's sequence for the tiled loss (0 = plain loss).
@@ -67,6 +47,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from ulysses_jax.model import hf_config, layer_kinds
+from ulysses_jax.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from ulysses_jax.model.layer_kinds import check_layers
 from ulysses_jax.model.lora_config import LoraConfig
 
@@ -336,7 +317,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path, **overrides) -> ModelConfig:
-        """The shapes of a Hugging Face model folder's ``config.json`` (Llama 3.x, Qwen2, Qwen3, Mistral; see
+        """The shapes of a Hugging Face model folder's ``config.json`` (a family of ``model/families/``, read by
         ``model/hf_config.py``), with ``overrides`` replaced. Unsupported settings raise ``ValueError`` naming the
         field."""
         fields = hf_config.config_fields(path)
@@ -359,86 +340,17 @@ def local_chunks(chunk: int, local_seq: int, what: str) -> int:
     return local_seq // chunk
 
 
-_LLAMA3 = dict(rope_theta=500_000.0, rms_eps=1e-5, vocab_size=128_256, max_seq_len=131_072)
-_GEMMA3 = dict(rope_theta=1_000_000.0, rope_local_theta=10_000.0, rms_eps=1e-6, head_dim=256,
-               layer_pattern=("local",) * 5 + ("global",), tie_embeddings=True, qk_norm=True, post_norms=True,
-               norm_plus_one=True, mlp_activation="gelu_tanh", scale_embeddings=True, query_pre_attn_scalar=256.0)
-_QWEN = dict(rope_theta=1_000_000.0, rms_eps=1e-6)
-_GPT_OSS = dict(  # gpt-oss's config.json; router_aux_loss_coef 0.9 as published
-    vocab_size=201_088, hidden=2880, num_heads=64, num_kv_heads=8, head_dim=64, mlp_dim=2880, rope_theta=150_000.0,
-    rope_scaling=RopeScaling(factor=32.0, original_max_position=4096, rope_type="yarn", truncate=False),
-    rms_eps=1e-5, max_seq_len=131_072, sliding_window=128, layer_pattern=("local", "global"), qkv_bias=True,
-    o_bias=True, attn_sinks=True, experts_per_token=4, router_renormalize=True, expert_style="gpt_oss",
-    router_aux_loss_coef=0.9)
+def _preset(name: str, fields: dict) -> ModelConfig:
+    """A family's preset (plain fields, RoPE scaling as a dict: the families do not import this module)."""
+    scaling = fields.get("rope_scaling")
+    return ModelConfig(name=name, **{**fields, "rope_scaling": scaling and RopeScaling(**scaling)})
 
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        name="tiny", vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32,
-        mlp_dim=768, rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32",
-    ),
-    "llama3.2-1b": ModelConfig(
-        name="llama3.2-1b", num_layers=16, hidden=2048, num_heads=32, num_kv_heads=8, head_dim=64, mlp_dim=8192,
-        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True, **_LLAMA3,
-    ),
-    "llama3.2-3b": ModelConfig(
-        name="llama3.2-3b", num_layers=28, hidden=3072, num_heads=24, num_kv_heads=8, head_dim=128, mlp_dim=8192,
-        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True, **_LLAMA3,
-    ),
-    "llama3.1-8b": ModelConfig(
-        name="llama3.1-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
-        rope_scaling=RopeScaling(factor=8.0), **_LLAMA3,
-    ),
-    "llama3.1-70b": ModelConfig(
-        name="llama3.1-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, head_dim=128, mlp_dim=28672,
-        rope_scaling=RopeScaling(factor=8.0), **_LLAMA3,
-    ),
-    "qwen2.5-0.5b": ModelConfig(
-        name="qwen2.5-0.5b", vocab_size=151_936, num_layers=24, hidden=896, num_heads=14, num_kv_heads=2,
-        head_dim=64, mlp_dim=4864, tie_embeddings=True, qkv_bias=True, max_seq_len=32_768, **_QWEN,
-    ),
-    "qwen2.5-7b": ModelConfig(
-        name="qwen2.5-7b", vocab_size=152_064, num_layers=28, hidden=3584, num_heads=28, num_kv_heads=4,
-        head_dim=128, mlp_dim=18944, qkv_bias=True, max_seq_len=131_072, **_QWEN,
-    ),
-    "qwen3-0.6b": ModelConfig(
-        name="qwen3-0.6b", vocab_size=151_936, num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8,
-        head_dim=128, mlp_dim=3072, tie_embeddings=True, qk_norm=True, max_seq_len=40_960, **_QWEN,
-    ),
-    "qwen3-4b": ModelConfig(
-        name="qwen3-4b", vocab_size=151_936, num_layers=36, hidden=2560, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=9728, tie_embeddings=True, qk_norm=True, max_seq_len=40_960, **_QWEN,
-    ),
-    "qwen3-8b": ModelConfig(
-        name="qwen3-8b", vocab_size=151_936, num_layers=36, hidden=4096, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=12288, qk_norm=True, max_seq_len=40_960, **_QWEN,
-    ),
-    "mistral-7b": ModelConfig(
-        name="mistral-7b", vocab_size=32_768, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768,
-    ),
-    "qwen3-30b-a3b": ModelConfig(
-        name="qwen3-30b-a3b", vocab_size=151_936, num_layers=48, hidden=2048, num_heads=32, num_kv_heads=4,
-        head_dim=128, mlp_dim=6144, qk_norm=True, max_seq_len=40_960, num_experts=128, experts_per_token=8,
-        moe_mlp_dim=768, router_renormalize=True, router_aux_loss_coef=0.001, **_QWEN,
-    ),
-    "mixtral-8x7b": ModelConfig(
-        name="mixtral-8x7b", vocab_size=32_000, num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=14336, rope_theta=1_000_000.0, rms_eps=1e-5, max_seq_len=32_768, num_experts=8,
-        experts_per_token=2, router_renormalize=True, router_aux_loss_coef=0.02,
-    ),
-    "gpt-oss-20b": ModelConfig(name="gpt-oss-20b", num_layers=24, num_experts=32, **_GPT_OSS),
-    "gpt-oss-120b": ModelConfig(name="gpt-oss-120b", num_layers=36, num_experts=128, **_GPT_OSS),
-    "tiny-moe": ModelConfig(
-        name="tiny-moe", vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32,
-        mlp_dim=768, rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32", qk_norm=True, num_experts=8,
-        experts_per_token=2, moe_mlp_dim=128, router_renormalize=True, dense_layers=(0,), router_aux_loss_coef=0.001,
-    ),
-    "gemma3-1b": ModelConfig(
-        name="gemma3-1b", vocab_size=262_144, num_layers=26, hidden=1152, num_heads=4, num_kv_heads=1, mlp_dim=6912,
-        sliding_window=512, max_seq_len=32_768, **_GEMMA3,
-    ),
-    "gemma3-4b": ModelConfig(
-        name="gemma3-4b", vocab_size=262_208, num_layers=34, hidden=2560, num_heads=8, num_kv_heads=4, mlp_dim=10240,
-        sliding_window=1024, rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), max_seq_len=131_072, **_GEMMA3,
-    ),
-}
+
+TINY = dict(vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=768,
+            rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32")
+TINY_MOE = dict(TINY, qk_norm=True, num_experts=8, experts_per_token=2, moe_mlp_dim=128, router_renormalize=True,
+                dense_layers=(0,), router_aux_loss_coef=0.001)
+# in the order --preset and the unknown-preset message list them: the smoke models beside the families'
+PRESETS: dict[str, ModelConfig] = {name: _preset(name, fields) for name, fields in {
+    "tiny": TINY, **llama.PRESETS, **qwen2.PRESETS, **qwen3.PRESETS, **mistral.PRESETS, **qwen3_moe.PRESETS,
+    **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS}.items()}

@@ -1,0 +1,67 @@
+"""Qwen3-MoE (``Qwen3MoeForCausalLM``): config.json both ways, its export rule, tensor names and presets.
+
+Qwen3 (qk-norm, Qwen's windows) with routed experts (``model/moe.py``): ``num_experts`` (transformers 5 writes
+``num_local_experts``), ``num_experts_per_tok``, ``moe_intermediate_size`` (an expert's width; ``intermediate_size``
+is the dense layers'), ``norm_topk_prob`` (renormalised top-k weights), ``router_aux_loss_coef``, and a layer is
+sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``. Preset ``qwen3-30b-a3b``: 48
+layers, hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128 experts, top-8 renormalised, expert width 768, vocab
+151936, every layer sparse (30.5B parameters, 3.3B active).
+"""
+
+from __future__ import annotations
+
+from ulysses_jax.model.families import qwen3
+from ulysses_jax.model.families.fields import expert_fields, expert_json, integer, refuse_gpt_oss_attention
+from ulysses_jax.model.families.tensors import DENSE_MLP, LAYER, Entry, llama_entries
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+MODEL_TYPE = "qwen3_moe"
+# the router and one tensor per expert {j} (G: an expert's width, moe_mlp_dim), after the dense layers' MLP
+ENTRIES = llama_entries(mlp=(
+    *DENSE_MLP,
+    Entry("blocks.moe.w_router_DE", "DE", LAYER + "mlp.gate.weight", "E,D", "experts"),
+    Entry("blocks.moe.w_gate_EDF", "EDG", LAYER + "mlp.experts.{j}.gate_proj.weight", "G,D", "experts"),
+    Entry("blocks.moe.w_up_EDF", "EDG", LAYER + "mlp.experts.{j}.up_proj.weight", "G,D", "experts"),
+    Entry("blocks.moe.w_down_EFD", "EGD", LAYER + "mlp.experts.{j}.down_proj.weight", "D,G", "experts"),
+))
+
+
+def fields(raw: dict, where, num_layers: int, head_dim: int) -> dict:
+    """Qwen3's fields and the experts', the dense layers among the sparse ones included."""
+    out = qwen3.fields(raw, where, num_layers, head_dim)
+    out.update(expert_fields(raw, where, "num_experts" if "num_experts" in raw else "num_local_experts"))
+    step = raw.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step = {step!r} must be a positive integer; fix config.json")
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(not isinstance(i, int) or not 0 <= i < num_layers for i in only):
+        raise ValueError(f"{where}: mlp_only_layers = {only!r} must list layer indices in 0..{num_layers - 1}")
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    if len(dense) == num_layers:
+        raise ValueError(f"{where}: mlp_only_layers / decoder_sparse_step leave no sparse layer; this is a dense "
+                         f"model: use a {qwen3.ARCHITECTURE} folder")
+    return {**out, "moe_mlp_dim": integer(raw, "moe_intermediate_size", where), "dense_layers": dense,
+            "router_renormalize": bool(raw.get("norm_topk_prob", False))}
+
+
+def claims(cfg, hint) -> bool:
+    """A mixture of experts with qk-norm and no q/k/v bias (asked after gpt-oss, before Mixtral)."""
+    if not cfg.num_experts:
+        return False
+    refuse_gpt_oss_attention(cfg)
+    return cfg.qk_norm and not cfg.qkv_bias
+
+
+def hf_config(cfg, dtype: str) -> dict:
+    return {**qwen3.hf_config(cfg, dtype), "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+            **expert_json(cfg), "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_mlp_dim,
+            "norm_topk_prob": cfg.router_renormalize, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.dense_layers)}
+
+
+PRESETS = {
+    "qwen3-30b-a3b": dict(vocab_size=151_936, num_layers=48, hidden=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                          mlp_dim=6144, qk_norm=True, max_seq_len=40_960, num_experts=128, experts_per_token=8,
+                          moe_mlp_dim=768, router_renormalize=True, router_aux_loss_coef=0.001,
+                          rope_theta=1_000_000.0, rms_eps=1e-6),
+}
