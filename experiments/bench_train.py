@@ -69,16 +69,16 @@ def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, documents: 
     return {"tokens": tokens, "segment_ids": seg, "labels": next_token_labels(tokens, seg)}
 
 
-def bench_one(args, seq_len: int) -> dict:
+def build(args, seq_len: int):
+    """``(step, state, batch, local rows, cfg, mesh)``: the real training step of ``args``' model and flags at
+    ``seq_len``, its state born sharded and one random batch (``random_batch``) on the mesh."""
     import jax
 
     from ulysses_jax.data.pipeline import to_global
-    from ulysses_jax.model import flops
     from ulysses_jax.model.config import ModelConfig
     from ulysses_jax.model.lora_config import LoraConfig
     from ulysses_jax.parallel.mesh import make_mesh
     from ulysses_jax.train.devices import check_parallel
-    from ulysses_jax.train.metrics import peak_memory_bytes
     from ulysses_jax.train.step import (
         OptimConfig,
         init_state,
@@ -105,7 +105,17 @@ def bench_one(args, seq_len: int) -> dict:
     graphdef, state = init_state(cfg, mesh, tx, seed=0)
     step = make_train_step(graphdef, tx, make_schedule(optim, 1000), mesh, state_shardings(state))
     local = random_batch(rows, seq_len, cfg.vocab_size, documents=args.documents)
-    batch = to_global(local, mesh)
+    return step, state, to_global(local, mesh), local, cfg, mesh
+
+
+def bench_one(args, seq_len: int) -> dict:
+    import jax
+
+    from ulysses_jax.model import flops
+    from ulysses_jax.train.metrics import peak_memory_bytes
+
+    step, state, batch, local, cfg, mesh = build(args, seq_len)
+    rows, n = local["tokens"].shape[0], mesh.devices.size
     times = []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()

@@ -158,13 +158,14 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, rout
         hidden, router = model.hidden_and_router(tokens_BS, positions=batch.get("positions"),
                                                  segment_ids=batch.get("segment_ids"), dropout_key=dropout_key)
     cfg = model.config
-    if cfg.loss_chunk:
-        w_VD = model.unembedding.get_value().astype(cfg.compute_jnp_dtype)
-        total, count = tiled_cross_entropy_sum(
-            hidden, w_VD, labels_BS, mesh=model.mesh, chunk=cfg.loss_chunk, over_data=cfg.shard_params_over_data
-        )
-    else:
-        total, count = cross_entropy_sum(model.logits(hidden), labels_BS)
+    with jax.named_scope("loss"):  # a profile's category (experiments/profile_step.py)
+        if cfg.loss_chunk:
+            w_VD = model.unembedding.get_value().astype(cfg.compute_jnp_dtype)
+            total, count = tiled_cross_entropy_sum(
+                hidden, w_VD, labels_BS, mesh=model.mesh, chunk=cfg.loss_chunk, over_data=cfg.shard_params_over_data
+            )
+        else:
+            total, count = cross_entropy_sum(model.logits(hidden), labels_BS)
     mean = total / jnp.maximum(count, 1).astype(jnp.float32)
     if router is None:
         return LossOutput(mean, total, count)

@@ -198,6 +198,7 @@ class Block(nnx.Module):
         nothing = (jnp.zeros(e, jnp.float32), jnp.zeros(e, jnp.float32), jnp.zeros((), jnp.float32))
         return jax.lax.cond(sparse, experts, lambda h: (self._dense(h, drop), nothing), h_BSD)
 
+    @jax.named_scope("mlp")  # a profile's category (experiments/profile_step.py)
     def _dense(self, h_BSD, drop=None):
         """``h + mlp(norm(h))`` (with ``post_norms``: ``h + post_norm(mlp(norm(h)))``), tiled with ``mlp_chunk``."""
         cfg = self.attn.cfg
@@ -210,6 +211,7 @@ class Block(nnx.Module):
             y_BSD = self.post_mlp_norm(y_BSD)
         return constrain(h_BSD + y_BSD, self.mesh, ("batch", "seq", "embed"))
 
+    @jax.named_scope("attention")
     def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int, drop=None):
         """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``."""
         cfg = self.attn.cfg

@@ -72,6 +72,7 @@ class Optimizer(NamedTuple):
         return cls(tx.init, tx.update, clip_norm, adamw, offload, tx)
 
 
+@jax.named_scope("optimizer")  # a profile's category (experiments/profile_step.py)
 def apply(tx: optax.GradientTransformation, grads, opt_state, params):
     """One on-device optimizer update: ``(new params, new optimizer state)``."""
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -112,6 +113,7 @@ def _sum_of_squares(stacked, prep):
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), stacked)[0]
 
 
+@jax.named_scope("optimizer")
 def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host_params: bool = False):
     """``tx``'s update (global-norm clipping, AdamW, with master weights or not) with the optimizer state in host
     memory: ``(new params, new optimizer state, gradient norm)``.

@@ -1,0 +1,239 @@
+"""Where one training step's time goes: a `jax.profiler` trace of N steps, every device op sorted into a category, the
+categories summing to the measured step (idle gaps included), beside `plan`'s estimate of the same parts.
+
+    python experiments/profile_step.py --preset llama3.2-1b --seq-lens 32768 --attn-keep
+    python experiments/profile_step.py --preset llama3.1-8b --seq-lens 32768 --lora-rank 16 --plan-json P.json
+    python experiments/profile_step.py --allow-cpu --quick          # CPU dry run (XLA's CPU ops; times mean nothing)
+
+The step is `experiments/bench_train.py`'s (its flags are this script's). A device op is one the trace tags with
+`hlo_op` (XLA's instruction): its category comes from the compiled program's HLO, in this order of precedence:
+- attention forward / backward: cuDNN's fused attention custom calls, our Pallas attention kernels;
+- collectives: all-to-all, all-gather, reduce-scatter, all-reduce, collective-permute;
+- host transfers: copies to or from host memory (remat offload, the streamed optimizer), and memcpy events;
+- optimizer update, tiled loss, MLP chunks: ops under the `optimizer`, `loss` and `mlp` named scopes of the model;
+- GEMMs: the other matmuls (the attention projections, the unembedding outside the loss);
+- elementwise and copies: everything else (norms, RoPE, residual adds, layout copies).
+Two ops that overlap in time (a collective beside a kernel) count once, for the earlier category of that list, so the
+categories and the idle gaps (no device op running) add up to the step measured on the host.
+`--plan-json`: a `ulysses-jax plan --json` of the same flags (made on any machine) to print its estimate's parts
+beside the measured ones, with the three largest differences. The table goes to --out-dir as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+CATEGORIES = ("attention forward", "attention backward", "collectives", "host transfers", "optimizer update",
+              "tiled loss", "MLP chunks", "GEMMs", "elementwise and copies")
+COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+# plan's estimate parts (ulysses_jax/plan/estimate.py) against the measured categories
+PLAN_PARTS = {"attention_s": ("attention forward", "attention backward"),
+              "matmul_s": ("GEMMs", "MLP chunks", "tiled loss"),
+              "elementwise_s": ("elementwise and copies",), "update_s": ("optimizer update",),
+              "collectives_exposed_s": ("collectives",), "host_optimizer_s": ("host transfers",)}
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"(?<![A-Za-z0-9_])([a-z][a-z0-9\-]*)\(")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+
+
+def parse_args(argv=None):
+    import bench_train
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[], add_help=True)
+    p.add_argument("--profile-steps", type=int, default=3, help="steps traced (after --warmup)")
+    p.add_argument("--plan-json", type=pathlib.Path, default=None)
+    known, rest = p.parse_known_args(argv)
+    args = bench_train.parse_args(rest)
+    args.profile_steps, args.plan_json = known.profile_steps, known.plan_json
+    return args
+
+
+def _scope(name: str, op_name: str) -> bool:
+    """Whether ``op_name`` (XLA's metadata path) lies in the named scope ``name``: a path component ``name``, or one
+    wrapped by a transformation (``jvp(name)``, ``transpose(jvp(name))``)."""
+    return re.search(rf"(?:^|[/(]){re.escape(name)}(?:[/)]|$)", op_name) is not None
+
+
+def hlo_categories(text: str) -> dict[str, str]:
+    """Each instruction of a compiled HLO module (``compiled.as_text()``) -> its category (module doc)."""
+    dots, comp, parsed = set(), None, []
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        op = _OPCODE.search(rest)
+        opcode = op.group(1) if op else ""
+        if opcode in ("dot", "convolution") or "__cublas" in rest or "__triton_gemm" in rest:
+            dots.add(comp)
+        parsed.append((name, opcode, rest))
+    out = {}
+    for name, opcode, rest in parsed:
+        op_name = (re.search(r'op_name="([^"]*)"', rest) or [None, ""])[1]
+        target = (re.search(r'custom_call_target="([^"]*)"', rest) or [None, ""])[1]
+        calls = re.findall(r"calls=%([\w.\-]+)", rest)
+        backward = "transpose(" in op_name or "Backward" in target or "bwd" in op_name
+        if "fmha" in target:
+            out[name] = "attention backward" if "Backward" in target else "attention forward"
+        elif target == "__gpu$xla.gpu.triton" and ("flash" in op_name or "attention" in op_name) and (
+                "grouped" not in op_name):
+            out[name] = "attention backward" if backward else "attention forward"
+        elif any(opcode.startswith(c) for c in COLLECTIVES):
+            out[name] = "collectives"
+        elif opcode in ("copy-start", "copy-done") or "S(5)" in rest.split(opcode + "(")[0]:
+            out[name] = "host transfers"
+        elif _scope("optimizer", op_name):
+            out[name] = "optimizer update"
+        elif _scope("loss", op_name):
+            out[name] = "tiled loss"
+        elif _scope("mlp", op_name):
+            out[name] = "MLP chunks"
+        elif opcode in ("dot", "convolution") or "__cublas" in target or any(c in dots for c in calls) or (
+                target == "__gpu$xla.gpu.triton"):
+            out[name] = "GEMMs"
+        else:
+            out[name] = "elementwise and copies"
+    return out
+
+
+def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]]:
+    """``(start us, end us, hlo_op or event name, kind)`` of the device ops in a perfetto trace: events tagged with
+    ``hlo_op``, and memcpy events (kind ``memcpy``)."""
+    files = sorted(trace_dir.rglob("*perfetto_trace.json.gz"))
+    if not files:
+        raise RuntimeError(f"no perfetto trace under {trace_dir}")
+    data = json.load(gzip.open(files[-1]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        args = e.get("args") or {}
+        if "hlo_op" in args:
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), args["hlo_op"], "op"))
+        elif "memcpy" in e.get("name", "").lower():
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], "memcpy"))
+    return out
+
+
+def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], float]:
+    """Seconds per category over the events (overlaps counted once, for the earliest category of ``CATEGORIES``),
+    and the span from the first event's start to the last one's end."""
+    if not events:
+        return {c: 0.0 for c in CATEGORIES}, 0.0
+    rank = {c: i for i, c in enumerate(CATEGORIES)}
+
+    def category(name, kind):
+        return "host transfers" if kind == "memcpy" else categories.get(name, "elementwise and copies")
+
+    points = []
+    for start, end, name, kind in events:
+        c = rank[category(name, kind)]
+        points += [(start, 1, c), (end, -1, c)]
+    points.sort()
+    active = collections.Counter()
+    total = {c: 0.0 for c in CATEGORIES}
+    last = points[0][0]
+    for t, delta, c in points:
+        live = [k for k, n in active.items() if n > 0]
+        if live and t > last:
+            total[CATEGORIES[min(live)]] += (t - last) * 1e-6
+        active[c] += delta
+        last = t
+    return total, (points[-1][0] - points[0][0]) * 1e-6
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import os
+
+    if args.allow_cpu:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    import jax
+
+    import bench_train
+
+    if jax.default_backend() == "cpu" and not args.allow_cpu:
+        print("profile_step: no GPU; pass --allow-cpu for a dry run", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.preset, args.seq_lens, args.loss_chunk, args.mlp_chunk, args.warmup = "tiny", [512], 64, 64, 1
+    seq_len = args.seq_lens[0]
+    step, state, batch, local, cfg, mesh = bench_train.build(args, seq_len)
+    categories = hlo_categories(step.lower(state, batch).compile().as_text())
+    for _ in range(args.warmup):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+    trace_dir = pathlib.Path(tempfile.mkdtemp(prefix="profile_step_"))
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        for _ in range(args.profile_steps):
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics["loss"])
+        wall = (time.perf_counter() - t0) / args.profile_steps
+    events = device_events(trace_dir)
+    total, span = breakdown(events, categories)
+    n = args.profile_steps
+    per_step = {c: v / n for c, v in total.items()}
+    busy = sum(per_step.values())
+    idle = max(wall - busy, 0.0)
+    rows = [(c, per_step[c]) for c in CATEGORIES] + [("idle gaps (no device op)", idle)]
+    lines = [f"# Where the step goes: {cfg.name}, {seq_len:,} tokens, {jax.devices()[0].device_kind}", "",
+             f"- date: `{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC`",
+             f"- command: `python experiments/profile_step.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"- commit: `{os.environ.get('ULYSSES_JAX_COMMIT') or bench_train_commit()}`",
+             f"- measured step (host, mean of {n} traced steps): {wall * 1e3:.1f} ms; device ops busy "
+             f"{busy * 1e3:.1f} ms ({len(events) // max(n, 1):,} ops a step)", "",
+             "| category | ms per step | share of the step |", "|---|---|---|"]
+    lines += [f"| {c} | {v * 1e3:.1f} | {v / wall:.1%} |" for c, v in rows]
+    lines.append(f"| **sum** | {sum(v for _, v in rows) * 1e3:.1f} | {sum(v for _, v in rows) / wall:.1%} |")
+    if args.plan_json:
+        parts = json.loads(args.plan_json.read_text())["estimate"]["parts"]
+        lines += ["", "| plan's part | estimate ms | measured ms | measured - estimate |", "|---|---|---|---|"]
+        diffs = []
+        for part, cats in PLAN_PARTS.items():
+            est, got = parts.get(part, 0.0), sum(per_step[c] for c in cats)
+            diffs.append((abs(got - est), part, est, got))
+            lines.append(f"| {part} ({', '.join(cats)}) | {est * 1e3:.1f} | {got * 1e3:.1f} | {(got - est) * 1e3:+.1f} |")
+        lines.append(f"| idle gaps (plan: not counted) | 0.0 | {idle * 1e3:.1f} | {idle * 1e3:+.1f} |")
+        diffs.append((idle, "idle gaps", 0.0, idle))
+        top = sorted(diffs, reverse=True)[:3]
+        lines += ["", "Largest differences: " + "; ".join(f"{p} ({(g - e) * 1e3:+.1f} ms)" for _, p, e, g in top)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
+    out = args.out_dir / f"profile_{cfg.name}_{seq_len}_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}.md"
+    out.write_text(text)
+    print("wrote", out)
+    return 0
+
+
+def bench_train_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
