@@ -41,9 +41,13 @@ def image_packages() -> set[str]:
     return {canonical(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
 
 
+# the peer benchmark's second peer (experiments/bench_peers.py): Liger Kernel over the image's torch and triton
+PEER_WHEELS = ["liger-kernel==0.8.5"]
+
+
 def requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [*project["dependencies"], "pytest>=8"]
+    return [*project["dependencies"], "pytest>=8", *PEER_WHEELS]
 
 
 def resolve(reqs: list[str]) -> dict[str, str]:
