@@ -51,7 +51,7 @@ notebooks: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .jax_cache *.egg-info
 
 # The main job: the tiny preset on the built-in corpus (the Python standard library's sources),
 # fsdp=2 x sp=4 on 8 fake CPU devices when there is no GPU. A new run directory each time.

@@ -3,6 +3,14 @@
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# One compilation cache for the processes of a test run (the xdist workers and the CLI subprocesses they start): many
+# tests compile the same small programs (the tiny model's step, the CLI's), and compiling is most of a CPU test's
+# time. XLA keys an entry by the program, the compile options and the versions, so a hit is the same executable.
+# Kept in .jax_cache/ (ignored by git, removed by `make clean`); a fresh clone starts empty.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # With the CUDA plugin installed (the aot extra) on a machine without a GPU, the plugin's start-up check fails and
 # it does not register; skipping the check lets it register for compile-only H100 targets (tests marked aot).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
