@@ -158,6 +158,138 @@ def test_a_lost_process_ends_the_job_with_one_line(tmp_path, lost):
     assert_one_line(err, lost, 1 - lost)
 
 
+# ------------------------------------------------------------------------------------ a process that fails
+
+NO_SPACE_AT_STEP_2 = """
+import errno, os, time
+from ulysses_jax.train import checkpoint
+_save = checkpoint.Checkpointer.save
+def save(self, step, state, data_state):
+    if step == 2 and os.environ["SLURM_PROCID"] == os.environ["FAIL_PROCESS"]:
+        (self.directory.parent / "failed_at").write_text(str(time.time()))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.directory / "2"))
+    _save(self, step, state, data_state)
+checkpoint.Checkpointer.save = save
+"""
+
+
+def ends(procs) -> list[float]:
+    """When each process exits (time.time()), reading their output meanwhile."""
+    import threading
+
+    outs, at = [None] * len(procs), [None] * len(procs)
+
+    def wait(i):
+        outs[i] = procs[i].communicate(timeout=300)
+        at[i] = time.time()
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs, at
+
+
+@pytest.mark.parametrize("failed", [1, 0])
+def test_a_failed_process_ends_the_job_with_one_line(tmp_path, failed):
+    """One process's checkpoint write fails (ENOSPC, test-only fault injection in Checkpointer.save at step 2) while
+    the other goes on into the next step's collectives: the failed process exits as before (1, its traceback); the
+    other exits 69, not by a signal, within 2 x --peer-timeout of the failure, its last stderr line naming the failed
+    process and the error's first line. Before, it waited 300 s in a collective, then both aborted (SIGABRT)."""
+    run, timeout = tmp_path / "run", 3
+    env_fail = {"FAIL_PROCESS": str(failed)}
+    job = _free_slurm_job_id()
+    entry = ["-c", f"import sys\n{NO_SPACE_AT_STEP_2}\nfrom ulysses_jax.cli import main\nsys.exit(main(sys.argv[1:]))"]
+    procs = [subprocess.Popen([sys.executable, *entry, "train", "--distributed", *TINY, "--run-dir", str(run),
+                               "--steps", "4", "--peer-timeout", str(timeout)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**slurm_task_env(job, i), **env_fail})
+             for i in range(2)]
+    outs, at = ends(procs)
+    peer = 1 - failed
+    err = outs[peer][1]
+    assert procs[failed].returncode == 1 and "OSError: [Errno 28] No space left on device" in outs[failed][1], (
+        procs[failed].returncode, outs[failed][1][-3000:])
+    assert procs[peer].returncode == EXIT_PEER_LOST, f"exit {procs[peer].returncode}\n{err[-3000:]}"
+    took = max(at) - float((run / "failed_at").read_text())
+    assert took < 2 * timeout, took
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert "Traceback" not in err and "stack trace" not in err and "bad_cast" not in err, err[-3000:]
+    ours = [ln for ln in lines if ln.startswith("error:")]
+    assert len(ours) == 1 and lines[-1] == ours[0], err[-3000:]
+    assert ours[0].startswith(f"error: process {failed} of 2") and (
+        "failed: OSError: [Errno 28] No space left on device: ") in ours[0], ours[0]
+    assert f"process {peer} stops too" in ours[0] and "last complete checkpoint, step 1" in ours[0]
+
+
+NO_SPACE_IN_THE_BACKGROUND_AT_STEP_2 = """
+import errno, os, time
+from orbax.checkpoint._src.serialization import serialization
+from ulysses_jax.train import checkpoint
+_save, _write, _now = checkpoint.Checkpointer.save, serialization.async_serialize_from_host, [None]
+def save(self, step, state, data_state):
+    _now[0] = self.directory.parent if step == 2 and os.environ["SLURM_PROCID"] == "1" else None
+    _save(self, step, state, data_state)
+async def write(*args, **kwargs):  # Orbax's background write of an array (a private function: test-only injection)
+    if _now[0] is not None:
+        (_now[0] / "failed_at").write_text(str(time.time()))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "params/layers.0.w")
+    return await _write(*args, **kwargs)
+checkpoint.Checkpointer.save, serialization.async_serialize_from_host = save, write
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_ends_the_job_with_one_line(tmp_path):
+    """Process 1's part of checkpoint 2 fails in Orbax's background writer (ENOSPC; test-only fault injection): the
+    main threads go on, and Orbax's background threads wait at two different barriers for its timeout (20 minutes).
+    The barrier meets the error first (checkpoint._telling_barrier): process 0 exits 69 with the line naming process
+    1 and the error, process 1 exits 1 once its cleanup is given up, both within 2 x --peer-timeout."""
+    run, timeout = tmp_path / "run", 3
+    procs = start_slurm(run, "--steps", "4", "--peer-timeout", str(timeout),
+                        prelude=NO_SPACE_IN_THE_BACKGROUND_AT_STEP_2)
+    outs, at = ends(procs)
+    assert procs[1].returncode == 1 and procs[0].returncode == EXIT_PEER_LOST, [(p.returncode, e[-2000:])
+                                                                                for p, (_, e) in zip(procs, outs)]
+    assert max(at) - float((run / "failed_at").read_text()) < 2 * timeout
+    ours = [ln for ln in outs[0][1].splitlines() if ln.startswith("error:")]
+    assert len(ours) == 1 and ours[0].startswith("error: process 1 of 2") and (
+        "failed: OSError: [Errno 28] No space left on device: 'params/layers.0.w'") in ours[0], outs[0][1][-3000:]
+    last = outs[1][1].strip().splitlines()[-1]
+    assert last.startswith("error: OSError: [Errno 28] No space left on device"), outs[1][1][-3000:]
+
+
+REFUSED_ON_PROCESS_1_AT_STEP_2 = """
+import os
+from ulysses_jax.train import trainer
+trainer.documents_limit = lambda *a, **k: 4  # as cuDNN's packed attention would bound the documents per row
+_calls = [0]
+def check(batch, limit):  # this process's verdict on its own rows: process 1's rows of step 2 hold too many
+    _calls[0] += 1
+    if _calls[0] == 2 and os.environ["SLURM_PROCID"] == "1":
+        raise ValueError(f"a row holds 9 documents, more than --attn-max-documents {limit} lets cuDNN's packed "
+                         f"attention describe; raise --attn-max-documents or use --attention pallas")
+trainer.check_documents_per_row = check
+"""
+
+
+def test_a_batch_refused_on_one_process_is_refused_on_every_one(tmp_path):
+    """The rows of one process (here process 1's at step 2; its verdict injected, as on CPU no kernel bounds the
+    documents per row) hold more documents than the step was compiled for: the verdict is taken for the whole batch,
+    so both processes exit 2 with the same one line naming process 1 and its rows, and neither waits for the other."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    outs = finish(start_slurm(run, "--steps", "4", "--peer-timeout", "3", prelude=REFUSED_ON_PROCESS_1_AT_STEP_2),
+                  codes=(2, 2))
+    assert time.monotonic() - t0 < 200
+    want = ("error: process 1 of 2 (rows 1 of the global batch): a row holds 9 documents, more than "
+            "--attn-max-documents 4")
+    for out, err in outs:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(want), err[-3000:]
+    assert sorted(losses(run)) == [1]
+
+
 # ------------------------------------------------------------------------------------ restarts equal a straight run
 
 STEPS = "6"
@@ -235,6 +367,37 @@ rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 exit $rc
 """
+
+
+def sbatch_directives() -> dict:
+    lines = (LAUNCH / "slurm.sbatch").read_text().splitlines()
+    return dict((d.split("=", 1) + [""])[:2] for d in (ln.removeprefix("#SBATCH ").strip() for ln in lines
+                                                       if ln.startswith("#SBATCH ")))
+
+
+@pytest.mark.parametrize("status", [0, 75, 69])
+def test_sbatch_recipe_requeues_a_run_stopped_by_its_time_limit(tmp_path, status):
+    """experiments/launch/slurm.sbatch with stand-ins for srun (exits ``status``) and scontrol: it activates $VENV,
+    asks for SIGTERM 120 s before --time and to be requeueable, and requeues the job when `train` stopped on that
+    signal with a checkpoint saved (75); any other status is the job's, without a requeue."""
+    got = sbatch_directives()
+    assert got["--signal"] == "TERM@120" and "--requeue" in got and got["--open-mode"] == "append"
+    assert {"--time", "--partition", "--account"} <= set(got) and got["--ntasks-per-node"] == "1"
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{bin_dir}:$PATH"; export ACTIVATED=yes\n')
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/bash\necho "srun $ACTIVATED $*" >> "{tmp_path}/calls"; exit {status}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> "{tmp_path}/calls"\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "RUN_DIR": str(tmp_path / "run"), "VENV": str(venv), "SLURM_JOB_ID": "4242"}
+    p = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "--steps", "2"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert p.returncode == status, p.stdout + p.stderr
+    assert calls[0].startswith("srun yes --ntasks-per-node=1 --kill-on-bad-exit=1 ulysses-jax train --distributed")
+    assert calls[1:] == (["scontrol requeue 4242"] if status == 75 else [])
 
 
 @pytest.mark.slow

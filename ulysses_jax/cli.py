@@ -8,8 +8,9 @@ Settings come, each overriding the one before, from the defaults, the run's reco
 Exit status: 0 done; 1 ``plan``'s verdict is OVER (it prints the ``--memory auto`` command to try); 2 a user error,
 found before anything is written (one line, ``error: ...``); 3 the loss became
 NaN or infinite (nothing saved; the last good checkpoint is named); 75 stopped by SIGTERM or SIGINT after saving a
-checkpoint (``--resume`` continues exactly); 69 another process of a multi-process job was lost (one line names it;
-restart the job with ``--resume``: ``train/cluster.py``); 130 stopped at once by a second signal.
+checkpoint (``--resume`` continues exactly); 69 another process of a multi-process job was lost or failed (one line
+names it and, for a failure, its error; restart the job with ``--resume``: ``train/cluster.py``); 130 stopped at once
+by a second signal. In a multi-process job a process that fails exits with its own status and the others with 69.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _error(message: str) -> int:
     for pattern, flag in _FLAG_WORDS:
         message = pattern.sub(flag, message)
     print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    cluster.failing(message)  # a multi-process job: the other processes are told at once
     return EXIT_USAGE
 
 
@@ -441,8 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(cfg, list(sys.argv[2:] if argv is None else argv[1:]))
     with cluster.peer_guard():  # a collective failed by a lost process: one line and exit 69, not a traceback
         if isinstance(cfg, ExportConfig):
-            return _export(cfg)
-        return _train(cfg) if isinstance(cfg, TrainConfig) else _eval(cfg)
+            code = _export(cfg)
+        else:
+            code = _train(cfg) if isinstance(cfg, TrainConfig) else _eval(cfg)
+    cluster.end(code)  # a multi-process job ending in error leaves now, its peers told (train/cluster.py)
+    return code
 
 
 if __name__ == "__main__":

@@ -218,6 +218,10 @@ def _documents_bound(model, mesh, data_cfg, seq_len: int, batch_size: int, max_b
     if task is not None:
         rows = passkey_eval.passkey_rows(**task, seq_len=seq_len)[2]
         need = max(need, int(documents_per_row(rows["segment_ids"]).max(initial=0)))
+    if jax.process_count() > 1:  # each process counted its own rows: every one must compile the same bound
+        from jax.experimental import multihost_utils
+
+        need = int(np.max(multihost_utils.process_allgather(np.int32(need))))
     if need <= limit:
         return model, limit
     return dataclasses.replace(model, attn_max_documents=need), need

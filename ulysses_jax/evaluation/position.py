@@ -17,6 +17,7 @@ import numpy as np
 
 from ulysses_jax.data.pipeline import check_documents_per_row, eval_batches, process_rows, to_global
 from ulysses_jax.evaluation.token_scores import to_host
+from ulysses_jax.train.cluster import decide_together
 
 RESULT = "eval_by_position.json"
 
@@ -69,8 +70,8 @@ def loss_by_position(token_step, params, data_cfg, mesh, *, seq_len: int, batch_
     rows = process_rows(mesh, batch_size, seq_len)
     for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
                               row_ids=rows):
-        if doc_limit:  # the documents a row may hold for the step's cuDNN attention
-            check_documents_per_row(local, doc_limit)
+        if doc_limit:  # the documents a row may hold for the step's cuDNN attention; this process's rows, refused
+            decide_together(check_documents_per_row, local, doc_limit, rows=rows)  # on every process alike
         batch = to_global(local, mesh, global_batch=batch_size, row_ids=rows)
         loss_BS, _ = token_step(params, batch)
         acc.add(to_host(loss_BS), to_host(batch["labels"]), to_host(batch["positions"]))

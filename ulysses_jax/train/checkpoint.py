@@ -17,6 +17,7 @@ import errno
 import json
 import pathlib
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -56,7 +57,8 @@ class Checkpointer:
         # a save cut short by a kill leaves its temporary directory: the writer deletes such leftovers at start
         options = ocp.CheckpointManagerOptions(max_to_keep=keep if create else None,
                                                enable_async_checkpointing=async_save, create=create,
-                                               cleanup_tmp_directories=create)
+                                               cleanup_tmp_directories=create,
+                                               async_options=ocp.AsyncOptions(barrier_sync_fn=_telling_barrier()))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -149,6 +151,25 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _telling_barrier():
+    """Orbax's barrier between the processes' background writes, telling the other processes first when this one's
+    write failed. Orbax's background thread meets that error and goes on to its next barrier with it in hand
+    (``sys.exc_info()``), while the other processes wait at another barrier, for Orbax's timeout (20 minutes), before
+    anyone's main thread hears of it. Told (``cluster.failing``: a multi-process job's failure mark), they stop at
+    once."""
+    barrier = ocp.multihost.get_barrier_sync_fn()
+
+    def sync(*, key: str, timeout_ms: int) -> None:
+        error = sys.exc_info()[1]
+        if error is not None:
+            from ulysses_jax.train import cluster
+
+            cluster.failing(error)
+        barrier(key=key, timeout_ms=timeout_ms)
+
+    return sync
 
 
 def gather(obj) -> list:

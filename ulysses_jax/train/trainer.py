@@ -41,7 +41,7 @@ from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.model import flops, lora
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
-from ulysses_jax.train import resume, runconfig
+from ulysses_jax.train import cluster, resume, runconfig
 from ulysses_jax.train.checkpoint import Checkpointer, gather
 from ulysses_jax.train.config import (
     PRESET_AND_HF,
@@ -309,7 +309,8 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     planned = device_total_bytes(step_fn.memory_analysis())
     eval_step = make_eval_step(graphdef, mesh, state_shardings(state["params"])) if cfg.eval_every else None
     if eval_step is not None and (limit := documents_limit(model, mesh, cfg.seq_len)):  # refused now, not mid-run
-        check_eval_documents(data_cfg, cfg.seq_len, batch_size, cfg.eval_batches, limit, "evaluation during training")
+        cluster.decide_together(check_eval_documents, data_cfg, cfg.seq_len, batch_size, cfg.eval_batches, limit,
+                                "evaluation during training")  # each process reads its rows: refused by all alike
     loop_eval = None if loop_eval_setup is None else loop_eval_setup(
         cfg, graphdef=graphdef, mesh=mesh, param_shardings=state_shardings(state["params"]), data_cfg=data_cfg,
         batch_size=batch_size, doc_limit=documents_limit(model, mesh, cfg.seq_len))
@@ -347,8 +348,8 @@ def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int
     rows = process_rows(mesh, batch_size, seq_len)
     for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
                               row_ids=rows):
-        if doc_limit:
-            check_documents_per_row(local, doc_limit)
+        if doc_limit:  # this process's rows, refused on every process alike
+            cluster.decide_together(check_documents_per_row, local, doc_limit, rows=rows)
         s, c = eval_step(params, to_global(local, mesh, global_batch=batch_size, row_ids=rows))
         total, count, batches = total + float(s), count + int(c), batches + 1
     if count == 0:
@@ -377,8 +378,8 @@ def train_run(run: Run) -> dict:
                 if run.profile and step == run.profile[0]:
                     jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
                 local = next(run.data)
-                if doc_limit:
-                    check_documents_per_row(local, doc_limit)
+                if doc_limit:  # this process's rows, refused on every process alike (no one left in a collective)
+                    cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
                 batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
                 step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
                                                           global_batch=run.batch_size)  # each document apart
@@ -431,6 +432,9 @@ def train_run(run: Run) -> dict:
                 if stop:
                     stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
                     break
+    except BaseException as e:
+        cluster.failing(e)  # a multi-process job: the other processes are told now, not after the cleanup below
+        raise
     finally:
         run.checkpointer.close()
         log.close()
