@@ -628,6 +628,23 @@ def test_train_bad_input_is_one_line_exit_2_nothing_written(name, tmp_path, caps
     assert snapshot(tmp_path) == before and not run.exists()
 
 
+def test_the_loop_refuses_a_row_beyond_the_bound_before_its_step(tmp_path, capsys, monkeypatch):
+    """A row with more documents than cuDNN's packed attention was compiled for (the bound forced to 1 here: no CPU
+    kernel has one) reaches the training loop: refused before its step, one line naming the flag, exit 2, nothing
+    trained (no metrics line, no checkpoint)."""
+    from ulysses_jax.train import trainer
+
+    monkeypatch.setattr(trainer, "documents_limit", lambda *a, **k: 1)
+    corpus = tmp_path / "short.jsonl"  # documents of ~20 bytes: several in each 256-token row
+    corpus.write_text("".join(json.dumps({"text": f"document {i} is short."}) + "\n" for i in range(80)))
+    run = tmp_path / "run"
+    assert main(["train", *TINY, *MESH, "--steps", "2", "--data", str(corpus), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: a row holds ") and (
+        "more than --attn-max-documents 1 lets cuDNN's packed attention describe") in err, err
+    assert not list(run.rglob("checkpoints/*/")) and not (run / "metrics.jsonl").read_text().strip()
+
+
 def test_eval_bad_input(tmp_path, capsys):
     assert main(["eval", "--run-dir", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip()

@@ -202,20 +202,6 @@ def _explicit_preset(args: list[str]) -> bool:
 # ------------------------------------------------------------------------------------ commands
 
 
-def _impl_note(m, mesh) -> str:
-    from ulysses_jax.kernels.attention import auto_reason, device_platform, resolve_impl
-
-    # training rows are packed documents: segment ids are always present
-    platform = device_platform(mesh)
-    impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
-                        platform=platform, sinks=m.attn_sinks)
-    if impl == m.attention_impl:
-        return impl
-    why = auto_reason(dtype=m.compute_jnp_dtype, head_dim=m.head_dim, platform=platform,
-                      ring=mesh.shape.get("ring", 1), sinks=m.attn_sinks)
-    return f"{m.attention_impl} -> {impl}" + (f" ({why})" if why else "")
-
-
 def _checked(setup, cfg):
     """``setup(cfg)`` after the device setup; a user error (ValueError) prints one line and gives None."""
     try:
@@ -226,14 +212,8 @@ def _checked(setup, cfg):
         return None
 
 
-def _sp_note(cfg: TrainConfig, model, mesh) -> str:
-    from ulysses_jax.train.devices import auto_sp_note
-
-    note = auto_sp_note(cfg.mesh, model, cfg.seq_len, mesh)
-    return f" ({note})" if note else ""
-
-
 def _train(cfg: TrainConfig) -> int:
+    from ulysses_jax.train.devices import impl_note, sp_note
     from ulysses_jax.train.metrics import tensorboard_command
     from ulysses_jax.train.step import describe_optim
     from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
@@ -255,9 +235,9 @@ def _train(cfg: TrainConfig) -> int:
     verb = f"Continuing {run.run_dir} from step {run.start_step}:" if run.start_step else "Training"
     print(
         f"{verb} {m.name} ({m.num_layers} layers, hidden {m.hidden}, {m.num_heads}/{m.num_kv_heads} heads) "
-        f"on mesh {dict(run.mesh.shape)}{_sp_note(cfg, m, run.mesh)}: {run.batch_size} x {cfg.seq_len} tokens per "
-        f"step, "
-        f"steps {run.start_step + 1}..{cfg.steps}, attention {_impl_note(m, run.mesh)}"
+        f"on mesh {dict(run.mesh.shape)}{sp_note(cfg.mesh, m, cfg.seq_len, run.mesh)}: {run.batch_size} x "
+        f"{cfg.seq_len} tokens per step, "
+        f"steps {run.start_step + 1}..{cfg.steps}, attention {impl_note(m, run.mesh)}"
     )
     if m.num_experts:
         from ulysses_jax.model.flops import active_param_count, param_count

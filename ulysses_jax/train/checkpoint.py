@@ -157,16 +157,16 @@ def _telling_barrier():
     """Orbax's barrier between the processes' background writes, telling the other processes first when this one's
     write failed. Orbax's background thread meets that error and goes on to its next barrier with it in hand
     (``sys.exc_info()``), while the other processes wait at another barrier, for Orbax's timeout (20 minutes), before
-    anyone's main thread hears of it. Told (``cluster.failing``: a multi-process job's failure mark), they stop at
+    anyone's main thread hears of it. Told (``watchdog.failing``: a multi-process job's failure mark), they stop at
     once."""
     barrier = ocp.multihost.get_barrier_sync_fn()
 
     def sync(*, key: str, timeout_ms: int) -> None:
         error = sys.exc_info()[1]
         if error is not None:
-            from ulysses_jax.train import cluster
+            from ulysses_jax.train import watchdog
 
-            cluster.failing(error)
+            watchdog.failing(error)
         barrier(key=key, timeout_ms=timeout_ms)
 
     return sync

@@ -12,7 +12,7 @@ import re
 
 import jax
 
-from ulysses_jax.kernels.attention import device_platform, resolve_impl
+from ulysses_jax.kernels.attention import auto_reason, device_platform, resolve_impl
 from ulysses_jax.kernels.cudnn_packed import resolve_max_documents
 from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.parallel.head_layout import head_groups, plan_heads
@@ -97,6 +97,25 @@ def auto_sp_note(m: MeshConfig, model: ModelConfig, seq_len: int, mesh) -> str |
     unit = best * m.ring
     return (f"sp {got}, not {best}: --seq-len {seq_len} is not a multiple of {unit}; --seq-len "
             f"{-(-seq_len // unit) * unit} (or --mesh.sp {best}, which refuses this length) keeps sp {best}")
+
+
+def sp_note(m: MeshConfig, model: ModelConfig, seq_len: int, mesh) -> str:
+    """``auto_sp_note`` as the start line's parenthesis (empty when nothing fell)."""
+    note = auto_sp_note(m, model, seq_len, mesh)
+    return f" ({note})" if note else ""
+
+
+def impl_note(m: ModelConfig, mesh) -> str:
+    """The start line's attention kernel: ``auto -> cudnn`` (with why ``auto`` did not pick cuDNN, where it did not)."""
+    # training rows are packed documents: segment ids are always present
+    platform = device_platform(mesh)
+    impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
+                        platform=platform, sinks=m.attn_sinks)
+    if impl == m.attention_impl:
+        return impl
+    why = auto_reason(dtype=m.compute_jnp_dtype, head_dim=m.head_dim, platform=platform,
+                      ring=mesh.shape.get("ring", 1), sinks=m.attn_sinks)
+    return f"{m.attention_impl} -> {impl}" + (f" ({why})" if why else "")
 
 
 def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:

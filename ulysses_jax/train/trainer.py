@@ -22,7 +22,6 @@ import time
 import uuid
 
 import jax
-import numpy as np
 
 from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
@@ -30,7 +29,6 @@ from ulysses_jax.data.pipeline import (
     BatchIterator,
     check_documents_per_row,
     check_eval_documents,
-    eval_batches,
     merge_states,
     process_rows,
     to_global,
@@ -61,6 +59,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     resolve_batch,
     sequence_multiple,
 )
+from ulysses_jax.train.eval_loss import evaluate_loss
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
 from ulysses_jax.train.signals import _StopSignals
@@ -342,22 +341,6 @@ def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
     return train_run(setup_train(cfg, loop_eval_setup))
 
 
-def evaluate_loss(eval_step, params, data_cfg: DataConfig, mesh, *, seq_len: int, batch_size: int,
-                  max_batches: int | None, doc_limit: int | None = None) -> dict:
-    total, count, batches = 0.0, 0, 0
-    rows = process_rows(mesh, batch_size, seq_len)
-    for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,
-                              row_ids=rows):
-        if doc_limit:  # this process's rows, refused on every process alike
-            cluster.decide_together(check_documents_per_row, local, doc_limit, rows=rows)
-        s, c = eval_step(params, to_global(local, mesh, global_batch=batch_size, row_ids=rows))
-        total, count, batches = total + float(s), count + int(c), batches + 1
-    if count == 0:
-        raise ValueError("no eval tokens: the eval split is empty; raise --eval-fraction or give --eval-data")
-    loss = total / count
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 700.0))), "tokens": count, "batches": batches}
-
-
 def _save(run: Run, step: int, state: dict) -> None:
     run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
 
@@ -378,8 +361,8 @@ def train_run(run: Run) -> dict:
                 if run.profile and step == run.profile[0]:
                     jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
                 local = next(run.data)
-                if doc_limit:  # this process's rows, refused on every process alike (no one left in a collective)
-                    cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
+                # this process's rows (one id for two runs; beyond cuDNN's bound), refused on every process alike
+                cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
                 batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
                 step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
                                                           global_batch=run.batch_size)  # each document apart
