@@ -426,3 +426,18 @@ def test_train_args_carry_the_data_flags_and_an_over_plan_says_so_first():
     over = tail(False, ["--seq-len", "8"])
     assert "does NOT fit" in over and "Train the planned program with" not in over
     assert "(no --data given to plan" in over and "(no --data" not in tail(True, ["--data", "x.jsonl"])
+
+
+def test_the_nearest_measured_row_is_of_the_same_gpu_and_model():
+    from ulysses_jax.plan.measured import ROWS, nearest
+
+    near = nearest("h200", "llama3.2-1b", 30000, flags="--remat full")
+    assert (near.gpu, near.preset, near.mode, near.seq_len) == ("h200", "llama3.2-1b", "full", 32768)
+    assert nearest("h200", "llama3.2-1b", 30000, lora=True).mode == "lora16"
+    assert nearest("h100", "llama3.2-1b", 32768, flags="--attention pallas").flags.startswith("--attention pallas")
+    assert nearest("h100", "qwen3-8b", 32768) is None
+    assert "measured (experiments/results/" in near.describe() and all(r.step_s > 0 for r in ROWS)
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    assert all((root / r.source).is_file() for r in ROWS)  # each row is a committed result

@@ -40,7 +40,7 @@ from ulysses_jax.data.tokenizers import make_tokenizer
 from ulysses_jax.kernels.cudnn_packed import packed_workspace_bytes, resolve_max_documents
 from ulysses_jax.model import flops, lora
 from ulysses_jax.parallel.head_layout import plan_heads
-from ulysses_jax.plan import hlo
+from ulysses_jax.plan import hlo, measured
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
 from ulysses_jax.plan.flags import train_args
 from ulysses_jax.plan.kernel_report import KernelInfo, dump_options, kernels
@@ -332,6 +332,10 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         notes=compile_only_notes(cfg, model, workspace, seq_len),
     )
     p.estimate = step_estimate(p, model, kernel)
+    near = measured.nearest(target.name, model.name, seq_len, lora=model.lora is not None,
+                            flags=" ".join(p.train_args))
+    p.estimate["nearest_measured"] = None if near is None else near.describe() + (
+        "" if cfg.devices == 1 else f"; one GPU, where this plan has {cfg.devices}")
     return p
 
 

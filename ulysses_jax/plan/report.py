@@ -66,8 +66,10 @@ def format_plan(p) -> str:
     if p.estimate is not None:
         e = p.estimate
         lines += [
-            f"Estimated step time (an ESTIMATE, not a measurement; no GPU has run it): {seconds(e['step_seconds'])} "
+            f"Estimated step time (an ESTIMATE, not a measurement): {seconds(e['step_seconds'])} "
             f"per step, {e['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU, MFU {e['mfu']:.1%}",
+            "  nearest measured row: " + (e.get("nearest_measured") or f"none of {p.model} on a {p.target.name.upper()} "
+                                          f"(ulysses_jax/plan/measured.py lists what GPUs have run)"),
             f"  published-run range: {seconds(e['trust_band_seconds'][0])} to {seconds(e['trust_band_seconds'][1])} "
             f"per step, if this run fares as published runs of the same shapes did: they took "
             f"{CALIBRATION_SPREAD[0]}x to {CALIBRATION_SPREAD[1]}x the estimate (other kernels and methods, so the "

@@ -1,0 +1,60 @@
+"""Training steps this project has timed on a GPU, for ``plan`` to print the nearest one beside its estimate.
+
+Each row is a committed result (``experiments/results/``; the file named in ``source``): one GPU, batch 1,
+``experiments/bench_train.py``'s step with the flags given, rows of ``documents`` random documents. An estimate is only
+as good as its distance from these: ``nearest`` picks the row of the same GPU kind and model that is closest in
+length (then in flags), and ``plan`` prints it with the estimate. New GPU sessions add their rows here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    gpu: str  # "h100" or "h200" (plan's targets)
+    preset: str
+    mode: str  # "full" or "lora16"
+    seq_len: int
+    documents: int  # per row
+    flags: str  # bench_train's (train's names), beyond --preset and --seq-lens
+    step_s: float
+    source: str  # the committed result it comes from
+
+    def describe(self) -> str:
+        return (f"{self.preset} {self.mode} at {self.seq_len:,} tokens ({self.documents} document"
+                f"{'s' if self.documents > 1 else ''} a row) on one {self.gpu.upper()}, {self.flags}: "
+                f"{self.step_s:.3f} s measured ({self.source})")
+
+
+_CUDNN = "--attention cudnn --remat full --loss-chunk 4096 --mlp-chunk 4096"
+_AUTO = "--attention auto --remat full --loss-chunk 4096 --mlp-chunk 4096"
+_H100 = "experiments/results/gpu_h100_20261126"
+_H200 = "experiments/results/gpu_h200_20261126"
+ROWS: tuple[Measured, ...] = (
+    Measured("h100", "llama3.2-1b", "full", 8192, 4, _CUDNN, 0.210, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
+    Measured("h100", "llama3.2-1b", "full", 32768, 4, _CUDNN, 1.080, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
+    Measured("h100", "llama3.2-1b", "full", 32768, 4, "--attention pallas --remat full --loss-chunk 4096 "
+             "--mlp-chunk 4096", 1.902, f"{_H100}/train_pallas_20261126-140709.md"),
+    Measured("h100", "llama3.2-1b", "full", 32768, 4, _AUTO + " --attn-keep", 0.996,
+             f"{_H100}b/train_bench_keep.log"),
+    Measured("h200", "llama3.2-1b", "full", 8192, 4, _AUTO, 0.196, f"{_H200}/b1_full.log"),
+    Measured("h200", "llama3.2-1b", "full", 32768, 4, _AUTO, 1.038, f"{_H200}/b1_full.log"),
+    Measured("h200", "llama3.2-1b", "lora16", 8192, 4, _AUTO, 0.158, f"{_H200}/b1_lora_new.log"),
+    Measured("h200", "llama3.2-1b", "lora16", 32768, 4, _AUTO, 0.910, f"{_H200}/b1_lora_new.log"),
+    Measured("h200", "llama3.1-8b", "lora16", 32768, 4, _AUTO, 3.785, f"{_H200}/b8_lora_new.log"),
+)
+
+
+def nearest(gpu: str, preset: str, seq_len: int, *, lora: bool = False, flags: str = "") -> Measured | None:
+    """The measured row closest to a plan: the same GPU kind and model (None if there is none), then the same mode,
+    then the nearest length (by ratio), then the most flags in common."""
+    mode = "lora16" if lora else "full"
+    rows = [r for r in ROWS if r.gpu == gpu and r.preset == preset]
+    if not rows:
+        return None
+    given = set(flags.split())
+    return min(rows, key=lambda r: (r.mode != mode, abs(math.log(r.seq_len / seq_len)),
+                                    -len(given & set(r.flags.split()))))
