@@ -62,9 +62,9 @@ def train(args, name: str, run_dir: pathlib.Path) -> dict:
         raise SystemExit(f"fp8_curves: the {name} run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                          f"{proc.stderr[-2000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    device = json.loads((run_dir / "run.json").read_text())["starts"][0]["device"]
+    record = json.loads((run_dir / "run.json").read_text())
     return {"losses": {r["step"]: r["loss"] for r in records}, "step_s": [r["step_time_s"] for r in records[1:]],
-            "device": device}
+            "device": record["starts"][0]["device"], "dtype": record["compute"]["compute_dtype"]}
 
 
 def smoothed(values: list[float], k: int) -> list[float]:
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     meta = {"date": f"{stamp:%Y-%m-%d %H:%M UTC}", "device": device,
             "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]), "commit": git_head(),
             "train flags of both": " ".join(args.train_flags) or "(none)",
+            "baseline computes in": runs["baseline"]["dtype"],
             "data": " ".join(args.data) or "the built-in corpus (the Python standard library's sources)"}
     lines = [f"# Loss with and without --fp8: {title}", ""] + [f"- {k_}: `{v}`" for k_, v in meta.items()] + [""]
     lines += ["| run | final loss (" + f"{k}-step mean) | median step s |", "|---|---|---|"]

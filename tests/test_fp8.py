@@ -1,7 +1,7 @@
 """Float8 projections (``--fp8``, ``model/fp8.py``): the projection against a float32 reference that quantises by
 hand, overflow and NaN, the delayed recipe's history, the float8 model beside the bf16 one, eight devices against one
-(FSDP x Ulysses, remat, the tiled sublayers, LoRA), training and an exact resume, refusals, the compiled H100 program's
-float8 dots and plan's estimate.
+(FSDP x Ulysses, remat, the tiled sublayers, LoRA), training and an exact resume, a Hugging Face start, refusals, the
+compiled H100 program's float8 dots and plan's estimate; slow: the real entry point's 30-step run and resume.
 
 Measured bounds (CPU, 2-layer model, bf16 compute, 6 seeds): the float8 model's loss is within 8e-5 (relative) of the
 bf16 model's, each parameter's gradient has cosine similarity >= 0.9937 with the bf16 one, all gradients together
@@ -292,6 +292,21 @@ def test_the_cli_refuses_in_one_line(args, message, capsys, tmp_path):
     assert main(["train", "--steps", "1", "--run-dir", str(tmp_path / "r"), *args]) != 0
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_hugging_face_folder_starts_with_empty_histories(tmp_path):
+    """``from_hf`` with delayed scaling: every weight from the folder, the histories (not in the folder) empty."""
+    import test_cli_hf as hf_helpers  # the tiny Hugging Face folder (a module: not collected twice)
+
+    from ulysses_jax.interop.hf import from_hf
+
+    folder = hf_helpers.make_folder(tmp_path / "hf")
+    plain = from_hf(folder, mesh=one_device(), compute_dtype="float32")
+    model = from_hf(folder, mesh=one_device(), compute_dtype="float32", fp8=True, fp8_recipe="delayed")
+    rest, hist = fp8.split(nnx.state(model, nnx.Param))
+    assert all((h == 0).all() for h in flat(hist).values()) and len(flat(hist)) == 2
+    want = flat(nnx.state(plain, nnx.Param))
+    assert all(np.array_equal(v, want[k]) for k, v in flat(rest).items())
 
 
 def test_plan_estimates_float8_gemms_at_their_own_rate():
