@@ -4,6 +4,7 @@ are present, and record tokens/s, MFU and peak memory per configuration.
     python experiments/bench_train.py --preset llama3.2-1b --seq-lens 8192,32768,131072 --sp 1
     python experiments/bench_train.py --preset qwen3-4b --seq-lens 32768,65536 --sp 4 --remat full \
         --loss-chunk 4096 --mlp-chunk 4096
+    python experiments/bench_train.py --preset llama3.2-1b --seq-lens 8192,32768 --fp8 both   # bf16 and float8 rows
     python experiments/bench_train.py --allow-cpu --quick          # tiny smoke run on fake CPU devices
 
 Batches are random tokens (never zeros), --documents per row (default 1: one document, what a peer without
@@ -11,7 +12,9 @@ packing runs; more: cut at random places), labels shifted before the split. Each
 timed steps after --warmup steps (the first compiles), each ending in jax.block_until_ready. MFU counts model FLOPs
 as ulysses_jax.model.flops does (6 * matmul params * tokens + each document's causal attention; no
 rematerialisation; LoRA: the FLOPs performed) against the device's dense bf16 peak (known GPUs) or --peak-tflops. Out-of-memory
-and other failures become a row note. Results: a markdown table and a CSV in --out-dir, headed by date,
+and other failures become a row note. ``--fp8``: the projections' GEMMs in float8 (``ModelConfig.fp8``, scales of
+``--fp8-recipe``); ``--fp8 both``: each sequence length without and with it, side by side (the MFU of both counts
+the same model FLOPs against the bf16 peak). Results: a markdown table and a CSV in --out-dir, headed by date,
 hardware, jax version, command line and git commit.
 """
 
@@ -44,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--documents", type=int, default=1, help="documents per row (1: one whole-row document)")
     p.add_argument("--optim-offload", action="store_true",
                    help="bfloat16 parameters, float32 master weights and AdamW state in host memory (--optim.offload)")
+    p.add_argument("--fp8", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="float8 projections (--fp8 of train); both: a row without and one with each")
+    p.add_argument("--fp8-recipe", default="current", choices=("current", "delayed"))
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -94,6 +100,8 @@ def build(args, seq_len: int):
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
                                   attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
+    if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
+        cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:
         cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
                                   param_dtype="bfloat16")
@@ -133,6 +141,7 @@ def bench_one(args, seq_len: int) -> dict:
         "tflops_per_device": f"{per_device / dt / 1e12:.1f}",
         "mfu": f"{100 * per_device / dt / peak:.1f}%" if peak else "",
         "peak_mem_gib": f"{mem / 2**30:.1f}" if mem else "", "loss": f"{float(metrics['loss']):.3f}", "note": "",
+        "fp8": f"on ({cfg.fp8_recipe})" if cfg.fp8 else "off",
     }
 
 
@@ -142,7 +151,8 @@ def header(args) -> dict:
     return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}"
                             f"{' + attn-keep' if args.attn_keep else ''}{lora}, {args.documents} document(s) "
                             f"per row (MFU: causal attention per document), "
-                            f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}")
+                            f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}"
+                            f"{'' if args.fp8 == 'off' else f', --fp8 {args.fp8} (recipe {args.fp8_recipe})'}")
 
 
 def main(argv=None) -> int:
@@ -159,17 +169,18 @@ def main(argv=None) -> int:
             "tiny", [512, 1024], 64, 64, 2, 1)
     rows = []
     for s in args.seq_lens:
-        try:
-            row = bench_one(args, s)
-        except Exception as e:  # noqa: BLE001 - OOM or unsupported: a row note, not a crash
-            row = {"seq_len": s, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-        print(row, flush=True)
-        rows.append(row)
+        for mode in ("off", "on") if args.fp8 == "both" else (args.fp8,):
+            try:
+                row = bench_one(argparse.Namespace(**{**vars(args), "fp8": mode}), s)
+            except Exception as e:  # noqa: BLE001 - OOM or unsupported: a row note, not a crash
+                row = {"seq_len": s, "fp8": mode, "note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+            print(row, flush=True)
+            rows.append(row)
     meta = header(args)
-    cols = ["seq_len", "rows", "mesh", "step_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib", "loss",
-            "note"]
+    cols = ["seq_len", "fp8", "rows", "mesh", "step_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_gib",
+            "loss", "note"]
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
-    lora = f"_lora{args.lora_rank}" if args.lora_rank else ""
+    lora = (f"_lora{args.lora_rank}" if args.lora_rank else "") + ("" if args.fp8 == "off" else f"_fp8{args.fp8}")
     stem = args.out_dir / f"train_{args.preset}{lora}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     print("wrote", *write_table(stem, "Training-step benchmark", meta, cols, rows))
     return 0

@@ -247,10 +247,10 @@ def _train(cfg: TrainConfig) -> int:
               f"layers ({param_count(m) / 1e6:,.1f}M parameters, {active_param_count(m) / 1e6:,.1f}M active per "
               f"token); grouped matmul {m.moe_impl} -> {resolve_impl(m.moe_impl, run.mesh)}; load-balancing loss "
               f"weight {m.router_aux_loss_coef:g} (--router-aux-loss-coef)")
-    if m.lora is not None:
-        from ulysses_jax.model.lora import describe
+    from ulysses_jax.model import fp8, lora
 
-        print(f"LoRA: {describe(m)}")
+    for line in ([f"LoRA: {lora.describe(m)}"] if m.lora else []) + ([f"Float8: {fp8.describe(m)}"] if m.fp8 else []):
+        print(line)
     layout = plan_heads(m.num_heads, m.num_kv_heads, run.mesh.shape["sp"])
     if layout.wasted_fraction:
         print(f"note: {m.num_heads} heads on sp={layout.sp} pads heads: {layout.wasted_fraction:.0%} of attention "

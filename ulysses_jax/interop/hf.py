@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ulysses_jax.interop import mxfp4
+from ulysses_jax.model import fp8
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.families.tensors import Entry
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS, export_architecture, export_family, hf_config, read_json
@@ -237,6 +238,9 @@ def from_hf(path, *, mesh: Mesh, param_dtype: str | None = None, **overrides):
     try:
         for key, var in nnx.to_flat_state(state):
             spec = var.get_value()
+            if isinstance(var, fp8.History):  # delayed float8 scaling's amax history: not in the folder, starts empty
+                var.set_value(jax.device_put(np.zeros(spec.shape, spec.dtype), shardings[key]))
+                continue
             entry = by_param[".".join(map(str, key))]
             var.set_value(_load_param(folder, entry, cfg, spec.shape, spec.dtype, shardings[key]))
             folder.release()  # unmap what this parameter touched

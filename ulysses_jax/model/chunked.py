@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.model.fp8 import HISTORY_KEY
+
 
 def chunk(x: jax.Array, i, c: int) -> jax.Array:
     """Tokens ``[i*c, (i+1)*c)`` of ``x [b, s, ...]``."""
@@ -41,7 +43,14 @@ def fresh(shape, dtype, anchor: jax.Array) -> jax.Array:
 
 
 def sum_f32(acc, g):
-    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g)
+    """``acc + g`` in float32, leaf by leaf; a float8 amax history (a dict's ``fp8.HISTORY_KEY`` entry, whose
+    "gradient" is its new value) takes the max instead."""
+    def add(path, a, b):
+        if any(isinstance(k, jax.tree_util.DictKey) and k.key == HISTORY_KEY for k in path):
+            return jnp.maximum(a, b.astype(jnp.float32))
+        return a + b.astype(jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(add, acc, g)
 
 
 def zeros_f32(w):

@@ -34,6 +34,8 @@ The long-context memory switches (each tested for equality with the plain path):
   * ``remat``: per-layer rematerialisation policy, one of ``REMAT_POLICIES``.
   * ``remat_every``: with ``remat``, keep (or offload) the input of every k-th layer only; the backward re-runs a
     group of k layers, holding their inputs on the device meanwhile (L/k + k saved inputs instead of L).
+  * ``fp8`` (not a memory switch; ``fp8_recipe`` ``current`` or ``delayed``): the seven projections' GEMMs in float8,
+    close to, not equal to, the plain path (``fp8.py``; refused with experts).
   * ``offload_params``: the stacked layers' parameters live in pinned host memory; the layer scan moves each
     layer's to the device when it runs it and sends its gradient back to host memory (``offload.stream_in``), so
     the device holds one layer of parameters and of gradients at a time. The update must stream too
@@ -46,7 +48,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ulysses_jax.model import hf_config, layer_kinds
+from ulysses_jax.model import fp8, hf_config, layer_kinds
 from ulysses_jax.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from ulysses_jax.model.layer_kinds import check_layers
 from ulysses_jax.model.lora_config import LoraConfig
@@ -158,6 +160,8 @@ class ModelConfig:
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     lora: LoraConfig | None = None  # LoRA adapters (model/lora.py): only they train; None: every parameter
+    fp8: bool = False  # the seven projections' GEMMs in float8, forward and backward (model/fp8.py)
+    fp8_recipe: str = "current"  # float8 scales: current (this step's amax) or delayed (an amax history)
 
     def __post_init__(self):
         positive = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -202,8 +206,9 @@ class ModelConfig:
                              f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
         if not isinstance(self.attn_recompute, bool):
             raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
-        if not isinstance(self.attn_keep, bool):
-            raise ValueError(f"attn_keep ({self.attn_keep!r}) must be True or False")
+        for field in ("attn_keep", "fp8"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} ({getattr(self, field)!r}) must be True or False")
         if self.attn_keep and (self.remat == "none" or self.attn_chunk):
             why = ("has nothing to keep without remat: set remat (--remat) to full or offload" if self.remat == "none"
                    else "is for the attention sublayer whole; the tiled one (attn_chunk, --attn-chunk) keeps its own "
@@ -234,6 +239,7 @@ class ModelConfig:
                              "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
                              "without --attn-keep")
         self._check_experts()
+        fp8.check(self)
 
     def _check_experts(self):
         e, k = self.num_experts, self.experts_per_token

@@ -20,6 +20,9 @@ merged weights: the hook ``merged`` replaces each attention target ``W`` by ``st
 at rest) in that case only, and its backward forms those weights' full gradients before reducing them to ``A`` and
 ``B``; with a bfloat16 compute dtype the merged weight is rounded once to bfloat16. Dropout is refused there.
 
+With ``fp8`` (``fp8.py``) the frozen base's product ``x W`` runs in float8 and the adapters' term as above; under
+``attn_chunk`` the merged weight (base and adapters) is what is quantised.
+
 The train step differentiates the ``LoraParam`` variables alone (``split``), so the base has no gradient and no
 optimizer state (``train/step.py``). MLP targets on a mixture of experts are refused (``LoraConfig.check``).
 """

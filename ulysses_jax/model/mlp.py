@@ -2,7 +2,8 @@
 
 ``mlp_chunk`` (``ModelConfig``) runs the sublayer (norm, MLP, residual add) over sequence chunks of each device's local
 sequence inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised
-(``chunked.chunk_map``). The sparse MLP (mixture of experts) is ``moe.py``.
+(``chunked.chunk_map``). The sparse MLP (mixture of experts) is ``moe.py``. With ``fp8`` the three products run in
+float8 (``fp8.py``), LoRA's terms beside them as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import lora
+from ulysses_jax.model import fp8, lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use
@@ -22,17 +23,26 @@ from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
 from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param, param_spec
 
 
-def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None):
+def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None,
+           fp8_on: bool = False, history=None):
     """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3). ``adapters``: LoRA's ``{target: (A, B)}``
-    on gate, up, down (``lora.low_rank`` with ``lora_cfg`` and dropout's ``drop``)."""
+    on gate, up, down (``lora.low_rank`` with ``lora_cfg`` and dropout's ``drop``). ``fp8_on``: the three products in
+    float8 (``fp8.einsum``; ``history [3, 3, HISTORY]``: gate, up, down's with delayed scaling); adapters stay as they
+    are."""
     adapted = functools.partial(lora.low_rank, adapters=adapters, lora=lora_cfg, drop=drop)  # LoRA's terms, or 0
-    h_BSF = act(x_BSD @ w_gate_DF + adapted(x_BSD, target="gate")) * (x_BSD @ w_up_DF + adapted(x_BSD, target="up"))
-    return h_BSF @ w_down_FD + adapted(h_BSF, target="down")
+
+    def mm(x, w, i):
+        return fp8.einsum("bsd,df->bsf", x, w, on=fp8_on, history=fp8.row(history, i))
+
+    h_BSF = act(mm(x_BSD, w_gate_DF, 0) + adapted(x_BSD, target="gate")) * (mm(x_BSD, w_up_DF, 1) + adapted(
+        x_BSD, target="up"))
+    return mm(h_BSF, w_down_FD, 2) + adapted(h_BSF, target="down")
 
 
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
                  norm: tuple[jax.Array, float] | None = None, post_norm: jax.Array | None = None,
-                 activation=jax.nn.silu, adapters=None, lora_cfg=None, drop=None):
+                 activation=jax.nn.silu, adapters=None, lora_cfg=None, drop=None, fp8_on: bool = False,
+                 history=None):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
@@ -48,6 +58,9 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
 
     ``adapters`` (LoRA, ``lora_cfg``): ``{target: (A, B)}`` at rest; then only they are differentiated (the weights and
     norm scales are the frozen base), and ``drop`` (``(key, token ids [B, S])``) is LoRA's dropout while training.
+
+    ``fp8_on``: the products in float8, each chunk's activations scaled on their own; ``history`` (delayed scaling,
+    ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``).
     """
     if post_norm is not None and norm is None:
         raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
@@ -61,6 +74,7 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     # an adapter matrix at rest is split over the FSDP axes on its embed dimension, if it has one
     ad_specs = {t: (_rest_spec(t, "a", over_data), _rest_spec(t, "b", over_data)) for t in adapters}
     key, ids = drop if drop is not None else (None, None)  # given only while training with dropout
+    hist = None if history is None else fp8.per_device(history, mesh)
 
     def gather(w, spec):
         axes = [i for i, e in enumerate(spec) if e is not None]
@@ -69,24 +83,28 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     def sublayer(xc, ad, ws, ids_c):  # one chunk: [x +] [post_norm](mlp([norm](x)))
         d = None if ids_c is None else (ws["key"], ids_c)
         h = rms_norm(xc, ws["norm"], norm[1]) if norm else xc
-        y = swiglu(h, ws["g"], ws["u"], ws["d"], act=activation, adapters=ad, lora_cfg=lora_cfg, drop=d)
+        hc = (ad or ws).get(fp8.HISTORY_KEY)  # the history rides with whatever is differentiated
+        y = swiglu(h, ws["g"], ws["u"], ws["d"], act=activation, adapters=ad, lora_cfg=lora_cfg, drop=d, fp8_on=fp8_on,
+                   history=hc)
         if not norm:
             return y
         return xc + (rms_norm(y, ws["post"], norm[1]) if post_norm is not None else y)
 
-    def local(x_bsD, ids_bs, key, base, adapters):
+    def local(x_bsD, ids_bs, key, base, adapters, hist):
         base = {k: gather(w, base_specs[k]) for k, w in base.items()}
         adapters = {t: tuple(gather(m, sp) for m, sp in zip(pair, ad_specs[t])) for t, pair in adapters.items()}
+        if hist is not None:  # this device's copy, beside the differentiated weights
+            (adapters if lora_mode else base)[fp8.HISTORY_KEY] = hist[0]
         n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
         if lora_mode:  # only the adapters train: the base rides along as frozen, no gradient formed for it
             return chunk_map(sublayer, n, x_bsD, adapters, {**base, "key": key}, ids_bs)
         return chunk_map(lambda xc, ws: sublayer(xc, None, ws, None), n, x_bsD, base)
 
     specs = (act, None if ids is None else P((DATA, FSDP), SEQ), None if key is None else P(),
-             {k: base_specs[k] for k in base}, ad_specs)
+             {k: base_specs[k] for k in base}, ad_specs, None if hist is None else fp8.DEVICE_SPEC)
     # chunk_map's backward carries no varying-manual-axes types
     fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
-    return fn(x_BSD, ids, key, base, adapters)
+    return fn(x_BSD, ids, key, base, adapters, hist)
 
 
 def _rest_spec(target: str, side: str, over_data: bool) -> P:
@@ -103,6 +121,8 @@ class MLP(nnx.Module):
         self.w_gate_DF = make("mlp.w_gate", (d, f), ("embed", "mlp"))
         self.w_up_DF = make("mlp.w_up", (d, f), ("embed", "mlp"))
         self.w_down_FD = make("mlp.w_down", (f, d), ("mlp", "embed"))
+        if (history := fp8.make_history(self.cfg, make.mesh, 3, make.stack)) is not None:  # gate, up, down
+            self.fp8_history = history
 
     def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None, adapters=None, drop=None):
         """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
@@ -113,7 +133,7 @@ class MLP(nnx.Module):
         return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
                             over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
                             norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post,
-                            **self._lora(adapters, drop))
+                            fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
 
     def _lora(self, adapters, drop) -> dict:
         """``tiled_swiglu``'s LoRA arguments: none without LoRA (every weight trains)."""
@@ -127,7 +147,7 @@ class MLP(nnx.Module):
             ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
             return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
                                 over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
-                                **self._lora(adapters, drop))
+                                fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
         ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
-        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop),
-                         mesh, ("batch", "seq", "embed"))
+        return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop,
+                                fp8_on=cfg.fp8, history=fp8.value(self)), mesh, ("batch", "seq", "embed"))

@@ -45,6 +45,11 @@ cut per group like the query heads; each device's kernel takes its heads', its b
 without a ring (a ring device's tokens are the ring's zigzag share, which these buffers do not model). Runs in
 ``shard_map``; parameters arrive at rest (FSDP) and are gathered here, their gradients reduce-scattered by the gather's
 transpose.
+
+Float8 (``cfg.fp8``, ``fp8.py``): the chunks' projections run through ``fp8.einsum`` (its backward through ``grad_in``'s
+``jax.vjp``), the output projection's backward through ``fp8.grads`` (``grad_out``); each chunk and head group is
+scaled on its own. The delayed recipe's history rides in ``params`` (``fp8.HISTORY_KEY``, a copy per device), its
+new values meeting in a max over chunks, groups and devices.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.attention import attention, device_platform, resolve_impl
 from ulysses_jax.kernels.sinks import sink_grad
+from ulysses_jax.model import fp8
 from ulysses_jax.model.chunked import cast_like, chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.model.config import ModelConfig, local_chunks
 from ulysses_jax.model.layers import apply_rope, norm_scale, rms_norm, rope_factor, rope_frequencies
@@ -83,6 +89,7 @@ PARAMS = {
     "k_norm": (("head_dim",), None),
     "post_norm": (("embed",), 0),  # Gemma 3 (post_norms): the post-attention norm's scale
     "sinks": (("heads",), None),  # gpt-oss: one attention-sink logit per query head
+    fp8.HISTORY_KEY: ((None, None, None), None),  # delayed float8: q, k, v, o's amax histories, a copy per device
 }
 _F32 = jnp.float32
 
@@ -128,9 +135,10 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = Fal
     (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated (``local``: with a
     local layer's RoPE base)."""
     xn = rms_norm(x_bcD, norm_scale(w["norm"], cfg), cfg.rms_eps)
-    q = jnp.einsum("bsd,dnh->bsnh", xn, w["wq"])
-    k = jnp.einsum("bsd,dkh->bskh", xn, w["wk"])
-    v = jnp.einsum("bsd,dkh->bskh", xn, w["wv"])
+    hist = w.get(fp8.HISTORY_KEY)  # with cfg.fp8: float8 products (each chunk's own scale; a history if delayed)
+    q = fp8.einsum("bsd,dnh->bsnh", xn, w["wq"], on=cfg.fp8, history=fp8.row(hist, 0))
+    k = fp8.einsum("bsd,dkh->bskh", xn, w["wk"], on=cfg.fp8, history=fp8.row(hist, 1))
+    v = fp8.einsum("bsd,dkh->bskh", xn, w["wv"], on=cfg.fp8, history=fp8.row(hist, 2))
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     if cfg.qk_norm:
@@ -140,9 +148,10 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = Fal
     return apply_rope(q, pos_bc, inv_freq, f), apply_rope(k, pos_bc, inv_freq, f), v
 
 
-def output_chunk(o_bcXH, wo, *, layout: HeadLayout):
-    """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: the output projection."""
-    return jnp.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), wo)
+def output_chunk(o_bcXH, wo, *, layout: HeadLayout, fp8_on: bool = False, history=None):
+    """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: the output projection
+    (in float8 with ``fp8_on``)."""
+    return fp8.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), wo, on=fp8_on, history=history)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,8 +185,12 @@ class _Spec:
     def project(self, x, pos, w):
         return project_chunk(x, pos, w, cfg=self.cfg, local=self.window is not None)
 
-    def out_proj(self, o, wo):
-        return output_chunk(o, wo, layout=self.groups.layout)
+    def out_proj(self, o, wo, hist=None):
+        return output_chunk(o, wo, layout=self.groups.layout, fp8_on=self.cfg.fp8, history=hist)
+
+    def out_proj_of(self, w: dict):
+        """``out_proj`` with ``w``'s float8 history of the output projection (delayed scaling), if any."""
+        return functools.partial(self.out_proj, hist=fp8.row(w.get(fp8.HISTORY_KEY), 3))
 
     def post(self, y, scale):
         """The post-attention norm of a chunk ``y [b, c, D]`` (Gemma 3; ``scale`` at rest, float32)."""
@@ -234,7 +247,8 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
             wg = group_weights(w, groups, t)
             q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
             o_t, _ = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
-            return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"])
+            return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"], spec.cfg.fp8,
+                           fp8.row(wg.get(fp8.HISTORY_KEY), 3))
 
         acc = _over_groups(groups.count, group_acc, fresh(x.shape, w["wo"].dtype, x) * 0)
         # the residual added per chunk into the sum's buffer (a plain x + acc: 13 GiB more, 8B LoRA at 2.15M tokens)
@@ -256,7 +270,8 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
 
     o, lse = _over_groups(groups.count, group, (o, lse))
     post = (lambda y: spec.post(y, w["post_norm"])) if "post_norm" in w else None
-    return fill_out(spec.out_proj, n, sp, o, x, w["wo"], post), (x, pos, seg, w, None if spec.recompute else o, lse)
+    return fill_out(spec.out_proj_of(w), n, sp, o, x, w["wo"], post), (x, pos, seg, w, None if spec.recompute else o,
+                                                                        lse)
 
 
 def _sublayer_bwd(spec: _Spec, res, ct):
@@ -265,7 +280,7 @@ def _sublayer_bwd(spec: _Spec, res, ct):
     w32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _F32), w)
     ct_out, dpost = ct, None  # the gradient of the output projection's result; with a post-norm, through it
     if "post_norm" in w:  # needs every head's output: refused with attn_recompute (layer_kinds.check_layers)
-        ct_out, dpost = grad_post(spec.out_proj, spec.post, n, sp, o, ct, w["wo"], w["post_norm"])
+        ct_out, dpost = grad_post(spec.out_proj_of(w), spec.post, n, sp, o, ct, w["wo"], w["post_norm"])
 
     def group(t, carry):
         dx, dw = carry
@@ -276,10 +291,13 @@ def _sublayer_bwd(spec: _Spec, res, ct):
         else:
             o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
             lse_t = None if lse is None else lse[t]
-        do, dwo = grad_out(n, sp, o_t, ct_out, wg["wo"])
+        hist = wg.get(fp8.HISTORY_KEY)
+        do, dwo, dhist = grad_out(n, sp, o_t, ct_out, wg["wo"], spec.cfg.fp8, fp8.row(hist, 3))
         grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do, spec.sinks(wg))
         w_in = {name: a for name, a in wg.items() if name not in ("wo", "sinks")}
         dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads[:3], dx)
+        if hist is not None:  # q, k, v's new histories from their projections, o's from its backward here
+            dwg[fp8.HISTORY_KEY] = dwg[fp8.HISTORY_KEY].at[3].max(dhist)
         if "sinks" in wg:  # this device's heads' share of the group's slots; shard_map sums over devices
             dwg["sinks"] = jnp.zeros(wg["sinks"].shape, _F32).at[jax.lax.axis_index(SP) * groups.size + jnp.arange(
                 groups.size)].set(grads[3].astype(_F32))
@@ -323,8 +341,11 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     groups = head_groups(plan_heads(cfg.num_heads, cfg.num_kv_heads, sp), head_chunk)
     spec = _Spec(cfg, groups, n, impl, platform, recompute, kind)
     over_data = cfg.shard_params_over_data
+    if fp8.HISTORY_KEY in params:  # one copy per device: the copies' new values meet in a max (fp8.per_device)
+        params = {**params, fp8.HISTORY_KEY: fp8.per_device(params[fp8.HISTORY_KEY], mesh)}
     names = sorted(params)
-    w_specs = [param_spec(PARAMS[k][0], over_data=over_data) for k in names]
+    w_specs = [fp8.DEVICE_SPEC if k == fp8.HISTORY_KEY else param_spec(PARAMS[k][0], over_data=over_data)
+               for k in names]
     act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
 
     def local(x, pos, seg, *ws):
@@ -332,6 +353,8 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
         for k, v in zip(names, ws):
             axis = PARAMS[k][1]
             w[k] = v if axis is None else jax.lax.all_gather(v, fsdp_axes(over_data), axis=axis, tiled=True)
+        if fp8.HISTORY_KEY in w:
+            w[fp8.HISTORY_KEY] = w[fp8.HISTORY_KEY][0]  # this device's copy
         if seg is not None:
             seg = jax.lax.all_gather(seg, SP, axis=1, tiled=True)  # [b, S]
         return _sublayer(spec, x, pos, seg, w)

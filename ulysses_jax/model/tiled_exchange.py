@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from ulysses_jax.model import fp8
 from ulysses_jax.model.chunked import chunk, fresh, put, sum_f32, zeros_f32
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.mesh import SP
@@ -123,38 +124,48 @@ def grad_post(out_proj, post, n: int, sp: int, o, ct, wo, scale):
     return jax.lax.fori_loop(0, n, body, (fresh(ct.shape, wo.dtype, ct), jnp.zeros(scale.shape, _F32)))
 
 
-def grad_out(n: int, sp: int, o, ct, wo):
+def grad_out(n: int, sp: int, o, ct, wo, fp8_on: bool = False, history=None):
     """The backward of a group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's output),
     ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order)
-    -> ``(do [b, S, size, H], dwo)``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and ``wo``'s
-    gradient (float32) from the chunk's exchange of ``o``, recomputed."""
+    -> ``(do [b, S, size, H], dwo, history')``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and
+    ``wo``'s gradient (float32) from the chunk's exchange of ``o``, recomputed. ``fp8_on``: both GEMMs in float8
+    (``fp8.grads``); ``history'``: with delayed scaling the history's new value (the chunks' amaxes meet in a max),
+    else None."""
     b, s, _ = ct.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
     like = jax.ShapeDtypeStruct((b, c, *wo.shape[:2]), wo.dtype)
 
     def body(i, carry):
-        buf, acc = carry
+        buf, acc, h = carry
         ct_i = chunk(ct, i, c).astype(wo.dtype)
-        do = seq_to_heads(jnp.einsum("bsd,nhd->bsnh", ct_i, wo), SP)
-        dwo = jnp.einsum("bsnh,bsd->nhd", heads_to_seq(_exchanged(o6, i), SP), ct_i, preferred_element_type=_F32)
-        return _land(buf, do, i), acc + dwo
+        o_i = heads_to_seq(_exchanged(o6, i), SP)
+        if fp8_on:
+            do, dwo, new = fp8.grads("bsnh,nhd->bsd", o_i, wo, ct_i, history)
+            h = h if new is None else jnp.maximum(h, new)
+        else:
+            do = jnp.einsum("bsd,nhd->bsnh", ct_i, wo)
+            dwo = jnp.einsum("bsnh,bsd->nhd", o_i, ct_i, preferred_element_type=_F32)
+        return _land(buf, seq_to_heads(do.astype(wo.dtype), SP), i), acc + dwo, h
 
-    buf, dwo = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32)))
-    return _whole(buf), dwo
+    h0 = None if history is None else jnp.zeros(history.shape, _F32)
+    buf, dwo, h = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32), h0))
+    return _whole(buf), dwo, h
 
 
 
-def add_out(n: int, sp: int, o, acc, wo):
+def add_out(n: int, sp: int, o, acc, wo, fp8_on: bool = False, history=None):
     """``acc [b, s, D]`` plus one group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's
     output, whole sequence), ``wo [sp * size, H, D]`` (the group's output weights, slot order, dummy heads zero): per
-    chunk the heads -> sequence all-to-all of ``o`` and ``o @ wo``, added onto ``acc`` in place."""
+    chunk the heads -> sequence all-to-all of ``o`` and ``o @ wo`` (in float8 with ``fp8_on``), added onto ``acc`` in
+    place."""
     b, s, _ = acc.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, acc):
-        y = jnp.einsum("bsnh,nhd->bsd", heads_to_seq(_exchanged(o6, i), SP), wo, preferred_element_type=_F32)
+        y = fp8.einsum("bsnh,nhd->bsd", heads_to_seq(_exchanged(o6, i), SP), wo, on=fp8_on, history=history,
+                       preferred_element_type=_F32)
         return put(acc, chunk(acc, i, c).astype(_F32) + y, i, c)
 
     return jax.lax.fori_loop(0, n, body, acc)

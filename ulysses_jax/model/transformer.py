@@ -39,6 +39,10 @@ checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k +
 inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
 ``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``:
 the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
+
+Float8 (``fp8``): the q, k, v, o, gate, up and down GEMMs run on float8 operands, forward and backward
+(``model/fp8.py``); the weights are gathered in the compute dtype and cast after the gather. With the delayed recipe,
+``Attention`` and ``MLP`` hold their projections' amax histories (``fp8.History``), stacked like the parameters.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
-from ulysses_jax.model import host_offload
+from ulysses_jax.model import fp8, host_offload
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.layers import (
     ParamMaker,
@@ -98,6 +102,8 @@ class Attention(nnx.Module):
             self.bo_D = make("attn.bo", (d,), ("embed",), init="zeros")
         if cfg.attn_sinks:  # gpt-oss: a sink logit per head (zeros: exp(0) joins each row's softmax denominator)
             self.sinks_N = make("attn.sinks", (n,), ("heads",), init="zeros")
+        if (history := fp8.make_history(cfg, make.mesh, 4, make.stack)) is not None:  # q, k, v, o (delayed float8)
+            self.fp8_history = history
 
     def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0, adapters=None, drop=None):
         """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one).
@@ -105,9 +111,14 @@ class Attention(nnx.Module):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         window = cfg.window_kinds[kind]
         adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
-        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x_BSD, use(self.wq_DNH, mesh, dt)) + adapted(x_BSD, target="q")
-        k_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wk_DKH, mesh, dt)) + adapted(x_BSD, target="k")
-        v_BSKH = jnp.einsum("bsd,dkh->bskh", x_BSD, use(self.wv_DKH, mesh, dt)) + adapted(x_BSD, target="v")
+        hist = fp8.value(self)  # delayed float8 scaling: the amax histories of q, k, v, o
+
+        def proj(spec, x, w, i):  # x @ w, in float8 with --fp8 (weights gathered in the compute dtype, then cast)
+            return fp8.einsum(spec, x, use(w, mesh, dt), on=cfg.fp8, history=fp8.row(hist, i))
+
+        q_BSNH = proj("bsd,dnh->bsnh", x_BSD, self.wq_DNH, 0) + adapted(x_BSD, target="q")
+        k_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wk_DKH, 1) + adapted(x_BSD, target="k")
+        v_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wv_DKH, 2) + adapted(x_BSD, target="v")
         if cfg.qkv_bias:
             q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
             k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
@@ -125,7 +136,7 @@ class Attention(nnx.Module):
             scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
             sinks=use(self.sinks_N, mesh, jnp.float32) if cfg.attn_sinks else None,
         )
-        out_BSD = jnp.einsum("bsnh,nhd->bsd", o_BSNH, use(self.wo_NHD, mesh, dt)) + adapted(o_BSNH, target="o")
+        out_BSD = proj("bsnh,nhd->bsd", o_BSNH, self.wo_NHD, 3) + adapted(o_BSNH, target="o")
         if cfg.o_bias:
             out_BSD = out_BSD + use(self.bo_D, mesh, dt)
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
@@ -235,7 +246,9 @@ class Block(nnx.Module):
             found.update(post_norm=self.post_attn_norm.scale)
         if a.cfg.attn_sinks:
             found.update(sinks=a.sinks_N)
-        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k == "sinks" else dt)
+        if fp8.value(a) is not None:  # delayed float8 scaling: q, k, v, o's amax histories
+            found[fp8.HISTORY_KEY] = a.fp8_history
+        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k in ("sinks", fp8.HISTORY_KEY) else dt)
                 for k, p in found.items()}
 
 

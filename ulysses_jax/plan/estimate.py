@@ -8,7 +8,8 @@ Per step and per device, from the compiled plan:
   table of kernel rates (each row names its source); our Pallas kernel's rate is its static estimate
   (``kernels/flash_estimate.py``) calibrated on the measured Triton tutorial kernel;
 * the other matmuls (projections, MLP, unembedding; every dot of the compiled program, re-runs included) at
-  ``MATMUL_RATE``;
+  ``MATMUL_RATE``; with ``--fp8`` all but the unembedding's at ``FP8_MATMUL_RATE`` (an assumption, not measured), and
+  ``FP8_PASSES`` more elementwise passes for their amaxes and casts;
 * elementwise work (norms, RoPE, SwiGLU, residual adds) and the optimizer update as HBM traffic;
 * collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
   schedule runs asynchronously beside compute (``hlo.Collective.overlapped_bytes``) are hidden up to the compute
@@ -56,6 +57,10 @@ HEAD_DIM_FACTOR = {64: 0.85, 256: 0.9}  # assumed: FlashAttention-2/3 run below 
 # time (its calibration, experiments/results/plan_calibration_h100.md, 2026-11-26: TRL, torchtitan, the HF blog).
 CALIBRATION_SPREAD = (1.07, 2.79)
 MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-gpu notes), 790-800 in the anchors
+# float8 GEMM on H100 (--fp8): ASSUMED, not measured here: the dense FP8 peak is 1979 TFLOP/s, large FP8 GEMMs are
+# reported at about 1300-1500; our per-tensor rescaled GEMMs have not been timed (experiments/bench_train.py --fp8)
+FP8_MATMUL_RATE = 1400e12
+FP8_PASSES = 12  # assumed: passes over [tokens, hidden] per layer (forward and backward) for float8 amaxes and casts
 # the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
 # shapes, 65,536 rows (8,192 tokens x top-8; 429 TFLOP/s at 262,144 rows): experiments/results/gpu_h100_20261126b
 GROUPED_RATE = 333e12
@@ -160,9 +165,12 @@ def step_estimate(p, model, kernel: str) -> dict:
     ring = getattr(p, "mesh", {}).get("ring", 1)  # each kernel call sees S / ring tokens
     rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
     attention_s = attn_fwd * (1 + redo_attn) / rate.forward + 2.5 * attn_fwd / rate.backward
-    matmul_s = (matmul_flops - grouped) / MATMUL_RATE + grouped / GROUPED_RATE
+    # --fp8: every matmul but the unembedding's (and the experts': refused with --fp8) in float8
+    fp8_flops = max(matmul_flops - grouped - 3 * head_mm, 0.0) if getattr(model, "fp8", False) else 0.0
+    matmul_s = (matmul_flops - grouped - fp8_flops) / MATMUL_RATE + fp8_flops / FP8_MATMUL_RATE + grouped / GROUPED_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
-    elementwise_s = ELEMENTWISE_PASSES * act_bytes * model.num_layers * (3 + redo_mm) / t.hbm_bytes_per_s
+    passes = ELEMENTWISE_PASSES * (3 + redo_mm) + (FP8_PASSES if fp8_flops else 0)
+    elementwise_s = passes * act_bytes * model.num_layers / t.hbm_bytes_per_s
     params = flops.param_count(model) / n
     update_s = 0.0 if p.optimizer_on_host else OPTIMIZER_BYTES_PER_PARAM * params / t.hbm_bytes_per_s
     compute_s = attention_s + matmul_s + elementwise_s + update_s
@@ -185,6 +193,10 @@ def step_estimate(p, model, kernel: str) -> dict:
         f"attention: {kernel} at {rate.forward / 1e12:.0f} TFLOP/s forward, {rate.backward / 1e12:.0f} backward "
         f"({rate.source}{'; ' + rate_note if rate_note else ''}); causal, packed rows counted as one sequence",
         f"other matmuls at {MATMUL_RATE / 1e12:.0f} TFLOP/s (bf16 GEMM measured at 8192^3); {rerun_note}",
+        *([f"--fp8: {fp8_flops / matmul_flops:.0%} of the matmul FLOPs (all but the unembedding) in float8 at "
+           f"{FP8_MATMUL_RATE / 1e12:.0f} TFLOP/s, an ASSUMED rate, not measured (H100 dense FP8 peak 1979; large "
+           f"FP8 GEMMs reported at 1300-1500), plus {FP8_PASSES} elementwise passes per layer for the amaxes and "
+           f"casts"] if fp8_flops else []),
         f"elementwise work: {ELEMENTWISE_PASSES} passes over [tokens, hidden] per layer forward at the HBM bandwidth "
         f"({t.hbm_bytes_per_s / 1e12:.2f} TB/s); optimizer update "
         + ("streamed from host memory (its PCIe traffic below)" if p.optimizer_on_host else

@@ -106,6 +106,46 @@ def parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
     return comps, entry
 
 
+FLOAT8 = ("f8e4m3fn", "f8e5m2")
+
+
+def _dims(type_text: str) -> list[int]:
+    m = _ARRAY.search(type_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def float8_dots(hlo_text: str) -> dict[str, dict[str, int]]:
+    """The dots whose two operands are float8, by operand types (``"f8e4m3fn x f8e4m3fn"``: ``--fp8``'s forward
+    GEMMs; with ``f8e5m2``, the output gradient: its backward's): ``{"dots": count, "flops": FLOPs}``, each dot
+    counted once where it appears in the program text (a loop body's once, not per trip; XLA may have merged dots that
+    share an operand, such as q, k and v's). An operand's type is read from its computation."""
+    comps, _ = parse(hlo_text)
+    out: dict[str, dict[str, int]] = {}
+    for instrs in comps.values():
+        types = {i.name: i.type for i in instrs}
+        for ins in instrs:
+            operands = [types.get(o, "") for o in ins.operands[:2]]
+            kinds = [t.partition("[")[0] for t in operands]
+            if ins.opcode != "dot" or not all(k in FLOAT8 for k in kinds):
+                continue
+            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+            lhs = _dims(operands[0])
+            k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
+            row = out.setdefault(" x ".join(kinds), {"dots": 0, "flops": 0})
+            row["dots"] += 1
+            row["flops"] += 2 * math.prod(_dims(ins.type)) * k
+    return out
+
+
+def float8_note(hlo_text: str) -> str:
+    """One line on the float8 dots of a ``--fp8`` program (``float8_dots``)."""
+    dots = float8_dots(hlo_text)
+    fwd = dots.get("f8e4m3fn x f8e4m3fn", {}).get("dots", 0)
+    bwd = sum(v["dots"] for k, v in dots.items() if "f8e5m2" in k)
+    return (f"--fp8: {fwd} float8 forward dots (e4m3 x e4m3) and {bwd} backward ones (e5m2 gradients) in the "
+            f"compiled program's text (a loop body counted once; XLA merges dots that share an operand, as q, k, v)")
+
+
 def _trip_count(instr: _Instr) -> int | None:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
     return int(m.group(1)) if m else None

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from ulysses_jax.data.tokenizers import make_tokenizer
 from ulysses_jax.kernels.cudnn_packed import packed_workspace_bytes, resolve_max_documents
-from ulysses_jax.model import flops, lora
+from ulysses_jax.model import flops, fp8, lora
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.plan import hlo, measured
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
@@ -306,7 +306,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     memory["cudnn_workspace_bytes"] = workspace
     memory["total_bytes"] += workspace
     params = _shard_bytes(state["params"])
-    trained = _shard_bytes(lora.split(state["params"])[0])  # with LoRA: the adapters' alone (the base has none)
+    trained = _shard_bytes(lora.split(fp8.split(state["params"])[0])[0])  # with LoRA: the adapters' alone
     memory["host_transfer_bytes"] = host_transfer_bytes(cfg, model, dict(mesh.shape), seq_len, batch_size,
                                                         _shard_bytes(state["opt_state"]),
                                                         _shard_bytes(state["params"]["blocks"]))
@@ -329,7 +329,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
-        notes=compile_only_notes(cfg, model, workspace, seq_len),
+        notes=compile_only_notes(cfg, model, workspace, seq_len) + ([hlo.float8_note(text)] if model.fp8 else []),
     )
     p.estimate = step_estimate(p, model, kernel)
     near = measured.nearest(target.name, model.name, seq_len, lora=model.lora is not None,

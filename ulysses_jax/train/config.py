@@ -87,6 +87,12 @@ class TrainConfig:
     """with --lora-rank: the projections with adapters, comma-separated, of q,k,v,o,gate,up,down (or peft's q_proj, ...,
     down_proj); None: all seven (q,k,v,o on a mixture of experts)"""
     lora_dropout: float = 0.0  # with --lora-rank: dropout on the adapters' inputs while training (e.g. 0.05)
+    fp8: bool = False
+    """float8 GEMMs (Hopper) for the q, k, v, o, gate, up and down projections, forward and backward; weights,
+    optimizer, norms, attention, loss and unembedding stay as they are (docs/fp8.md); not with experts"""
+    fp8_recipe: str = "current"
+    """with --fp8, the per-tensor scales: current (each tensor's amax at this step) or delayed (the max of a 16-step
+    amax history per tensor, kept in the checkpoints)"""
     optim: OptimConfig = OptimConfig()
     data: Paths = ()  # .txt/.md/.jsonl/.parquet files or directories; none: the Python standard library's sources
     data_field: str = "text"  # the text's field in .jsonl lines and column in .parquet files
@@ -156,7 +162,8 @@ def compute_settings(cfg: TrainConfig) -> dict:
                 remat_nested=cfg.remat_nested, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
-                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl)
+                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl, fp8=cfg.fp8,
+                fp8_recipe=cfg.fp8_recipe)
 
 
 def recorded_model(record: dict) -> ModelConfig:
@@ -237,6 +244,9 @@ def _model_config_of(cfg: TrainConfig, vocab_size: int, *, record: dict | None =
     if cfg.attn_recompute and not cfg.attn_chunk:
         raise ValueError("--attn-recompute recomputes the output of the tiled attention sublayer; add --attn-chunk "
                          "(tokens per chunk of each device's sequence, e.g. 4096)")
+    if cfg.fp8_recipe != "current" and not cfg.fp8:
+        raise ValueError(f"--fp8-recipe {cfg.fp8_recipe} chooses the scales of float8 GEMMs, but --fp8 is not set; add "
+                         f"--fp8 or drop --fp8-recipe")
     if cfg.init_from_hf is None:
         return _model_config(cfg.preset or "tiny", vocab_size, **compute)
     if cfg.preset not in (None, "tiny"):  # "tiny" is the default; the CLI refuses an explicit one (cli.parse)

@@ -21,6 +21,8 @@ LEARNED = ("preset", "seq_len", "batch_size", "seed", "data_field", "data_format
            "optim.master_weights", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 # what a record written before a LEARNED field existed meant by it
 RECORDED_BEFORE = {"data_format": "text", "optim.master_weights": False, "lora_dropout": 0.0}
+# ... and by a model field (run.json's "model")
+MODEL_RECORDED_BEFORE = {"fp8": False, "fp8_recipe": "current"}
 
 
 def learned_difference(recorded: dict, current: dict) -> str | None:
@@ -37,7 +39,7 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
             return f"{flag(path)} is {b!r} here but {a!r} in the run{was}"
     a, b = recorded.get("model", {}), current.get("model", {})
     for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
+        if a.get(key, MODEL_RECORDED_BEFORE.get(key)) != b.get(key, MODEL_RECORDED_BEFORE.get(key)):
             return f"the model's {key} is {b.get(key)!r} here but {a.get(key)!r} in the run"
     if recorded.get("optimizer") != current.get("optimizer"):
         return f"the optimizer is {current.get('optimizer')} here but {recorded.get('optimizer')} in the run"

@@ -4,6 +4,9 @@ AdamW with warmup + cosine decay and global-norm clipping, gradient accumulation
 jitted with explicit shardings and the train state donated.
 
 The train state is a dict ``{"params": nnx.State, "opt_state": optax state, "step": int32, "rng": key data}``.
+With ``--fp8-recipe delayed``, ``params`` also holds the float8 amax histories (``fp8.History``): the step stores
+the new history the backward returns (``fp8.py``) and gives the optimizer the rest, so they are checkpointed with the
+parameters and take no optimizer state.
 Parameters are born sharded (see ``model/layers.py``); the optimizer state is laid out like the parameters
 (``optax.tree_map_params``), so both are split over the whole fsdp x sp (x data) group.
 
@@ -27,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import lora
+from ulysses_jax.model import fp8, lora
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.loss import next_token_loss
 from ulysses_jax.model.transformer import Transformer
@@ -220,7 +223,8 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transfo
     if config.offload_params:  # the stacked layers at rest in host memory
         shardings = optimizer.host_param_shardings(shardings)
         params = jax.device_put(params, shardings)
-    trained, trained_sh = lora.split(params)[0], lora.split(shardings)[0]  # with adapters: those alone
+    # with adapters: those alone; never float8 scaling's histories
+    trained, trained_sh = lora.split(fp8.split(params)[0])[0], lora.split(fp8.split(shardings)[0])[0]
     opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, trained), trained_sh, mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trained)
     replicated = NamedSharding(mesh, P())
@@ -246,8 +250,9 @@ def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> t
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, shardings)
     if tx is None:
         return graphdef, {"params": params}
-    abstract_opt = jax.eval_shape(tx.init, lora.split(params)[0])  # with adapters: their optimizer state alone
-    opt_shardings = _opt_shardings(tx, abstract_opt, lora.split(shardings)[0], mesh)
+    trained = lora.split(fp8.split(params)[0])[0]  # with adapters: their optimizer state alone
+    abstract_opt = jax.eval_shape(tx.init, trained)
+    opt_shardings = _opt_shardings(tx, abstract_opt, lora.split(fp8.split(shardings)[0])[0], mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
                              opt_shardings)
     replicated = NamedSharding(mesh, P())
@@ -296,25 +301,32 @@ def zero_sums(num_experts: int) -> dict:
                 load=jnp.zeros((num_experts,), jnp.int32))
 
 
-def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh, num_experts: int = 0):
+def accumulate(grad_fn, params, batch, grad_accum: int, mesh: Mesh, num_experts: int = 0, history=None):
     """``((objective, sums), gradients)`` of ``batch`` in ``grad_accum`` micro-batches (row ``i`` in micro-batch
     ``i % grad_accum``), the objectives, the sums (``_loss_sums``) and the gradients added, the gradients in float32
     whatever the parameters' dtype (bfloat16 sums would round at every micro-batch). ``grad_fn(params, micro)``:
-    ``((objective, sums), gradients)``, ``grad_fn(params, micro, i)`` for micro-batch ``i``."""
+    ``((objective, sums), gradients)``, ``grad_fn(params, micro, i)`` for micro-batch ``i``. With ``history`` (delayed
+    float8 scaling's amax histories, ``fp8.split``) the gradients are ``(params', the histories' new values)``, and
+    the micro-batches' new histories meet in a max (``fp8.combine``), not a sum."""
     micro_sharding = NamedSharding(mesh, P(None, (DATA, FSDP), SEQ))
 
     def split(x):  # [B, S] -> [A, B/A, S]; row i -> micro-batch i % A
         x = x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(x, micro_sharding)
 
+    def add(a, g):
+        return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), a, g)
+
     def body(carry, xs):
         g_acc, s_acc = carry
         micro, index = xs
         out, g = grad_fn(params, micro, index)
-        return (jax.tree.map(lambda a, x: a + x.astype(jnp.float32), g_acc, g),
-                jax.tree.map(lambda a, x: a + x, s_acc, out)), None
+        g_acc = add(g_acc, g) if history is None else (add(g_acc[0], g[0]), fp8.combine(g_acc[1], g[1]))
+        return (g_acc, jax.tree.map(lambda a, x: a + x, s_acc, out)), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    if history is not None:
+        zeros = (zeros, jax.tree.map(jnp.zeros_like, history))
     init = (zeros, (jnp.zeros((), jnp.float32), zero_sums(num_experts)))
     (grads, out), _ = jax.lax.scan(body, init, (jax.tree.map(split, batch), jnp.arange(grad_accum)))
     return out, grads
@@ -324,12 +336,14 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
     """``step(state, batch) -> (state, metrics)``, jitted, the state donated."""
     if grad_accum < 1:
         raise ValueError(f"grad_accum ({grad_accum}) must be at least 1")
-    grad_of = jax.value_and_grad(lambda p, frozen, b, key: _loss_sums(graphdef, lora.join(p, frozen), b, key),
-                                 has_aux=True)
+    # the parameters' gradients, and the new values of delayed float8 scaling's amax histories (None without)
+    grad_of = jax.value_and_grad(lambda p, h, frozen, b, key: _loss_sums(graphdef, fp8.join(lora.join(p, frozen), h),
+                                                                          b, key), argnums=(0, 1), has_aux=True)
 
     def step(state, batch):
         # with LoRA adapters only they are differentiated and updated; the frozen rest passes through unchanged
-        params, frozen = lora.split(state["params"])
+        params, history = fp8.split(state["params"])  # delayed float8: stored, not updated by the optimizer
+        params, frozen = lora.split(params)
         model_cfg = nnx.merge(graphdef, state["params"]).config
         host_params = model_cfg.offload_params
         check_offload_params(host_params, tx, grad_accum)
@@ -337,12 +351,15 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
         key = None
         if model_cfg.lora is not None and model_cfg.lora.dropout:
             key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        grad_fn = lambda p, b, i=0: grad_of(  # noqa: E731
-            p, frozen, b, None if key is None else jax.random.fold_in(key, i))
+        def grad_fn(p, b, i=0):  # the gradients, paired with the histories' new values where there are histories
+            out, (g, h) = grad_of(p, history, frozen, b, None if key is None else jax.random.fold_in(key, i))
+            return out, g if history is None else (g, h)
+
         if grad_accum == 1:
             (_, sums), grads = grad_fn(params, batch)
         else:
-            (_, sums), grads = accumulate(grad_fn, params, batch, grad_accum, mesh, model_cfg.num_experts)
+            (_, sums), grads = accumulate(grad_fn, params, batch, grad_accum, mesh, model_cfg.num_experts, history)
+        grads, history = (grads, None) if history is None else grads
         count = sums["count"]
         denom = jnp.maximum(count, 1).astype(jnp.float32)
         if grad_accum > 1:  # float32 sums divided in float32, then in the dtype the optimizer takes (below)
@@ -361,7 +378,7 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             grad_norm = optax.tree.norm(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         new_state = {
-            "params": lora.join(new_params, frozen),
+            "params": fp8.join(lora.join(new_params, frozen), history),
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "rng": state["rng"],

@@ -1,0 +1,254 @@
+"""Float8 projections (``ModelConfig.fp8``): the GEMMs of q, k, v, o, gate, up and down in float8, per-tensor scales.
+
+``einsum(spec, x, w, on=True)`` is ``jnp.einsum(spec, x, w)`` with a ``jax.custom_vjp``:
+
+* forward: ``x`` and ``w`` quantised to ``float8_e4m3fn`` (max 448), one scale each, the GEMM on the float8 operands
+  accumulating in float32 (``preferred_element_type``), the product rescaled by ``s_x s_w`` and cast to ``x``'s dtype;
+* backward: the output gradient ``dy`` quantised to ``float8_e5m2`` (max 57344: range for gradients) and the two
+  GEMMs ``dx = dy w^T`` and ``dw = x^T dy`` on float8 operands (``dy`` e5m2 against the saved e4m3 ``w`` and ``x``),
+  rescaled, cast to ``x``'s and ``w``'s dtypes. The residuals are the float8 ``x`` and ``w`` (half of bf16's bytes).
+
+A scale ``s`` maps a tensor onto the format: ``q = cast(clip(t / s, -max, max))``, ``t ~ q s``. Recipes
+(``ModelConfig.fp8_recipe``): ``current`` takes ``s = amax(t) / max`` of this very tensor (its largest magnitude lands
+on the format's largest value); ``delayed`` takes the largest amax of a history of the last ``HISTORY`` steps (one per
+tensor role of each projection: ``x``, ``w``, ``dy``; the first step, history all zero, scales by the current amax),
+and each step writes its own amaxes into the history. The history is a ``History`` variable of the model (float32
+``[layers, projections, 3, HISTORY]``), returned by the backward as its "gradient" (the rolled history with this step's
+amaxes first); the train step stores it instead of updating it (``train/step.py``), so it is checkpointed with the
+parameters and a resumed run scales exactly as an uninterrupted one.
+
+Overflow and NaN. Casts saturate: a value beyond the format's largest (possible with ``delayed``, when a tensor grows
+past its history) is clipped to +-max, never inf (``float8_e4m3fn`` has no inf: an unclipped cast would give NaN). An
+all-zero tensor takes scale 1. A NaN anywhere in a tensor makes its amax NaN, so the scale and the whole product are
+NaN; an inf makes the amax inf and the product NaN: a non-finite input never yields a finite output, and the trainer's
+non-finite check stops the run.
+
+Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
+and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a
+max, ``chunked.sum_f32`` takes the max of a weights dict's ``HISTORY_KEY`` entry. The tiled sublayers scale each chunk
+(and head group) with its own amax under ``current``: per tile, never coarser than per tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.parallel.mesh import MESH_AXES
+
+E4M3 = jnp.float8_e4m3fn  # activations and weights
+E5M2 = jnp.float8_e5m2  # output gradients
+RECIPES = ("current", "delayed")
+HISTORY = 16  # steps of amax history per tensor (delayed)
+ROLES = ("x", "w", "dy")  # the rows of one projection's history
+HISTORY_KEY = "fp8"  # a weights dict's entry holding a history (chunked.sum_f32 combines it by max)
+_F32 = jnp.float32
+
+
+class History(nnx.Param):
+    """Amax histories of float8 scaling (``delayed``): stored by the train step, never updated by the optimizer."""
+
+
+def fmax(dtype) -> float:
+    """The largest finite value of a float8 format: 448 (e4m3fn), 57344 (e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def amax(t: jax.Array) -> jax.Array:
+    """``max |t|`` in float32 (NaN if ``t`` holds a NaN)."""
+    return jnp.max(jnp.abs(t)).astype(_F32)
+
+
+def scale_of(a: jax.Array, dtype) -> jax.Array:
+    """The scale that maps amax ``a`` onto ``dtype``'s largest value; 1 for an all-zero tensor (NaN, inf propagate)."""
+    return jnp.where(a == 0, jnp.ones((), _F32), a / fmax(dtype))
+
+
+def quantize(t: jax.Array, dtype, scale: jax.Array) -> jax.Array:
+    """``t / scale`` clipped to +-max (saturating: never inf; NaN stays NaN), cast to ``dtype``."""
+    m = fmax(dtype)
+    return jnp.clip(t.astype(_F32) / scale, -m, m).astype(dtype)
+
+
+def _grad_specs(spec: str) -> tuple[str, str]:
+    """The einsum specs of ``dx = dy w^T`` and ``dw = x^T dy`` for ``spec = "x,w->y"``."""
+    ins, y = spec.split("->")
+    x, w = ins.split(",")
+    return f"{y},{w}->{x}", f"{x},{y}->{w}"
+
+
+def _dot(spec, a, b, sa, sb):
+    return jnp.einsum(spec, a, b, preferred_element_type=_F32) * (sa * sb)
+
+
+def _used(history, row: int, current: jax.Array) -> jax.Array:
+    """The amax a scale is taken from: the current one (no history, or an all-zero one), else the history's max."""
+    if history is None:
+        return current
+    past = jnp.max(history[row])
+    return jnp.where(past > 0, past, current)
+
+
+def rolled(history: jax.Array, amaxes) -> jax.Array:
+    """``history [3, HISTORY]`` shifted by one step, ``amaxes`` (x, w, dy) written first."""
+    return jnp.roll(history, 1, axis=-1).at[:, 0].set(jnp.stack(amaxes).astype(_F32))
+
+
+def quantized(x, w, history=None) -> tuple:
+    """The residuals of a float8 projection: ``x`` and ``w`` in e4m3 with their scales and amaxes (module doc)."""
+    ax, aw = amax(x), amax(w)
+    sx, sw = scale_of(_used(history, 0, ax), E4M3), scale_of(_used(history, 1, aw), E4M3)
+    return quantize(x, E4M3, sx), quantize(w, E4M3, sw), sx, sw, ax, aw, history
+
+
+def backward_f32(spec, res, dy):
+    """``(dx, dw, the history's new value or None)``, the gradients in float32, from ``quantized``'s residuals and
+    the output gradient ``dy`` (quantised to e5m2 here)."""
+    xq, wq, sx, sw, ax, aw, history = res
+    ady = amax(dy)
+    sdy = scale_of(_used(history, 2, ady), E5M2)
+    dyq = quantize(dy, E5M2, sdy)
+    dx_spec, dw_spec = _grad_specs(spec)
+    new = None if history is None else rolled(history, (ax, aw, ady))
+    return _dot(dx_spec, dyq, wq, sdy, sw), _dot(dw_spec, xq, dyq, sx, sdy), new
+
+
+def grads(spec, x, w, dy, history=None):
+    """``backward_f32`` of ``x``, ``w`` (for a backward written by hand: the tiled attention's output projection)."""
+    return backward_f32(spec, quantized(x, w, history), dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` (``spec`` of two operands, every index of each in the other or the output) with both
+    GEMMs of the backward and the forward's in float8; ``history [3, HISTORY]``: delayed scaling (module doc)."""
+    return _fwd(spec, x, w, history)[0]
+
+
+def _fwd(spec, x, w, history):
+    res = quantized(x, w, history)
+    xq, wq, sx, sw = res[:4]
+    y = _dot(spec, xq, wq, sx, sw).astype(jnp.result_type(x, w))
+    return y, (res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+
+
+def _bwd(spec, res, dy):
+    res, x0, w0 = res
+    dx, dw, new = backward_f32(spec, res, dy)
+    return dx.astype(x0.dtype), dw.astype(w0.dtype), new
+
+
+fp8_einsum.defvjp(_fwd, _bwd)
+
+
+def einsum(spec: str, x, w, *, on: bool, history=None, **kw):
+    """``fp8_einsum`` when ``on`` (``ModelConfig.fp8``), else ``jnp.einsum(spec, x, w, **kw)``."""
+    return fp8_einsum(spec, x, w, history) if on else jnp.einsum(spec, x, w, **kw)
+
+
+def row(history, i: int):
+    """Projection ``i``'s ``[3, HISTORY]`` of a module's ``[projections, 3, HISTORY]`` history, or None."""
+    return None if history is None else history[i]
+
+
+# ----------------------------------------------------------------------------------------------
+# Histories in the model and the train state
+
+
+def check(cfg) -> None:
+    """``ValueError`` for a float8 setting the model cannot run (``ModelConfig`` calls it)."""
+    if cfg.fp8_recipe not in RECIPES:
+        raise ValueError(f"fp8_recipe {cfg.fp8_recipe!r} is not a float8 scaling recipe; use --fp8-recipe current "
+                         f"(this step's amax, the default) or delayed (the max of a {HISTORY}-step amax history)")
+    if cfg.fp8 and cfg.num_experts:
+        raise ValueError(f"--fp8 runs the dense projections in float8, but {cfg.name} has experts, whose grouped "
+                         f"matmul kernel takes no float8 operands; drop --fp8 for a mixture of experts")
+    if cfg.fp8 and cfg.fp8_recipe == "delayed" and cfg.offload_params:
+        raise ValueError("--fp8-recipe delayed keeps its amax histories with the layers' parameters, which "
+                         "--offload-params moves to host memory; use --fp8-recipe current with --offload-params")
+
+
+def delayed(cfg) -> bool:
+    return bool(cfg.fp8) and cfg.fp8_recipe == "delayed"
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], sharding: NamedSharding):
+    return jax.jit(lambda: jnp.zeros(shape, _F32), out_shardings=sharding)
+
+
+def make_history(cfg, mesh: Mesh, projections: int, layers: int | None) -> History | None:
+    """A module's history variable (``[layers, projections, 3, HISTORY]``, zeros, replicated) with ``delayed``
+    scaling, else None."""
+    if not delayed(cfg):
+        return None
+    names = (*(("layers",) if layers else ()), None, None, None)
+    shape = (*((layers,) if layers else ()), projections, len(ROLES), HISTORY)
+    value = _zeros(shape, NamedSharding(mesh, P()))()
+    return History(value, out_sharding=(None,) * len(shape), logical_axes=names)
+
+
+def value(module) -> jax.Array | None:
+    """A module's history (``fp8_history``) as an array, or None."""
+    var = getattr(module, "fp8_history", None)
+    return None if var is None else var.get_value()
+
+
+def split(params):
+    """``(the rest, the histories)`` of a model's parameter state; ``(params, None)`` without histories."""
+    history, rest = nnx.split_state(params, History, ...)
+    return (rest, history) if jax.tree.leaves(history) else (params, None)
+
+
+def join(rest, history):
+    """The inverse of ``split``."""
+    return rest if history is None else nnx.merge_state(rest, history)
+
+
+def combine(acc, new):
+    """Two histories' new values (the same step's, from two micro-batches or uses) combined: the larger amax."""
+    return jax.tree.map(jnp.maximum, acc, new)
+
+
+# ----------------------------------------------------------------------------------------------
+# One history, several devices
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fan_out(h: jax.Array, n: int) -> jax.Array:
+    return jnp.broadcast_to(h, (n, *h.shape))
+
+
+def _fan_out_fwd(h, n):
+    return _fan_out(h, n), None
+
+
+def _fan_out_bwd(n, _, g):
+    return (jnp.max(g, axis=0),)
+
+
+_fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
+
+DEVICE_SPEC = P(MESH_AXES)  # a per_device array inside shard_map: one copy per device
+
+
+def per_device(history: jax.Array, mesh: Mesh) -> jax.Array:
+    """``history`` copied once per device (``[devices, ...]``, split by ``DEVICE_SPEC``) for a ``shard_map`` that
+    takes it with that spec: each device's use writes its own copy, and the gradients meet in a max (a replicated
+    input's gradients would be summed over the devices)."""
+    out = _fan_out(history, mesh.devices.size)
+    return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, DEVICE_SPEC))
+
+
+def describe(cfg) -> str:
+    """The start-up line of a float8 model: what is float8, what is not."""
+    how = ("current scaling (this step's amax per tensor)" if cfg.fp8_recipe == "current" else
+           f"delayed scaling (the max of a {HISTORY}-step amax history per tensor, kept in the checkpoints)")
+    return (f"float8 GEMMs for q, k, v, o, gate, up, down (forward e4m3 x e4m3, backward e5m2 gradients x e4m3), "
+            f"{how}; weights gathered in {cfg.compute_dtype} and cast after the gather; master weights, optimizer, "
+            f"norms, attention, loss and unembedding as without --fp8")
