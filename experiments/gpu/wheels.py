@@ -41,13 +41,15 @@ def image_packages() -> set[str]:
     return {canonical(x.strip()) for x in lines if x.strip() and not x.startswith("#")}
 
 
-# the peer benchmark's second peer (experiments/bench_peers.py): Liger Kernel over the image's torch and triton
-PEER_WHEELS = ["liger-kernel==0.8.5"]
+# the peers the benchmarks time beside ours, over the image's torch and triton (downloaded without their dependencies:
+# the image has torch, triton, transformers and einops): Liger Kernel (bench_peers.py) and flash-linear-attention's
+# gated delta rule (bench_delta.py)
+PEER_WHEELS = ["liger-kernel==0.8.5", "flash-linear-attention==0.6.0", "fla-core==0.6.0"]
 
 
 def requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [*project["dependencies"], "pytest>=8", *PEER_WHEELS]
+    return [*project["dependencies"], "pytest>=8"]
 
 
 def resolve(reqs: list[str]) -> dict[str, str]:
@@ -78,6 +80,9 @@ def main(argv=None) -> int:
         old.unlink()
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(args.dest), *TARGET,
                     *(f"{n}=={v}" for n, v in missing.items())], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(args.dest), *TARGET[:1],
+                    "--python-version", "3.12", *PEER_WHEELS], check=True)  # pure-Python wheels
+    missing.update({canonical(r.split("==")[0]): r.split("==")[1] for r in PEER_WHEELS})
     got = {canonical(w.name.split("-")[0]) for w in args.dest.glob("*.whl")}
     absent = sorted(set(missing) - got)
     if absent:

@@ -1,0 +1,200 @@
+"""The gated delta rule's forward + backward timed beside flash-linear-attention's and beside cuDNN attention, on the
+same GPU in one invocation, with our output checked against flash-linear-attention's on the same inputs.
+
+    python experiments/bench_delta.py                                   # 32K and 128K, Qwen3.5-9B's heads on 1 GPU
+    python experiments/bench_delta.py --seq-lens 32768 --heads 2,4      # one device's heads under sp = 8
+    python experiments/bench_delta.py --allow-cpu --quick               # CPU dry run (tiny; fla and cuDNN skipped)
+
+Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
+from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
+`flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels), in a child process (torch) fed the same
+inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both: cuDNN's causal attention
+(`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
+is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length, with the
+max abs difference of the outputs (bf16 tolerance: ~1e-2 of the outputs' scale). Results: markdown + CSV in --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32768, 131072])
+    p.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16, 32),
+                   help="key heads, value heads (Qwen3.5-9B: 16,32 on one device; 2,4 per device under sp = 8)")
+    p.add_argument("--dim", type=int, default=128, help="dk = dv")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--allow-cpu", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--fla-child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def inputs(seq: int, hk: int, hv: int, d: int, seed: int = 0):
+    """NumPy float32 ``q, k [1, S, Hk, d]``, ``v, do [1, S, Hv, d]``, ``a, b [1, S, Hv]`` and the gate parameters."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    return dict(q=f(1, seq, hk, d), k=f(1, seq, hk, d), v=f(1, seq, hv, d), do=f(1, seq, hv, d), a=f(1, seq, hv),
+                b=f(1, seq, hv), A_log=np.log(rng.uniform(1, 16, hv)).astype(np.float32),
+                dt_bias=np.ones(hv, np.float32))
+
+
+def _time(fn, *args, iters: int, warmup: int):
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ours(x: dict, args):
+    """``(seconds, output)`` of our forward + backward (bfloat16 inputs)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ulysses_jax.kernels.gated_delta import gated_delta_rule, gates
+
+    bf = {k: jnp.asarray(v, jnp.bfloat16) for k, v in x.items() if k in ("q", "k", "v", "do")}
+    g, beta = gates(jnp.asarray(x["a"]), jnp.asarray(x["b"]), jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]))
+
+    def loss(q, k, v, g, beta, do):
+        o = gated_delta_rule(q, k, v, g, beta)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    t = _time(step, bf["q"], bf["k"], bf["v"], g, beta, bf["do"], iters=args.iters, warmup=args.warmup)
+    out = step(bf["q"], bf["k"], bf["v"], g, beta, bf["do"])[1]
+    return t, np.asarray(out.astype(jnp.float32)), (np.asarray(g), np.asarray(beta))
+
+
+def cudnn(seq: int, hv: int, d: int, args):
+    """Seconds of cuDNN's causal attention forward + backward, ``hv`` heads of ``d``, one sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    q, k, v = (jax.random.normal(jax.random.fold_in(key, i), (1, seq, hv, d), jnp.bfloat16) for i in range(3))
+
+    def loss(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn").astype(
+            jnp.float32).sum()
+
+    return _time(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, iters=args.iters, warmup=args.warmup)
+
+
+def fla_child(spec: dict) -> int:
+    """In its own process: fla's chunk_gated_delta_rule on the saved inputs; prints its time and saves its output."""
+    import numpy as np
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    folder = pathlib.Path(spec["dir"])
+    t = {k: torch.from_numpy(np.load(folder / f"{k}.npy")).cuda() for k in ("q", "k", "v", "do", "g", "beta")}
+    rep = t["v"].shape[2] // t["q"].shape[2]  # fla wants as many q/k heads as v heads
+    q, k = (t[n].repeat_interleave(rep, dim=2).bfloat16().requires_grad_() for n in ("q", "k"))
+    v = t["v"].bfloat16().requires_grad_()
+    g, beta = t["g"].float().requires_grad_(), t["beta"].bfloat16().requires_grad_()
+
+    def run():
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        (o.float() * t["do"]).sum().backward()
+        return o
+
+    for _ in range(spec["warmup"]):
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(spec["iters"]):
+        t0 = time.perf_counter()
+        o = run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    np.save(folder / "fla_out.npy", o.detach().float().cpu().numpy())
+    print("RESULT " + json.dumps({"seconds": statistics.median(times)}), flush=True)
+    return 0
+
+
+def fla(x: dict, g, beta, args) -> tuple[float | None, object, str]:
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in ("q", "k", "v", "do"):
+            np.save(pathlib.Path(tmp) / f"{k}.npy", x[k])
+        np.save(pathlib.Path(tmp) / "g.npy", g)
+        np.save(pathlib.Path(tmp) / "beta.npy", beta)
+        spec = json.dumps({"dir": tmp, "iters": args.iters, "warmup": args.warmup})
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        proc = subprocess.run([sys.executable, __file__, "--fla-child", spec], capture_output=True, text=True,
+                              timeout=900, env=env)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return None, None, f"fla: {tail[0][:160]}"
+        return json.loads(line[7:])["seconds"], np.load(pathlib.Path(tmp) / "fla_out.npy"), ""
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.fla_child:
+        return fla_child(json.loads(args.fla_child))
+    import jax
+    import numpy as np
+
+    from results_io import run_header, write_table
+
+    gpu = jax.default_backend() == "gpu"
+    if not gpu and not args.allow_cpu:
+        print("bench_delta: no GPU; pass --allow-cpu for a dry run", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.seq_lens, args.heads, args.dim, args.iters, args.warmup = [256], (2, 4), 32, 1, 1
+    hk, hv = args.heads
+    rows = []
+    for seq in args.seq_lens:
+        x = inputs(seq, hk, hv, args.dim)
+        t_ours, o_ours, (g, beta) = ours(x, args)
+        t_fla, o_fla, note = fla(x, g, beta, args) if gpu else (None, None, "fla: needs a GPU")
+        t_cudnn = cudnn(seq, hv, args.dim, args) if gpu else None
+        diff = float(np.abs(o_ours - o_fla).max()) if o_fla is not None else None
+        scale = float(np.abs(o_ours).max())
+        rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "ours_s": f"{t_ours:.4f}",
+                     "fla_s": "" if t_fla is None else f"{t_fla:.4f}",
+                     "ours_over_fla": "" if t_fla is None else f"{t_ours / t_fla:.2f}",
+                     "cudnn_attention_s": "" if t_cudnn is None else f"{t_cudnn:.4f}",
+                     "max_abs_diff": "" if diff is None else f"{diff:.3g} (outputs up to {scale:.3g})",
+                     "note": note if not gpu or note else ""})
+        print(rows[-1], flush=True)
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
+    stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
+    cols = ["seq_len", "heads", "dim", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s", "max_abs_diff", "note"]
+    print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
