@@ -21,6 +21,11 @@ PUBLISHED = {
     "qwen3-8b": 8_190_735_360,
     "mistral-7b": 7_248_023_552,
     "gemma3-1b": 999_885_952,
+    # transformers' own count of its default configs (Qwen3_5TextConfig(), Qwen3_5MoeTextConfig(), Qwen3NextConfig(),
+    # built on the meta device): the text models; Qwen3.5-9B's published 9B counts its vision tower too
+    "qwen3.5-9b": 8_953_803_264,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 
 
@@ -37,8 +42,14 @@ def test_preset_features():
                             "gpt-oss-120b", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
+    hybrids = {"qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"}
     assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
-                                                            "tiny-moe", *gemma}
+                                                            "tiny-moe", *gemma, *hybrids}
+    assert {n for n, c in PRESETS.items() if c.linear_layers} == hybrids
+    for name in hybrids:  # three delta-net layers to one gated, partially rotated full-attention layer
+        c = PRESETS[name]
+        assert c.linear_layers == tuple(i for i in range(c.num_layers) if i % 4 != 3) and c.rotary_dim == 64
+        assert c.attn_output_gate and c.norm_plus_one and (c.shared_expert_dim == 512) == bool(c.num_experts)
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b", "gpt-oss-20b",
                                                              "gpt-oss-120b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {

@@ -13,6 +13,9 @@ module (``model/families/``) holds its own and tabulates them in its docstring:
 | Mixtral    | mixtral-8x7b (8 experts, top-2, 46.7B / 12.9B active)     | ``families/mixtral.py``      |
 | gpt-oss    | gpt-oss-20b, gpt-oss-120b (sinks, biases, YaRN, windows)  | ``families/gpt_oss.py``      |
 | Gemma 3    | gemma3-1b, gemma3-4b (5 local : 1 global, post-norms)     | ``families/gemma3.py``       |
+| Qwen3.5    | qwen3.5-9b (3 delta-net : 1 gated full-attention layer)   | ``families/qwen3_5.py``      |
+| Qwen3.5-MoE| qwen3.5-35b-a3b (256 experts, top-8, a shared expert)     | ``families/qwen3_5_moe.py``  |
+| Qwen3-Next | qwen3-next-80b-a3b (512 experts, top-10, a shared expert) | ``families/qwen3_next.py``   |
 
 Two CPU-sized models for smoke runs live here: ``tiny``, a GQA model of 5.2M parameters, and ``tiny-moe``, eight
 experts (top-2, renormalised, qk-norm) with one dense layer among three sparse ones. Variations:
@@ -47,7 +50,19 @@ import dataclasses
 import jax.numpy as jnp
 
 from ulysses_jax.model import hf_config, layer_kinds
-from ulysses_jax.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from ulysses_jax.model.families import (
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from ulysses_jax.model.layer_kinds import check_layers
 from ulysses_jax.model.lora_config import LoraConfig
 
@@ -390,4 +405,5 @@ TINY_MOE = dict(TINY, qk_norm=True, num_experts=8, experts_per_token=2, moe_mlp_
 # in the order --preset and the unknown-preset message list them: the smoke models beside the families'
 PRESETS: dict[str, ModelConfig] = {name: _preset(name, fields) for name, fields in {
     "tiny": TINY, **llama.PRESETS, **qwen2.PRESETS, **qwen3.PRESETS, **mistral.PRESETS, **qwen3_moe.PRESETS,
-    **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS}.items()}
+    **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS, **qwen3_5.PRESETS,
+    **qwen3_5_moe.PRESETS, **qwen3_next.PRESETS}.items()}
