@@ -80,21 +80,22 @@ class DeltaNet(nnx.Module):
         B)}`` (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
 
-        def proj(w, target=None):
+        def proj(w, target=None, term=None):  # x W (+ LoRA's term: the target's, or a given share of a fused one's)
             out = jnp.einsum("bsd,d...->bs...", x_BSD, use(w, mesh, dt))
-            if target is not None:
-                out = out + lora.low_rank(x_BSD, adapters, target, cfg.lora, drop)
+            out = out + (lora.low_rank(x_BSD, adapters, target, cfg.lora, drop) if term is None else term)
             return constrain(out, mesh, ("batch", "seq") + (None,) * (out.ndim - 2))
 
-        q, k, v, z = proj(self.wq_DJQ, "lin_q"), proj(self.wk_DJQ, "lin_k"), proj(self.wv_DUW, "lin_v"), proj(
-            self.wz_DUW, "lin_z")
-        b, a = proj(self.wb_DU), proj(self.wa_DU)
+        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
+        terms = [0] * 3 if isinstance(qkv, int) else lora.split_fused(
+            qkv, [w.get_value().shape[-2:] for w in (self.wq_DJQ, self.wk_DJQ, self.wv_DUW)])
+        q, k, v = (proj(w, term=t) for w, t in zip((self.wq_DJQ, self.wk_DJQ, self.wv_DUW), terms))
+        z, b, a = proj(self.wz_DUW, "in_proj_z"), proj(self.wb_DU, "in_proj_b"), proj(self.wa_DU, "in_proj_a")
         conv = [use(w, mesh, dt) for w in (self.conv_q_JQC, self.conv_k_JQC, self.conv_v_UWC)]
         o = ulysses_gated_delta(q, k, v, a, b, *conv, use(self.a_log_U, mesh, jnp.float32),
                                 use(self.dt_bias_U, mesh, jnp.float32), mesh=mesh, axis_name=SP, ring_axis=RING,
                                 segment_ids=segment_ids_BS)
         y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, use(self.norm_W, mesh, jnp.float32),
                            cfg.rms_eps)
-        out = jnp.einsum("bsuw,uwd->bsd", y, use(self.wo_UWD, mesh, dt)) + lora.low_rank(y, adapters, "lin_o",
+        out = jnp.einsum("bsuw,uwd->bsd", y, use(self.wo_UWD, mesh, dt)) + lora.low_rank(y, adapters, "out_proj",
                                                                                           cfg.lora, drop)
         return constrain(out, mesh, ("batch", "seq", "embed"))
