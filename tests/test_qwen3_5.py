@@ -4,6 +4,7 @@ transformers reloads with no missing or unexpected key, the delta-net shown to m
 document alone; the vision-language folder (language model trained, vision tower carried through byte for byte); the
 refusals of a ring and of heads that do not split over sp."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -176,3 +177,59 @@ def test_a_ring_and_heads_that_do_not_split_are_refused(tmp_path):
     with pytest.raises(ValueError) as err:  # 4 value heads over sp 8
         hf.from_hf(src, mesh=uj.make_mesh(fsdp=1, sp=8), **XLA32)
     assert "do not split over sp=8" in str(err.value) and "--mesh.sp one of 1, 2, 4" in str(err.value)
+
+
+def test_lora_on_the_delta_net_loads_in_peft(tmp_path):
+    """Adapters with random B on q, o and the delta-net's in_proj_qkv, in_proj_z, out_proj of a Qwen3.5 folder, on
+    fsdp 2 x sp 4, written as a peft adapter and as a merged folder: peft and transformers load them with no missing
+    or unexpected key and ours are their logits."""
+    pytest.importorskip("peft")
+    from test_lora import _peft_model
+
+    from ulysses_jax.interop import peft
+    from ulysses_jax.train.config import TrainConfig, model_config
+    from ulysses_jax.train.devices import MeshConfig, build_mesh
+    from ulysses_jax.train.trainer import _hf_weights
+
+    src = tmp_path / "src"
+    make_folder("qwen3.5", src)
+    cfg = TrainConfig(init_from_hf=str(src), seq_len=32, attention="xla", mesh=MeshConfig(fsdp=2, sp=4),
+                      lora_rank=4, lora_targets="q,o,in_proj_qkv,in_proj_z,out_proj", param_dtype="float32")
+    config = dataclasses.replace(model_config(cfg, 0), compute_dtype="float32")
+    model = _hf_weights(str(src), config, build_mesh(cfg.mesh, config, cfg.seq_len), seed=0)
+    for i, t in enumerate(config.lora.targets):  # B random: the adapters change the model
+        var = getattr(model.blocks.lora, f"w_{t}_b")
+        var.set_value(var.get_value() + 0.1 * jax.random.normal(jax.random.key(i), var.get_value().shape))
+    peft.write_adapter(model, tmp_path / "adapter", base_model=str(src))
+    hf.to_hf(peft.merged(model), tmp_path / "merged")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 32))
+    with_peft, said = _peft_model(src, tmp_path / "adapter")
+    assert not any(w in said for w in ("missing", "unexpected")), said
+    theirs = hf_helpers.hf_logits(with_peft, tokens)
+    merged = hf_helpers.hf_logits(hf_helpers.load_quietly(tmp_path / "merged"), tokens)
+    ours = logits_of(model, tokens)
+    assert np.abs(theirs - hf_helpers.hf_logits(hf_helpers.load_quietly(src), tokens)).max() > 1e-2  # adapted
+    assert np.abs(theirs - merged).max() <= TOL and np.abs(ours - theirs).max() <= TOL
+
+
+@pytest.mark.slow
+def test_a_vision_language_folder_trains_through_the_cli_and_exports_its_class(tmp_path, capsys):
+    """The real entry point on fsdp 2 x sp 4: the start-up line names the hybrid's layers, two steps train, export
+    writes the vision-language class that transformers reloads with the source's vision tower."""
+    from ulysses_jax.cli import main
+
+    src = tmp_path / "src"
+    make_vl_folder(src)
+    corpus, run = hf_helpers.write_corpus(tmp_path / "corpus.jsonl"), tmp_path / "run"
+    assert main([str(a) for a in ["train", "--init-from-hf", src, "--data", corpus, "--eval-fraction", "0",
+                                  "--steps", "2", "--run-dir", run, *hf_helpers.FLAGS]]) == 0
+    out = capsys.readouterr().out
+    assert "Hybrid: 1 gated delta-net layers (linear attention: 2 key / 4 value heads of 8 / 8, 1 / 1 per device on " \
+           "sp=4, key heads copied to 2 devices" in out, out
+    assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "Qwen3_5ForConditionalGeneration" in capsys.readouterr().out
+    back, info = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "out",
+                                                                             output_loading_info=True)
+    assert {k: v for k, v in info.items() if len(v)} == {}, info
+    visual = tensors_of(src, "model.visual.")
+    assert all(v.tobytes() == tensors_of(tmp_path / "out", "model.visual.")[k].tobytes() for k, v in visual.items())

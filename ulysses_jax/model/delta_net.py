@@ -49,6 +49,17 @@ def check_mesh(cfg, mesh) -> None:
     plan_delta_heads(cfg.linear_num_key_heads, cfg.linear_num_value_heads, mesh.shape[SP])
 
 
+def describe(cfg, mesh) -> str:
+    """The start-up line of a hybrid: its layers of each kind and how the delta-net's heads split over ``sp``."""
+    layout = plan_delta_heads(cfg.linear_num_key_heads, cfg.linear_num_value_heads, mesh.shape[SP])
+    copies = f", key heads copied to {layout.sp // cfg.linear_num_key_heads} devices" if layout.copies_keys else ""
+    return (f"{len(cfg.linear_layers)} gated delta-net layers (linear attention: {cfg.linear_num_key_heads} key / "
+            f"{cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
+            f"{layout.kl} / {layout.vl} per device on sp={layout.sp}{copies}; the chunked delta rule in XLA ops) and "
+            f"{len(cfg.attention_layers)} full-attention layers (output-gated, RoPE on {cfg.rotary_dim} of "
+            f"{cfg.head_dim} dims); every layer stores both kinds' parameters")
+
+
 def shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     """Each delta-net parameter: ``(shape, logical axes, init)``."""
     d, hk, hv = cfg.hidden, cfg.linear_num_key_heads, cfg.linear_num_value_heads

@@ -77,6 +77,17 @@ def resolve_impl(impl: str, mesh: Mesh) -> str:
     return grouped_impl(impl, device_platform(mesh))
 
 
+def describe(cfg: ModelConfig, mesh: Mesh) -> str:
+    """The start-up line of a mixture of experts: experts, layers, parameters, the grouped matmul, the aux loss."""
+    from ulysses_jax.model.flops import active_param_count, param_count
+
+    shared = f", a shared expert of {cfg.shared_expert_dim}" if cfg.shared_expert_dim else ""
+    return (f"{cfg.num_experts}, top-{cfg.experts_per_token}{shared}, in {len(cfg.sparse_layers)} of "
+            f"{cfg.num_layers} layers ({param_count(cfg) / 1e6:,.1f}M parameters, {active_param_count(cfg) / 1e6:,.1f}M "
+            f"active per token); grouped matmul {cfg.moe_impl} -> {resolve_impl(cfg.moe_impl, mesh)}; load-balancing "
+            f"loss weight {cfg.router_aux_loss_coef:g} (--router-aux-loss-coef)")
+
+
 def route(x_tD, w_DE, k: int, renormalize: bool, b_E=None):
     """``(weights [t, k] float32, experts [t, k] int32, probs [t, E] float32)`` of the top-``k`` router (``b_E``: its
     bias, gpt-oss). A softmax over the top-k logits (gpt-oss) is the renormalised top-k of the softmax."""
