@@ -1,6 +1,7 @@
 """ModelConfig presets against the published models, validation errors, and the FLOP count."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -215,3 +216,20 @@ def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
     assert dataclasses.replace(gemma, remat="full", attn_keep=True).attn_keep  # kept on the device: fine
     skipped = {f: why for f, _, why in memory_choices(PlanConfig(), 26, mixed_kinds=True) if why}
     assert any("--remat offload --attn-keep" in f for f in skipped), skipped
+
+
+def test_hybrid_flops_count_the_delta_rule_and_each_layers_own_mixer():
+    """Qwen3.5-9B: attention's quadratic term over its 8 full layers only; the delta rule linear in S (the kernel's
+    own count per value head); projections of each kind in its own layers."""
+    from ulysses_jax.kernels.gated_delta import gated_delta_flops
+    from ulysses_jax.model.flops import attention_matmul_params, delta_matmul_params, delta_rule_flops
+
+    cfg = ModelConfig.from_preset("qwen3.5-9b")
+    s = 65_536
+    rule = 24 * 32 * gated_delta_flops(s, 128, 128, value_per_key=2, backward=True)
+    assert delta_rule_flops(cfg, s) == rule
+    per_layer = (8 * attention_matmul_params(cfg) + 24 * delta_matmul_params(cfg)) / 32
+    assert attention_matmul_params(cfg) == 4096 * 16 * 256 * 2 + 2 * 4096 * 4 * 256 + 16 * 256 * 4096  # q gated
+    assert math.isclose(matmul_params(cfg), 32 * (per_layer + 3 * 4096 * 12_288) + 248_320 * 4096)
+    attention = 12 * 8 * s * s / 2 * 16 * 256
+    assert math.isclose(training_flops(cfg, batch=1, seq_len=s), 6 * matmul_params(cfg) * s + attention + rule)

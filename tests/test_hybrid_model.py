@@ -3,7 +3,6 @@ sharded meshes and the memory tools (remat full / offload, the tiled MLP, ZeRO-3
 (logits, loss, gradients, on packed rows); the experts' shared expert; the layer switch keeps one scan; LoRA on the
 delta-net's projections as peft loads it on transformers' model."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

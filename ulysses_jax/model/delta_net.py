@@ -68,7 +68,8 @@ def shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
     return {
         "wq_DJQ": ((d, hk, dk), heads, "normal"), "wk_DJQ": ((d, hk, dk), heads, "normal"),
         "wv_DUW": ((d, hv, dv), heads, "normal"), "wz_DUW": ((d, hv, dv), heads, "normal"),
-        "wb_DU": ((d, hv), ("embed", "linear_heads"), "normal"), "wa_DU": ((d, hv), ("embed", "linear_heads"), "normal"),
+        "wb_DU": ((d, hv), ("embed", "linear_heads"), "normal"),
+        "wa_DU": ((d, hv), ("embed", "linear_heads"), "normal"),
         "conv_q_JQC": ((hk, dk, c), ("linear_heads", "linear_dim", "conv"), "normal"),
         "conv_k_JQC": ((hk, dk, c), ("linear_heads", "linear_dim", "conv"), "normal"),
         "conv_v_UWC": ((hv, dv, c), ("linear_heads", "linear_dim", "conv"), "normal"),

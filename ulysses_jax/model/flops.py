@@ -84,14 +84,14 @@ def layer_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
     return mixers + mlp_matmul_params(cfg, active=active)
 
 
-def delta_rule_flops(cfg: ModelConfig, seq_len: int, rows: int = 1) -> float:
-    """Training FLOPs (forward + backward) of the delta rule in every linear layer over ``rows`` rows of ``seq_len``
-    tokens (module doc); 0 without linear layers."""
+def delta_rule_flops(cfg: ModelConfig, seq_len: int, rows: int = 1, *, backward: bool = True) -> float:
+    """FLOPs of the delta rule in every linear layer over ``rows`` rows of ``seq_len`` tokens, forward + backward
+    (module doc), or its forward alone; 0 without linear layers."""
     if not cfg.linear_layers:
         return 0.0
     n = cfg.linear_num_value_heads // cfg.linear_num_key_heads
     per_head = gated_delta_flops(seq_len, cfg.linear_key_head_dim, cfg.linear_value_head_dim, value_per_key=n,
-                                 backward=True)
+                                 backward=backward)
     return float(rows * len(cfg.linear_layers) * cfg.linear_num_value_heads * per_head)
 
 

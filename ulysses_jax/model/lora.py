@@ -172,8 +172,8 @@ def merged(block):
 
 
 def pairs(block, module: str, at_rest: bool = False) -> dict:
-    """``{target: (A, B)}`` of this layer's adapters on ``module``'s (``"attn"``, ``"mlp"``, ``"delta"``) weights that are not
-    merged: in their compute layout (gathered, ``A`` in the compute dtype, ``B`` in float32), or ``at_rest``."""
+    """``{target: (A, B)}`` of this layer's adapters on ``module``'s (``"attn"``, ``"mlp"``, ``"delta"``) weights that
+    are not merged: in their compute layout (gathered, ``A`` in the compute dtype, ``B`` in float32), or ``at_rest``."""
     cfg = block.attn.cfg
     if cfg.lora is None:
         return {}

@@ -83,8 +83,9 @@ def describe(cfg: ModelConfig, mesh: Mesh) -> str:
 
     shared = f", a shared expert of {cfg.shared_expert_dim}" if cfg.shared_expert_dim else ""
     return (f"{cfg.num_experts}, top-{cfg.experts_per_token}{shared}, in {len(cfg.sparse_layers)} of "
-            f"{cfg.num_layers} layers ({param_count(cfg) / 1e6:,.1f}M parameters, {active_param_count(cfg) / 1e6:,.1f}M "
-            f"active per token); grouped matmul {cfg.moe_impl} -> {resolve_impl(cfg.moe_impl, mesh)}; load-balancing "
+            f"{cfg.num_layers} layers ({param_count(cfg) / 1e6:,.1f}M parameters, "
+            f"{active_param_count(cfg) / 1e6:,.1f}M active per token); grouped matmul {cfg.moe_impl} -> "
+            f"{resolve_impl(cfg.moe_impl, mesh)}; load-balancing "
             f"loss weight {cfg.router_aux_loss_coef:g} (--router-aux-loss-coef)")
 
 

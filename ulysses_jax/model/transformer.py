@@ -14,40 +14,33 @@ Gemma 3 adds (``ModelConfig``): a norm after each sublayer too, norm scales ``1 
 sqrt(D), and local layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch``
 per scanned layer). The attention sublayer is ``model/attention.py``.
 
-Hybrids (Qwen3.5, Qwen3-Next): "linear" layers whose token mixer is the gated delta-net (``model/delta_net.py``)
-among full-attention ones (output-gated, partial RoPE). The scan stays one: every stacked layer holds both the
-attention's parameters and the delta-net's, and the ``lax.switch`` on the layer's kind runs one of them. The other set
-is zeros after import, never read, and gets a zero gradient: a memory cost (parameters, their gradients and optimizer
-state): 21.8% more parameters stored than the model has for Qwen3.5-9B (24 linear layers carry an unused attention, 8
-full ones an unused delta-net), 3.3% for Qwen3.5-35B-A3B and 1.7% for Qwen3-Next-80B-A3B, whose experts dominate. Stacking the two kinds apart and scanning over
-groups of layers would save it, at the price of a second layer structure for every tool that walks the stacked
-block (remat groups, parameter offload, LoRA, import and export).
-
-Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted
-initializer per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
-random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
-(constrained to their compute layout) where they are used; activations are constrained to batch over
-``("data", "fsdp")`` and sequence over ``("ring", "sp")``.
-
-Ulysses x ring (a mesh with ``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model
-computes in the ring's token order (zigzag, for causal load balance): tokens, positions and segment ids are
-permuted once at the input, positions first derived in the natural order; attention masks use the true
-positions, and every other layer works per token, so nothing else changes. ``hidden_states`` / ``__call__``
-return the natural order (one gather at the end); the loss (``loss.next_token_loss``) permutes the labels
-instead and keeps the ring order throughout (``ring_order``).
-
-Layers: one ``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and
-the forward is a ``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one
-layer's gathered weights and full-size gradients at a time (an unrolled loop lets it gather every
-layer's weights up front and combine every gradient reduction at the end).
-
-Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each
-layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs); ``remat_every=k``
-checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
-``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's local sequence
-inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
-``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``:
-the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
+Hybrids (Qwen3.5, Qwen3-Next): "linear" layers whose token mixer is the gated delta-net (``model/delta_net.py``) among
+full-attention ones (output-gated, partial RoPE). The scan stays one: every stacked layer holds both the attention's
+parameters and the delta-net's, and the ``lax.switch`` on the layer's kind runs one of them. The other set is zeros
+after import, never read, and gets a zero gradient: a memory cost (parameters, their gradients and optimizer state):
+21.8% more parameters stored than the model has for Qwen3.5-9B (24 linear layers carry an unused attention, 8 full ones
+an unused delta-net), 3.3% for Qwen3.5-35B-A3B and 1.7% for Qwen3-Next-80B-A3B, whose experts dominate. Stacking the two
+kinds apart and scanning over groups of layers would save it, at the price of a second layer structure for every tool
+that walks the stacked block (remat groups, parameter offload, LoRA, import and export). Sharding: every parameter is
+created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer per parameter writes each
+device's shard directly, so no device ever holds a whole copy, and the random values do not depend on the mesh (JAX's
+partitionable threefry). Parameters are gathered (constrained to their compute layout) where they are used; activations
+are constrained to batch over ``("data", "fsdp")`` and sequence over ``("ring", "sp")``. Ulysses x ring (a mesh with
+``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model computes in the ring's token order (zigzag,
+for causal load balance): tokens, positions and segment ids are permuted once at the input, positions first derived in
+the natural order; attention masks use the true positions, and every other layer works per token, so nothing else
+changes. ``hidden_states`` / ``__call__`` return the natural order (one gather at the end); the loss
+(``loss.next_token_loss``) permutes the labels instead and keeps the ring order throughout (``ring_order``). Layers: one
+``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and the forward is a
+``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one layer's gathered weights and
+full-size gradients at a time (an unrolled loop lets it gather every layer's weights up front and combine every gradient
+reduction at the end). Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a
+policy (each layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs);
+``remat_every=k`` checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs
+instead of ``L``); ``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's
+local sequence inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
+``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``: the
+projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
 """
 
 from __future__ import annotations

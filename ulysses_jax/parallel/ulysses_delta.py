@@ -96,7 +96,8 @@ def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *
     axes, as ``ulysses_attention`` splits it; the output comes back sequence-split like the inputs."""
     if ring_size(mesh, ring_axis) > 1:
         raise ValueError(f"the gated delta-net (a 'linear' layer) does not run with a ring ({ring_axis}="
-                         f"{mesh.shape[ring_axis]}): its recurrence would pass state around the ring; use --mesh.ring 1")
+                         f"{mesh.shape[ring_axis]}): its recurrence would pass state around the ring; use "
+                         f"--mesh.ring 1")
     bsz, s, hk, dk = q.shape
     hv, dv = v.shape[2:]
     sp = mesh.shape[axis_name]

@@ -177,8 +177,8 @@ def refuse_unmodelled_experts(raw: dict, where, modelled: tuple[str, ...] = ()) 
         value = raw.get(key)
         if value not in (None, 0, [], False) and not (key == "routed_scaling_factor" and value == 1):
             raise ValueError(f"{where}: {key} = {raw[key]!r} is not supported ({what}); ulysses_jax models the "
-                             f"routed experts of Qwen3-MoE, Mixtral and gpt-oss, and the shared expert of Qwen3-Next and "
-                             f"Qwen3.5-MoE only")
+                             f"routed experts of Qwen3-MoE, Mixtral and gpt-oss, and the shared expert of Qwen3-Next "
+                             f"and Qwen3.5-MoE only")
 
 
 def expert_fields(raw: dict, where, experts_key: str) -> dict:

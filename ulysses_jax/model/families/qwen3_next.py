@@ -9,9 +9,11 @@ v rows and the z rows of the value heads it serves; ``in_proj_ba`` holds per key
 those value heads. The convolution's channels are q of every head, k of every head, v of every head, as in Qwen3.5.
 
 Export writes a hybrid mixture of experts as this class when the source folder was one (or the run's preset is
-this family's), or when the model has what Qwen3.5-MoE cannot hold (dense layers, top-k weights not renormalised). Preset ``qwen3-next-80b-a3b``: transformers'
-``Qwen3NextConfig()`` defaults (48 layers, hidden 2048, 16 heads, 2 KV heads, head_dim 256, 512 experts of 512, top-10
-renormalised, a shared expert of 512, 16 / 32 delta-net heads of 128, vocab 151936).
+this family's), or when the model has what Qwen3.5-MoE cannot hold (dense layers, top-k weights not renormalised).
+
+Preset ``qwen3-next-80b-a3b``: transformers' ``Qwen3NextConfig()`` defaults (48 layers, hidden 2048, 16 heads, 2 KV
+heads, head_dim 256, 512 experts of 512, top-10 renormalised, a shared expert of 512, 16 / 32 delta-net heads of 128,
+vocab 151936).
 """
 
 from __future__ import annotations
