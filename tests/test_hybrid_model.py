@@ -79,3 +79,11 @@ def test_one_scan_whatever_the_depth():
 
     assert count(4) == count(12)
     assert hybrid().kind_of_layer == (1, 0, 1) and hybrid().window_kinds == (None,)
+
+
+def test_an_automatic_sp_splits_the_delta_net_heads():
+    """`--mesh.sp 0` takes the most devices of a host whose sp both attention and the delta-net's heads split over."""
+    from ulysses_jax.train.devices import MeshConfig, build_mesh
+
+    mesh = build_mesh(MeshConfig(sp=0), hybrid(linear_num_key_heads=2, linear_num_value_heads=4), 64)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}  # 8 query heads, but 4 value heads
