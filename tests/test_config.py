@@ -1,6 +1,7 @@
 """ModelConfig presets against the published models, validation errors, and the FLOP count."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -21,6 +22,11 @@ PUBLISHED = {
     "qwen3-8b": 8_190_735_360,
     "mistral-7b": 7_248_023_552,
     "gemma3-1b": 999_885_952,
+    # transformers' own count of its default configs (Qwen3_5TextConfig(), Qwen3_5MoeTextConfig(), Qwen3NextConfig(),
+    # built on the meta device): the text models; Qwen3.5-9B's published 9B counts its vision tower too
+    "qwen3.5-9b": 8_953_803_264,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    "qwen3-next-80b-a3b": 79_674_391_296,
 }
 
 
@@ -37,8 +43,14 @@ def test_preset_features():
                             "gpt-oss-120b", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
+    hybrids = {"qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"}
     assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
-                                                            "tiny-moe", *gemma}
+                                                            "tiny-moe", *gemma, *hybrids}
+    assert {n for n, c in PRESETS.items() if c.linear_layers} == hybrids
+    for name in hybrids:  # three delta-net layers to one gated, partially rotated full-attention layer
+        c = PRESETS[name]
+        assert c.linear_layers == tuple(i for i in range(c.num_layers) if i % 4 != 3) and c.rotary_dim == 64
+        assert c.attn_output_gate and c.norm_plus_one and (c.shared_expert_dim == 512) == bool(c.num_experts)
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b", "gpt-oss-20b",
                                                              "gpt-oss-120b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
@@ -204,3 +216,20 @@ def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
     assert dataclasses.replace(gemma, remat="full", attn_keep=True).attn_keep  # kept on the device: fine
     skipped = {f: why for f, _, why in memory_choices(PlanConfig(), 26, mixed_kinds=True) if why}
     assert any("--remat offload --attn-keep" in f for f in skipped), skipped
+
+
+def test_hybrid_flops_count_the_delta_rule_and_each_layers_own_mixer():
+    """Qwen3.5-9B: attention's quadratic term over its 8 full layers only; the delta rule linear in S (the kernel's
+    own count per value head); projections of each kind in its own layers."""
+    from ulysses_jax.kernels.gated_delta import gated_delta_flops
+    from ulysses_jax.model.flops import attention_matmul_params, delta_matmul_params, delta_rule_flops
+
+    cfg = ModelConfig.from_preset("qwen3.5-9b")
+    s = 65_536
+    rule = 24 * 32 * gated_delta_flops(s, 128, 128, value_per_key=2, backward=True)
+    assert delta_rule_flops(cfg, s) == rule
+    per_layer = (8 * attention_matmul_params(cfg) + 24 * delta_matmul_params(cfg)) / 32
+    assert attention_matmul_params(cfg) == 4096 * 16 * 256 * 2 + 2 * 4096 * 4 * 256 + 16 * 256 * 4096  # q gated
+    assert math.isclose(matmul_params(cfg), 32 * (per_layer + 3 * 4096 * 12_288) + 248_320 * 4096)
+    attention = 12 * 8 * s * s / 2 * 16 * 256
+    assert math.isclose(training_flops(cfg, batch=1, seq_len=s), 6 * matmul_params(cfg) * s + attention + rule)

@@ -100,7 +100,8 @@ def test_loss_and_gradients_are_those_of_the_merged_weights_written_out(tools):
 
     def reference(pure_adapters):
         pure = nnx.to_pure_dict(frozen)
-        for t, (module, attr, n_in) in lora.WEIGHTS.items():
+        for t in cfg.lora.targets:
+            module, attr, n_in = lora.WEIGHTS[t]
             a, b = (pure_adapters["blocks"]["lora"][f"w_{t}_{side}"] for side in "ab")
             w = pure["blocks"][module][attr]
             ab = jnp.einsum("lir,lro->lio", a.reshape(a.shape[0], -1, a.shape[-1]), b.reshape(b.shape[0],
@@ -193,7 +194,9 @@ def test_lora_config_refusals():
         LoraConfig().check(moe)
     LoraConfig(targets="q,k,v,o").check(moe)
     narrow = dataclasses.replace(CFG, lora=None)
-    sides = {t: min(v) for t, v in projection_sides(narrow).items()}
+    sides = {t: min(projection_sides(narrow)[t]) for t in LoraConfig().targets}
+    with pytest.raises(ValueError, match="'in_proj_qkv': .* has no gated delta-net"):
+        LoraConfig(targets="q,in_proj_qkv").check(narrow)
     least = min(sides.values())
     LoraConfig(rank=least).check(narrow)
     with pytest.raises(ValueError, match=rf"^--lora-rank {least + 1} is larger than the \w+ projection's smaller side "

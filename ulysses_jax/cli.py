@@ -240,13 +240,13 @@ def _train(cfg: TrainConfig) -> int:
         f"steps {run.start_step + 1}..{cfg.steps}, attention {impl_note(m, run.mesh)}"
     )
     if m.num_experts:
-        from ulysses_jax.model.flops import active_param_count, param_count
-        from ulysses_jax.model.moe import resolve_impl
+        from ulysses_jax.model.moe import describe as describe_experts
 
-        print(f"Experts: {m.num_experts}, top-{m.experts_per_token}, in {len(m.sparse_layers)} of {m.num_layers} "
-              f"layers ({param_count(m) / 1e6:,.1f}M parameters, {active_param_count(m) / 1e6:,.1f}M active per "
-              f"token); grouped matmul {m.moe_impl} -> {resolve_impl(m.moe_impl, run.mesh)}; load-balancing loss "
-              f"weight {m.router_aux_loss_coef:g} (--router-aux-loss-coef)")
+        print(f"Experts: {describe_experts(m, run.mesh)}")
+    if m.linear_layers:
+        from ulysses_jax.model.delta_net import describe as describe_hybrid
+
+        print(f"Hybrid: {describe_hybrid(m, run.mesh)}")
     from ulysses_jax.model import fp8, lora
 
     for line in ([f"LoRA: {lora.describe(m)}"] if m.lora else []) + ([f"Float8: {fp8.describe(m)}"] if m.fp8 else []):

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from ulysses_jax.interop import mxfp4
 from ulysses_jax.model import fp8
 from ulysses_jax.model.config import ModelConfig
-from ulysses_jax.model.families.tensors import Entry
+from ulysses_jax.model.families.tensors import Entry, assemble
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS, export_architecture, export_family, hf_config, read_json
 from ulysses_jax.model.transformer import Transformer
 from ulysses_jax.parallel.sharding import param_shardings
@@ -62,8 +62,14 @@ def entries(cfg: ModelConfig, hint=None) -> list[Entry]:
 
 
 def letter_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Each letter of the families' tensor rows (``model/families/tensors.py``) -> its size in ``cfg``: the delta-net's
+    ``J`` key and ``U`` value heads, ``Q`` / ``W`` their dims, ``M`` value heads per key head, ``C`` filter taps;
+    ``Y`` a gated q projection's ``2 H`` per head, ``Z`` a shared expert's width, ``O`` = 1."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     return dict(V=cfg.vocab_size, D=cfg.hidden, N=cfg.num_heads, K=cfg.num_kv_heads, H=cfg.head_dim, F=cfg.mlp_dim,
-                E=cfg.num_experts, G=cfg.expert_mlp_dim, X=2 * cfg.expert_mlp_dim)
+                E=cfg.num_experts, G=cfg.expert_mlp_dim, X=2 * cfg.expert_mlp_dim, J=hk, U=hv,
+                Q=cfg.linear_key_head_dim, W=cfg.linear_value_head_dim, M=hv // hk if hk else 0,
+                C=cfg.linear_conv_kernel, Y=2 * cfg.head_dim, Z=cfg.shared_expert_dim, O=1)
 
 
 def tensor_name(entry: Entry, layer: int | None = None, expert: int | None = None) -> str:
@@ -131,6 +137,11 @@ class SafetensorsFolder:
                                  f"copy it again from the model's source") from None
         return self._open[file]
 
+    def nbytes(self, name: str) -> int:
+        """The bytes of tensor ``name`` (from its header)."""
+        _, shape, dtype = self.tensors[name]
+        return math.prod(shape) * {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}.get(dtype, 4)
+
     def release(self) -> None:
         for handle in self._open.values():
             handle.__exit__(None, None, None)
@@ -143,12 +154,14 @@ class SafetensorsFolder:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return np.asarray(self._handle(self.tensors[name][0]).get_slice(name)[index])
 
-    def check(self, cfg: ModelConfig) -> None:
-        """Every tensor ``cfg`` needs is here with its shape and a floating dtype, and nothing else is."""
+    def check(self, cfg: ModelConfig, hint=None) -> None:
+        """Every tensor ``cfg`` needs is here with its shape and a floating dtype, and nothing else is but what the
+        family leaves unread (``IGNORED_PREFIXES``). ``hint``: the folder's ``architectures``."""
         sizes, expected = letter_sizes(cfg), {}
-        for entry in entries(cfg):
+        ignored = getattr(export_family(cfg, hint), "IGNORED_PREFIXES", ())
+        for entry in entries(cfg, hint):
             for name in hf_names(entry, cfg):
-                expected[name] = entry.hf_shape(sizes)
+                expected[name] = entry.tensor_shape(sizes)
         for name, shape in expected.items():
             if name not in self.tensors and all(name + x in self.tensors for x in mxfp4.SUFFIXES):
                 mxfp4.check_shapes(self.tensors, name, shape)
@@ -166,7 +179,7 @@ class SafetensorsFolder:
         tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()  # a tied model may still carry its copy
         quantized = {n + x for n in self.mxfp4 for x in mxfp4.SUFFIXES}
         for name, (file, _, _) in self.tensors.items():
-            known = name in expected or name in quantized or name in tied_head
+            known = name in expected or name in quantized or name in tied_head or name.startswith(ignored)
             if not known and not name.endswith(_IGNORED_SUFFIXES):
                 raise ValueError(
                     f"tensor {name} in {file} is unexpected for this config.json ({cfg.num_layers} layers, qkv_bias="
@@ -174,10 +187,15 @@ class SafetensorsFolder:
 
 
 def _read_layer(folder: SafetensorsFolder, name: str, entry: Entry, sizes, cut: tuple[slice, ...]) -> np.ndarray:
-    """Our ``[...]``-layout block ``cut`` of one HF tensor, reading only the rows/columns it needs."""
-    groups = entry.hf_dims.split(",")
+    """Our ``[...]``-layout block ``cut`` of one HF tensor, reading only the rows/columns it needs (the whole tensor for
+    a piece of a fused one)."""
     by_letter = dict(zip(entry.dims, cut))
-    x = entry.to_ours(folder.read(name, tuple(by_letter[g] if len(g) == 1 else slice(None) for g in groups)), sizes)
+    if entry.fused is not None:
+        x = entry.to_ours(entry.piece(folder.read(name, (slice(None),)), sizes), sizes)
+        return x[tuple(by_letter[c] for c in entry.dims)]
+    groups = entry.hf_dims.split(",")
+    x = entry.to_ours(folder.read(name, tuple(by_letter.get(g, slice(None)) if len(g) == 1 else slice(None)
+                                              for g in groups)), sizes)
     return x[tuple(slice(None) if c in groups else by_letter[c] for c in entry.dims)]  # cut merged dims now
 
 
@@ -229,12 +247,13 @@ def from_hf(path, *, mesh: Mesh, param_dtype: str | None = None, **overrides):
     if param_dtype is not None:
         overrides["param_dtype"] = param_dtype
     cfg = ModelConfig.from_hf(path, **overrides)
+    hint = read_json(pathlib.Path(path).expanduser() / "config.json").get("architectures")  # which family's names
     folder = SafetensorsFolder(path)
-    folder.check(cfg)
+    folder.check(cfg, hint)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = {k: v.get_value() for k, v in nnx.to_flat_state(param_shardings(abstract, mesh))}
-    by_param = {e.param: e for e in entries(cfg)}
+    by_param = {e.param: e for e in entries(cfg, hint)}
     try:
         for key, var in nnx.to_flat_state(state):
             spec = var.get_value()
@@ -267,6 +286,17 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _passthrough(family, source) -> SafetensorsFolder | None:
+    """The source folder's tensors that ``family`` carries through export unchanged (``PASSTHROUGH_PREFIXES``: a
+    vision-language folder's vision tower), as a ``SafetensorsFolder`` restricted to them; None if it has none."""
+    prefixes = getattr(family, "PASSTHROUGH_PREFIXES", ())
+    if not prefixes or source is None:
+        return None
+    folder = SafetensorsFolder(source)
+    folder.tensors = {k: v for k, v in folder.tensors.items() if k.startswith(prefixes)}
+    return folder
+
+
 def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES):
     """Write ``model`` as a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained(path)`` loads.
 
@@ -296,10 +326,12 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
         (e, i, j) for i in range(cfg.num_layers) for e in table if e.stacked and i in e.layers(cfg)
         for j in (range(cfg.num_experts) if e.experts else [None])]
     order += [(e, None, None) for e in rows[1:]]
+    carried = _passthrough(export_family(cfg, hint), source)
+    order += [(None, name, None) for name in sorted(carried.tensors if carried else ())]
     shards: list[list] = [[]]
     used = 0
     for entry, i, j in order:
-        n = math.prod(entry.hf_shape(sizes)) * itemsize
+        n = carried.nbytes(i) if entry is None else math.prod(entry.hf_shape(sizes)) * itemsize
         if shards[-1] and used + n > max_shard_bytes:
             shards.append([])
             used = 0
@@ -314,21 +346,33 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
         out.mkdir(parents=True, exist_ok=True)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
-    weight_map, total = {}, 0
+    weight_map, total, pieces = {}, 0, {}
     for file, shard in zip(names, shards):
         tensors = {}
         for entry, i, j in shard:
+            if entry is None:  # a tensor of the source folder's that export carries unchanged (a vision tower)
+                tensors[i] = carried.read(i, (slice(None),))
+                weight_map[i] = file
+                total += tensors[i].nbytes
+                continue
             x = params[entry.param]
             if j is None or j == 0:  # a layer's experts are fetched once, with its first expert
                 fetched = _fetch(x if i is None else _layer(x, i))
             name = tensor_name(entry, i, j)
-            one = fetched if j is None else fetched[j]
-            tensors[name] = np.ascontiguousarray(entry.per_tensor.to_hf(one, sizes).astype(jnp.dtype(dtype)))
+            one = entry.per_tensor.to_hf(fetched if j is None else fetched[j], sizes)
+            if entry.fused is not None:  # written once every piece of the tensor is here
+                pieces.setdefault(name, []).append((entry, one))
+                if len(pieces[name]) < len(entry.fused.pieces):
+                    continue
+                one = assemble(pieces.pop(name), sizes)
+            tensors[name] = np.ascontiguousarray(one.astype(jnp.dtype(dtype)))
             weight_map[name] = file
             total += tensors[name].nbytes
         if writer:
             save_file(tensors, str(out / file), metadata={"format": "pt"})
         del tensors
+    if carried is not None:
+        carried.release()
     if not writer:
         return
     if len(names) > 1:

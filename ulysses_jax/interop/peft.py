@@ -40,12 +40,22 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the ...ForCausalLM
 
 
-def module_name(cfg, target: str, layer: int) -> str:
-    """The Hugging Face module of ``target`` in ``layer`` (``model.layers.3.self_attn.q_proj``)."""
+def _entry(cfg, target: str, hint=None):
+    """The tensor row of ``target``'s (first) weight in the family that writes ``cfg``."""
     module, attr, _ = lora.WEIGHTS[target]
-    param = f"blocks.{module}.{attr}"
-    entry = next(e for e in hf.entries(cfg) if e.param == param)
-    return hf.tensor_name(entry, layer).removesuffix(".weight")
+    param = f"blocks.{module}.{attr if isinstance(attr, str) else attr[0]}"
+    return next(e for e in hf.entries(cfg, hint) if e.param == param)
+
+
+def module_name(cfg, target: str, layer: int, hint=None) -> str:
+    """The Hugging Face module of ``target`` in ``layer`` (``model.layers.3.self_attn.q_proj``)."""
+    entry = _entry(cfg, target, hint)
+    name = hf.tensor_name(entry, layer).removesuffix(".weight")
+    if entry.fused is not None and (entry.fused.groups or not name.endswith(target)):
+        raise ValueError(f"--lora-targets {target}: the family that writes {cfg.name} fuses that projection with "
+                         f"others per head ({name}), whose adapter peft would need in another row order; adapters of "
+                         f"the delta-net are written for Qwen3.5's layout only: drop {target} from --lora-targets")
+    return name
 
 
 def adapter_config(cfg, base_model: str | None) -> dict:
@@ -82,7 +92,7 @@ def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     for t in cfg.lora.targets:
         a = hf._fetch(getattr(model.blocks.lora, f"w_{t}_a").get_value())  # [L, in..., r]
         b = hf._fetch(getattr(model.blocks.lora, f"w_{t}_b").get_value())  # [L, r, out...]
-        for i in range(cfg.num_layers):
+        for i in lora.target_layers(cfg, t):  # a hybrid's attention or delta-net layers
             name = PREFIX + module_name(cfg, t, i)
             out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T.astype(jnp.dtype(dtype)))
             out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T.astype(jnp.dtype(dtype)))
@@ -122,14 +132,20 @@ def merged(model):
     _, state = lora.split(nnx.state(model, nnx.Param))
     state = jax.tree.map(lambda x: x, state)  # new variables: the model's own are not changed
     for t in cfg.lora.targets:
-        module, attr, n_in = lora.WEIGHTS[t]
-        var = state["blocks"][module][attr]
-        w = var.get_value()
+        module, attrs, n_in = lora.WEIGHTS[t]
+        attrs = (attrs,) if isinstance(attrs, str) else attrs
         a = getattr(model.blocks.lora, f"w_{t}_a").get_value()
         b = getattr(model.blocks.lora, f"w_{t}_b").get_value()
-        add = jax.jit(lambda w, a, b, n_in=n_in: (w.astype(jnp.float32) + lora.delta(a, b, n_in, cfg.lora.scale))
-                      .astype(w.dtype), out_shardings=w.sharding)
-        var.set_value(add(w, a, b))
+        variables = [state["blocks"][module][x] for x in attrs]
+        outs = [v.get_value().shape[1 + n_in:] for v in variables]
+        for k, var in enumerate(variables):  # a fused target: each weight its share of B's outputs
+            w = var.get_value()
+
+            def add(w, a, b, k=k, n_in=n_in):
+                d = lora.delta(a, b, n_in, cfg.lora.scale)
+                return (w.astype(jnp.float32) + (d if len(outs) == 1 else lora.split_fused(d, outs)[k])).astype(w.dtype)
+
+            var.set_value(jax.jit(add, out_shardings=w.sharding)(w, a, b))
     return nnx.merge(graphdef, state)
 
 

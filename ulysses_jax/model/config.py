@@ -13,6 +13,9 @@ module (``model/families/``) holds its own and tabulates them in its docstring:
 | Mixtral    | mixtral-8x7b (8 experts, top-2, 46.7B / 12.9B active)     | ``families/mixtral.py``      |
 | gpt-oss    | gpt-oss-20b, gpt-oss-120b (sinks, biases, YaRN, windows)  | ``families/gpt_oss.py``      |
 | Gemma 3    | gemma3-1b, gemma3-4b (5 local : 1 global, post-norms)     | ``families/gemma3.py``       |
+| Qwen3.5    | qwen3.5-9b (3 delta-net : 1 gated full-attention layer)   | ``families/qwen3_5.py``      |
+| Qwen3.5-MoE| qwen3.5-35b-a3b (256 experts, top-8, a shared expert)     | ``families/qwen3_5_moe.py``  |
+| Qwen3-Next | qwen3-next-80b-a3b (512 experts, top-10, a shared expert) | ``families/qwen3_next.py``   |
 
 Two CPU-sized models for smoke runs live here: ``tiny``, a GQA model of 5.2M parameters, and ``tiny-moe``, eight
 experts (top-2, renormalised, qk-norm) with one dense layer among three sparse ones. Variations:
@@ -49,7 +52,19 @@ import dataclasses
 import jax.numpy as jnp
 
 from ulysses_jax.model import fp8, hf_config, layer_kinds
-from ulysses_jax.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from ulysses_jax.model.families import (
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from ulysses_jax.model.layer_kinds import check_layers
 from ulysses_jax.model.lora_config import LoraConfig
 
@@ -159,6 +174,18 @@ class ModelConfig:
     expert_style: str = "swiglu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # Qwen3-Next / Qwen3.5 (model/delta_net.py): a sigmoid-gated shared expert beside the routed ones (its width; 0:
+    # none), attention's output gated per head (q_proj doubled: [q | gate] per head, o * sigmoid(gate) before o_proj),
+    # RoPE on the first head_dim * partial_rotary_factor dims of each head, and the gated delta-net layers ("linear"
+    # in layer_pattern) with their heads, head dims and short convolution
+    shared_expert_dim: int = 0
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
     lora: LoraConfig | None = None  # LoRA adapters (model/lora.py): only they train; None: every parameter
     fp8: bool = False  # the seven projections' GEMMs in float8, forward and backward (model/fp8.py)
     fp8_recipe: str = "current"  # float8 scales: current (this step's amax) or delayed (an amax history)
@@ -221,6 +248,13 @@ class ModelConfig:
         if self.o_bias and self.attn_chunk:
             raise ValueError("the tiled attention sublayer (attn_chunk, --attn-chunk) takes no output-projection bias "
                              "(o_bias: gpt-oss); use attn_chunk 0")
+        f = self.partial_rotary_factor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1 or int(self.head_dim * f) % 2:
+            raise ValueError(f"partial_rotary_factor ({f!r}) must be in (0, 1] with head_dim ({self.head_dim}) x it "
+                             f"an even number of rotated dims")
+        if self.attn_output_gate and self.attn_chunk:
+            raise ValueError("the tiled attention sublayer (attn_chunk, --attn-chunk) has no output gate "
+                             "(attn_output_gate: Qwen3.5 / Qwen3-Next); use attn_chunk 0")
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")
@@ -233,7 +267,7 @@ class ModelConfig:
         if self.lora is not None:
             self.lora.check(self)
         check_layers(self)
-        if self.attn_keep and self.remat == "offload" and len(self.window_kinds) > 1:
+        if self.attn_keep and self.remat == "offload" and len(self.window_kinds) + bool(self.linear_layers) > 1:
             raise ValueError("attn_keep (--attn-keep) with remat offload is not available for a model that mixes "
                              "local and global layers (XLA cannot offload the kept outputs from inside the layer's "
                              "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
@@ -243,10 +277,13 @@ class ModelConfig:
 
     def _check_experts(self):
         e, k = self.num_experts, self.experts_per_token
-        for field in ("num_experts", "experts_per_token", "moe_mlp_dim"):
+        for field in ("num_experts", "experts_per_token", "moe_mlp_dim", "shared_expert_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{field} ({value!r}) must be 0 or a positive integer")
+        if self.shared_expert_dim and not e:
+            raise ValueError(f"shared_expert_dim ({self.shared_expert_dim}) is a shared expert beside routed ones, but "
+                             f"num_experts is 0; set num_experts")
         if e == 0:
             if k or self.dense_layers or self.moe_mlp_dim:
                 raise ValueError(f"experts_per_token ({k}), moe_mlp_dim ({self.moe_mlp_dim}) and dense_layers "
@@ -300,6 +337,21 @@ class ModelConfig:
     def kind_of_layer(self) -> tuple[int, ...]:
         """Per layer, its index into ``window_kinds``."""
         return layer_kinds.kind_index(self)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers whose token mixer is the gated delta-net (``"linear"`` in ``layer_pattern``)."""
+        return layer_kinds.linear_layers(self)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose token mixer is attention."""
+        return layer_kinds.attention_layers(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): ``head_dim * partial_rotary_factor``."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attn_scale(self) -> float:
@@ -359,4 +411,5 @@ TINY_MOE = dict(TINY, qk_norm=True, num_experts=8, experts_per_token=2, moe_mlp_
 # in the order --preset and the unknown-preset message list them: the smoke models beside the families'
 PRESETS: dict[str, ModelConfig] = {name: _preset(name, fields) for name, fields in {
     "tiny": TINY, **llama.PRESETS, **qwen2.PRESETS, **qwen3.PRESETS, **mistral.PRESETS, **qwen3_moe.PRESETS,
-    **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS}.items()}
+    **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS, **qwen3_5.PRESETS,
+    **qwen3_5_moe.PRESETS, **qwen3_next.PRESETS}.items()}

@@ -15,6 +15,12 @@ for MFU):
     is a quarter of one 32K sequence's attention. Without ``document_lengths`` a row is one document of ``S`` tokens.
     A local layer with a window of ``W < S`` tokens counts the pairs its window holds, ``S * W - W^2 / 2`` instead of
     ``S^2 / 2`` (``attention_pairs``; the kernels skip the tiles outside the window, ``kernels/window.py``).
+  * the gated delta-net (the "linear" layers of Qwen3.5 / Qwen3-Next): its projections are matmul weights like
+    attention's (``P_mm``: q, k, v, z, b, a and out for a linear layer, q doubled by the output gate for a
+    full-attention one; ``layer_matmul_params`` averages over the layers); its rule counts the matmuls of its chunked
+    kernel forward and backward per value head and row (``kernels.gated_delta.gated_delta_flops``, ``backward=True``:
+    the kernel's backward recomputes its intra-chunk parts, and no cheaper backward exists), linear in ``S`` and the
+    same for a packed row as for one document (the chunks cover the row). The short convolution is elementwise work.
   * LoRA (``cfg.lora``): the FLOPs the step performs, not full fine-tuning's: a frozen weight's matmul runs forward
     and for the input's gradient (``4 * P_mm``: no weight gradient), each adapter's two small matmuls all three ways
     (``6 * r * (in + out)`` per target and layer). ``flops_convention`` says which count a figure uses.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ulysses_jax.kernels.gated_delta import gated_delta_flops
 from ulysses_jax.kernels.segments import document_lengths
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.layer_kinds import layer_windows
@@ -45,9 +52,10 @@ PEAK_FLOPS: dict[str, float] = {
 
 def _mlp_matmul_total(cfg: ModelConfig, experts: int) -> int:
     """Matmul weights of every layer's MLP: a dense layer's ``3 D F``; a sparse layer's router ``D E`` and ``experts``
-    of its experts' ``3 D F_e``."""
+    of its experts' ``3 D F_e`` (and its shared expert's ``3 D F_s`` and gate ``D``)."""
     d, sparse = cfg.hidden, len(cfg.sparse_layers)
     per_sparse = d * cfg.num_experts + experts * 3 * d * cfg.expert_mlp_dim
+    per_sparse += (3 * d * cfg.shared_expert_dim + d) if cfg.shared_expert_dim else 0
     return (cfg.num_layers - sparse) * 3 * d * cfg.mlp_dim + sparse * per_sparse
 
 
@@ -57,10 +65,34 @@ def mlp_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
     return _mlp_matmul_total(cfg, cfg.experts_per_token if active else cfg.num_experts) / cfg.num_layers
 
 
+def attention_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one full-attention layer: q (doubled by the output gate), k, v, o."""
+    d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return d * n * h * (2 if cfg.attn_output_gate else 1) + 2 * d * k * h + n * h * d
+
+
+def delta_matmul_params(cfg: ModelConfig) -> int:
+    """Matmul weights of one delta-net layer: q, k ``D Hk dk``, v, z ``D Hv dv``, b, a ``D Hv``, out ``Hv dv D``."""
+    d, hk, hv = cfg.hidden, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    return d * (2 * hk * cfg.linear_key_head_dim + 3 * hv * cfg.linear_value_head_dim + 2 * hv)
+
+
 def layer_matmul_params(cfg: ModelConfig, *, active: bool = True) -> float:
     """Matmul weights one token passes through in an average layer (``active``: a sparse layer's k experts only)."""
-    d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    return d * n * h + 2 * d * k * h + n * h * d + mlp_matmul_params(cfg, active=active)
+    mixers = (len(cfg.attention_layers) * attention_matmul_params(cfg)
+              + len(cfg.linear_layers) * delta_matmul_params(cfg)) / cfg.num_layers
+    return mixers + mlp_matmul_params(cfg, active=active)
+
+
+def delta_rule_flops(cfg: ModelConfig, seq_len: int, rows: int = 1, *, backward: bool = True) -> float:
+    """FLOPs of the delta rule in every linear layer over ``rows`` rows of ``seq_len`` tokens, forward + backward
+    (module doc), or its forward alone; 0 without linear layers."""
+    if not cfg.linear_layers:
+        return 0.0
+    n = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    per_head = gated_delta_flops(seq_len, cfg.linear_key_head_dim, cfg.linear_value_head_dim, value_per_key=n,
+                                 backward=backward)
+    return float(rows * len(cfg.linear_layers) * cfg.linear_num_value_heads * per_head)
 
 
 def matmul_params(cfg: ModelConfig) -> float:
@@ -78,19 +110,26 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Distinct parameters (a tied unembedding counted once): what the published model cards report."""
+    """Distinct parameters (a tied unembedding counted once): what the published model cards report. A hybrid counts
+    each layer's own token mixer, not the other kind's zeros its stacked layer also holds (``model/transformer.py``)."""
     d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = 2 * d * n * h + 2 * d * k * h + 2 * d  # q, k, v, o and the two norms
-    per_layer += (n * h + 2 * k * h) if cfg.qkv_bias else 0
-    per_layer += 2 * h if cfg.qk_norm else 0
-    per_layer += 2 * d if cfg.post_norms else 0
-    per_layer += (d if cfg.o_bias else 0) + (n if cfg.attn_sinks else 0)
+    attn = attention_matmul_params(cfg)  # q (gated: doubled), k, v, o
+    attn += (n * h + 2 * k * h) if cfg.qkv_bias else 0
+    attn += 2 * h if cfg.qk_norm else 0
+    attn += (d if cfg.o_bias else 0) + (n if cfg.attn_sinks else 0)
+    per_layer = 2 * d + (2 * d if cfg.post_norms else 0)  # the two norms (four with post_norms)
+    mixers = len(cfg.attention_layers) * attn
+    if cfg.linear_layers:  # projections; filters, A_log, dt_bias, the gated norm
+        channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * (
+            cfg.linear_value_head_dim)
+        delta = delta_matmul_params(cfg) + channels * cfg.linear_conv_kernel + 2 * cfg.linear_num_value_heads
+        mixers += len(cfg.linear_layers) * (delta + cfg.linear_value_head_dim)
     mlp = _mlp_matmul_total(cfg, cfg.num_experts)
     if cfg.expert_style == "gpt_oss":  # router, gate/up and down biases
         e = cfg.num_experts
         mlp += len(cfg.sparse_layers) * (e + e * 2 * cfg.expert_mlp_dim + e * d)
     embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.num_layers * per_layer + mlp + embeddings + d
+    return cfg.num_layers * per_layer + mixers + mlp + embeddings + d
 
 
 def adapter_matmul_params(cfg: ModelConfig) -> float:
@@ -116,7 +155,7 @@ def training_flops(cfg: ModelConfig, *, batch: int, seq_len: int, causal: bool =
     rows = [[seq_len]] * batch if document_lengths is None else document_lengths
     pairs = sum(attention_pairs(int(n), w, causal=causal) for row in rows for n in row if n > 0
                 for w in layer_windows(cfg))
-    return float(dense + 12 * pairs * cfg.num_heads * cfg.head_dim)
+    return float(dense + 12 * pairs * cfg.num_heads * cfg.head_dim + delta_rule_flops(cfg, seq_len, batch))
 
 
 def flops_convention(cfg: ModelConfig, packed: bool = True) -> str:

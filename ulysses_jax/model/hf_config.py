@@ -23,7 +23,9 @@ HF_CONFIG_FIELDS = ("vocab_size", "num_layers", "hidden", "num_heads", "num_kv_h
                     "layer_pattern", "rope_local_theta", "post_norms", "norm_plus_one", "mlp_activation",
                     "scale_embeddings", "query_pre_attn_scalar", "num_experts", "experts_per_token", "moe_mlp_dim",
                     "router_renormalize", "dense_layers", "o_bias", "attn_sinks", "expert_style", "swiglu_limit",
-                    "swiglu_alpha")
+                    "swiglu_alpha", "shared_expert_dim", "attn_output_gate", "partial_rotary_factor",
+                    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_conv_kernel")
 
 
 def read_json(path: pathlib.Path) -> dict:
@@ -59,6 +61,8 @@ def config_fields(path) -> dict:
     where = folder / "config.json"
     raw = read_json(where)
     family = _family(raw, where)
+    if hasattr(family, "language_config"):  # a vision-language folder's text model, or a family's own defaults
+        raw = family.language_config(raw, where)
 
     def need(key):
         if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):
@@ -75,7 +79,7 @@ def config_fields(path) -> dict:
     )
     if raw.get("mlp_bias"):
         refuse(where, "mlp_bias", raw["mlp_bias"], "the MLP has no biases")
-    refuse_unmodelled_experts(raw, where)
+    refuse_unmodelled_experts(raw, where, getattr(family, "MODELLED_EXPERT_KEYS", ()))
     fields.update(family.fields(raw, where, layers, head_dim))
     if isinstance(raw.get("max_position_embeddings"), int):
         fields["max_seq_len"] = raw["max_position_embeddings"]
@@ -98,8 +102,11 @@ def export_architecture(cfg, hint=None) -> str:
 
 def hf_config(cfg, arch: str, dtype: str, source: dict | None = None) -> dict:
     """The ``config.json`` of ``cfg`` as ``arch``; token ids are taken from ``source`` (the original config.json)."""
-    out = _FAMILY[arch].hf_config(cfg, dtype)
+    family = _FAMILY[arch]
+    out = family.hf_config(cfg, dtype)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if (source or {}).get(key) is not None:
             out[key] = source[key]
+    if hasattr(family, "wrap_config"):  # a vision-language class: the text model inside the source's own config
+        out = family.wrap_config(out, source or {})
     return out

@@ -1,17 +1,20 @@
-"""Per-layer attention kinds: which layers are global (full causal) and which local (a sliding window), checked.
+"""Per-layer token mixers: which layers are global (full causal attention), local (a sliding window) or linear (the
+gated delta-net of Qwen3.5 / Qwen3-Next), checked.
 
 ``ModelConfig.layer_pattern`` is repeated over the layers and cut at ``num_layers`` (Gemma 3: five "local" then one
-"global", 26 or 34 layers); a pattern as long as the model lists every layer (Qwen2's ``max_window_layers``). An empty
-pattern means every layer "local" when ``sliding_window > 0``, else every layer "global". The transformer scans its
-stacked layers once whatever the pattern: each layer's kind index (into ``kinds``) is scanned with its parameters and
-a ``lax.switch`` picks the attention of that kind (``model/transformer.py``). A kind is the window (``None``: global);
-the local layers also take their own RoPE base (``rope_local_theta``). This module reads a config's attributes and
-imports nothing of the package (``model/config.py`` calls it).
+"global", 26 or 34 layers; Qwen3.5: three "linear" then one "global"); a pattern as long as the model lists every
+layer (Qwen2's ``max_window_layers``). An empty pattern means every layer "local" when ``sliding_window > 0``, else
+every layer "global". The transformer scans its stacked layers once whatever the pattern: each layer's kind index is
+scanned with its parameters and a ``lax.switch`` picks the sublayer of that kind (``model/transformer.py``). An
+attention kind is the window (``None``: global), indexed by ``kinds``; the linear layers, if any, take the index after
+the attention kinds (``kind_index``). The local layers also take their own RoPE base (``rope_local_theta``). This module
+reads a config's attributes and imports nothing of the package (``model/config.py`` calls it).
 """
 
 from __future__ import annotations
 
-LAYER_TYPES = ("global", "local")
+LAYER_TYPES = ("global", "local", "linear")
+LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 
 
 def check_layers(cfg) -> None:
@@ -21,10 +24,10 @@ def check_layers(cfg) -> None:
         raise ValueError(f"sliding_window ({window!r}) must be 0 (no local layers) or a positive number of tokens")
     pattern = cfg.layer_pattern
     if not isinstance(pattern, tuple):
-        raise ValueError(f"layer_pattern ({pattern!r}) must be a tuple of 'global' / 'local'")
+        raise ValueError(f"layer_pattern ({pattern!r}) must be a tuple of 'global' / 'local' / 'linear'")
     for kind in pattern:
         if kind not in LAYER_TYPES:
-            raise ValueError(f"layer_pattern has {kind!r}, an unknown layer type; use 'global' or 'local'")
+            raise ValueError(f"layer_pattern has {kind!r}, an unknown layer type; use 'global', 'local' or 'linear'")
     if "local" in pattern and not window:
         raise ValueError("layer_pattern has 'local' layers but sliding_window is 0; set sliding_window (tokens)")
     if len(pattern) > cfg.num_layers:
@@ -39,6 +42,29 @@ def check_layers(cfg) -> None:
     if cfg.post_norms and cfg.attn_recompute:
         raise ValueError("attn_recompute keeps no attention output, which the backward of the post-attention norm "
                          "(post_norms, Gemma 3) reads; set attn_recompute to False")
+    check_linear(cfg)
+
+
+def check_linear(cfg) -> None:
+    """The delta-net layers' sizes (``linear_*``) are given exactly when ``layer_pattern`` has ``"linear"`` layers."""
+    sizes = {f: getattr(cfg, f) for f in LINEAR_SIZES}
+    for field, value in (*sizes.items(), ("linear_conv_kernel", cfg.linear_conv_kernel)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{field} ({value!r}) must be a positive integer (0: no delta-net layers)")
+    linear = "linear" in cfg.layer_pattern
+    if not linear:
+        if any(sizes.values()):
+            raise ValueError(f"{', '.join(f for f, v in sizes.items() if v)} describe delta-net layers, but "
+                             f"layer_pattern {list(cfg.layer_pattern)} has no 'linear' layer; add one or set them to 0")
+        return
+    if missing := [f for f, v in sizes.items() if not v]:
+        raise ValueError(f"layer_pattern has 'linear' (delta-net) layers; set {', '.join(missing)}")
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    if hv % hk:
+        raise ValueError(f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk}): each key "
+                         f"head serves an equal share of the value heads")
+    if cfg.linear_conv_kernel < 1:
+        raise ValueError(f"linear_conv_kernel ({cfg.linear_conv_kernel}) must be >= 1 (Qwen3.5 and Qwen3-Next: 4)")
 
 
 def layer_types(cfg) -> tuple[str, ...]:
@@ -48,17 +74,29 @@ def layer_types(cfg) -> tuple[str, ...]:
 
 
 def layer_windows(cfg) -> tuple:
-    """Per layer, its window in tokens (``None``: global)."""
-    return tuple(cfg.sliding_window if t == "local" else None for t in layer_types(cfg))
+    """Per attention layer (the linear layers left out), its window in tokens (``None``: global)."""
+    return tuple(cfg.sliding_window if t == "local" else None for t in layer_types(cfg) if t != "linear")
+
+
+def linear_layers(cfg) -> tuple[int, ...]:
+    """The layers whose token mixer is the gated delta-net."""
+    return tuple(i for i, t in enumerate(layer_types(cfg)) if t == "linear")
+
+
+def attention_layers(cfg) -> tuple[int, ...]:
+    """The layers whose token mixer is attention (global or local)."""
+    return tuple(i for i, t in enumerate(layer_types(cfg)) if t != "linear")
 
 
 def kinds(cfg) -> tuple:
-    """The distinct windows of the layers, global (``None``) first."""
+    """The distinct windows of the attention layers, global (``None``) first."""
     present = set(layer_windows(cfg))
     return tuple(sorted(present, key=lambda w: -1 if w is None else w))
 
 
 def kind_index(cfg) -> tuple[int, ...]:
-    """Per layer, the index of its window in :func:`kinds`."""
+    """Per layer, the index of its window in :func:`kinds`; a linear layer's is ``len(kinds)`` (the branch after the
+    attention kinds)."""
     table = kinds(cfg)
-    return tuple(table.index(w) for w in layer_windows(cfg))
+    windows = iter(layer_windows(cfg))
+    return tuple(len(table) if t == "linear" else table.index(next(windows)) for t in layer_types(cfg))

@@ -32,6 +32,8 @@ def sharded_init(kind: str, std: float, shape: tuple[int, ...], dtype, sharding:
     def init(key):
         if kind == "normal":
             return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        if kind == "log_uniform":  # the delta-net's A_log: log of A uniform in [0.01, 16], as transformers draws it
+            return jnp.log(jax.random.uniform(key, shape, jnp.float32, 0.01, 16.0)).astype(dtype)
         return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
 
     return jax.jit(init, out_shardings=sharding)
@@ -92,9 +94,10 @@ def default_positions(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None) ->
 
 
 def rope_frequencies(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-    """Inverse frequencies ``[H/2]`` (float64), scaled when ``cfg.rope_scaling`` is set (Llama-3 style or linear).
+    """Inverse frequencies ``[R/2]`` (float64) of the ``R = cfg.rotary_dim`` rotated dims (``head_dim`` unless
+    ``partial_rotary_factor``), scaled when ``cfg.rope_scaling`` is set (Llama-3 style or linear).
     ``local``: a local layer's, from ``rope_local_theta`` unscaled when that is set (Gemma 3)."""
-    h = cfg.head_dim
+    h = cfg.rotary_dim
     exponents = np.arange(0, h, 2, dtype=np.float64) / h
     if local and cfg.rope_local_theta:
         return 1.0 / cfg.rope_local_theta ** exponents
@@ -144,13 +147,19 @@ def rope_factor(cfg: ModelConfig, local: bool = False) -> float:
 
 def apply_rope(x_BSNH: jax.Array, positions_BS: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
     """Rotate halves ``(x1, x2)`` of the head dim by ``position * inv_freq`` (computed in float32); ``factor``
-    multiplies cos and sin (``rope_factor``)."""
+    multiplies cos and sin (``rope_factor``). With fewer frequencies than half the head dim (partial RoPE: Qwen3.5,
+    Qwen3-Next), the first ``2 * len(inv_freq)`` dims are rotated that way and the rest pass through unchanged."""
     angle_BSh = positions_BS[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
     sin, cos = jnp.sin(angle_BSh)[:, :, None], jnp.cos(angle_BSh)[:, :, None]
     if factor != 1.0:
         sin, cos = sin * factor, cos * factor
-    x1, x2 = jnp.split(x_BSNH.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNH.dtype)
+    rotated = 2 * len(inv_freq)
+    x32 = x_BSNH.astype(jnp.float32)
+    x1, x2 = jnp.split(x32[..., :rotated], 2, axis=-1)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rotated < x_BSNH.shape[-1]:
+        parts.append(x32[..., rotated:])
+    return jnp.concatenate(parts, axis=-1).astype(x_BSNH.dtype)
 
 
 def norm_scale(scale: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -30,6 +30,7 @@ optimizer state (``train/step.py``). MLP targets on a mixture of experts are ref
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -38,10 +39,17 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from ulysses_jax.model.layers import use
-from ulysses_jax.model.lora_config import ATTENTION_TARGETS, TARGETS, LoraConfig
+from ulysses_jax.model.lora_config import (  # noqa: F401  (target_layers: for interop/peft.py)
+    ALL_TARGETS,
+    ATTENTION_TARGETS,
+    LoraConfig,
+    projection_sides,
+    target_layers,
+)
 from ulysses_jax.parallel.sharding import check_param_shape, param_spec
 
-# target -> (submodule of the block, weight attribute, number of leading "in" dimensions of the weight)
+# target -> (submodule of the block, weight attribute, number of leading "in" dimensions of the weight); a tuple of
+# attributes: one adapter over the weights' outputs side by side, flattened (in_proj_qkv: q, k, v as Qwen3.5 fuses them)
 WEIGHTS = {
     "q": ("attn", "wq_DNH", 1),
     "k": ("attn", "wk_DKH", 1),
@@ -50,8 +58,13 @@ WEIGHTS = {
     "gate": ("mlp", "w_gate_DF", 1),
     "up": ("mlp", "w_up_DF", 1),
     "down": ("mlp", "w_down_FD", 1),
+    "in_proj_qkv": ("delta", ("wq_DJQ", "wk_DJQ", "wv_DUW"), 1),
+    "in_proj_z": ("delta", "wz_DUW", 1),
+    "in_proj_b": ("delta", "wb_DU", 1),
+    "in_proj_a": ("delta", "wa_DU", 1),
+    "out_proj": ("delta", "wo_UWD", 2),
 }
-assert tuple(WEIGHTS) == TARGETS
+assert tuple(WEIGHTS) == ALL_TARGETS
 
 
 class LoraParam(nnx.Param):
@@ -71,17 +84,33 @@ def _init(bound: float, shape: tuple[int, ...], sharding: NamedSharding):
 
 
 def weight(block, target: str) -> nnx.Param:
+    """The weight ``target`` adapts (the first of a fused target's)."""
     module, attr, _ = WEIGHTS[target]
-    return getattr(getattr(block, module), attr)
+    return getattr(getattr(block, module), attr if isinstance(attr, str) else attr[0])
 
 
-def _shapes(w: nnx.Param, n_in: int, rank: int):
-    """``((A shape, A names), (B shape, B names))`` of a stacked weight ``w`` (leading ``layers`` axis)."""
+def _shapes(block, target: str, rank: int):
+    """``((A shape, A names), (B shape, B names))`` of ``target``'s adapter on a stacked block (leading ``layers``
+    axis): ``A [L, in..., r]``, ``B [L, r, out...]``; a fused target's ``B [L, r, out]`` over its weights' outputs
+    flattened side by side."""
+    _, attrs, n_in = WEIGHTS[target]
+    w = weight(block, target)
     shape, names = tuple(w.get_value().shape), tuple(w.get_metadata()["logical_axes"])
     (l, *rest), (_, *axes) = shape, names
     a = ((l, *rest[:n_in], rank), ("layers", *axes[:n_in], None))
+    if not isinstance(attrs, str):
+        module = getattr(block, WEIGHTS[target][0])
+        out = sum(math.prod(getattr(module, x).get_value().shape[1 + n_in:]) for x in attrs)
+        return a, ((l, rank, out), ("layers", None, None))
     b = ((l, rank, *rest[n_in:]), ("layers", None, *axes[n_in:]))
     return a, b
+
+
+def split_fused(term: jax.Array, shapes) -> list[jax.Array]:
+    """A fused target's ``[..., out]`` (its weights' outputs side by side) cut into each weight's output ``shapes``."""
+    sizes = [math.prod(s) for s in shapes]
+    parts = jnp.split(term, list(itertools.accumulate(sizes))[:-1], axis=-1)
+    return [x.reshape(*x.shape[:-1], *s) for x, s in zip(parts, shapes)]
 
 
 class Adapters(nnx.Module):
@@ -92,12 +121,11 @@ class Adapters(nnx.Module):
         base_key = jax.random.fold_in(rngs.params.key.get_value(), 0x10A)
         for t in lora.targets:
             _, _, n_in = WEIGHTS[t]
-            w = weight(block, t)
-            for side, (shape, names) in zip("ab", _shapes(w, n_in, lora.rank)):
+            for side, (shape, names) in zip("ab", _shapes(block, t, lora.rank)):
                 spec = param_spec(names, over_data=over_data)
                 check_param_shape(f"lora.{t}.{side}", shape, spec, mesh)
                 fan_in = math.prod(shape[1:1 + n_in])
-                key = jax.random.fold_in(base_key, TARGETS.index(t))
+                key = jax.random.fold_in(base_key, ALL_TARGETS.index(t))
                 value = _init(fan_in ** -0.5 if side == "a" else 0.0, shape, NamedSharding(mesh, spec))(key)
                 setattr(self, f"w_{t}_{side}", LoraParam(value, out_sharding=tuple(spec), logical_axes=names))
 
@@ -147,8 +175,8 @@ def merged(block):
 
 
 def pairs(block, module: str, at_rest: bool = False) -> dict:
-    """``{target: (A, B)}`` of this layer's adapters on ``module``'s (``"attn"`` or ``"mlp"``) weights that are not
-    merged: in their compute layout (gathered, ``A`` in the compute dtype, ``B`` in float32), or ``at_rest``."""
+    """``{target: (A, B)}`` of this layer's adapters on ``module``'s (``"attn"``, ``"mlp"``, ``"delta"``) weights that
+    are not merged: in their compute layout (gathered, ``A`` in the compute dtype, ``B`` in float32), or ``at_rest``."""
     cfg = block.attn.cfg
     if cfg.lora is None:
         return {}
@@ -186,7 +214,7 @@ def low_rank(x: jax.Array, adapters: dict | None, target: str, lora: LoraConfig 
     n_in = WEIGHTS[target][2]
     if drop is not None and lora.dropout:
         key, ids = drop
-        x = dropout(x, lora.dropout, jax.random.fold_in(key, TARGETS.index(target)), ids)
+        x = dropout(x, lora.dropout, jax.random.fold_in(key, ALL_TARGETS.index(target)), ids)
     xa = jnp.tensordot(x, a.astype(x.dtype), axes=n_in, preferred_element_type=jnp.float32)
     return (lora.scale * jnp.tensordot(xa, b.astype(jnp.float32), axes=1)).astype(x.dtype)
 
@@ -205,12 +233,12 @@ def join(trainable, frozen):
 
 
 def count(cfg) -> tuple[int, int]:
-    """``(adapter parameters, base parameters of the targeted weights)`` of a ``ModelConfig`` with ``lora``."""
-    d, n, k, h, f, r = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim, cfg.lora.rank
-    sizes = {"q": (d, n * h), "k": (d, k * h), "v": (d, k * h), "o": (n * h, d), "gate": (d, f), "up": (d, f),
-             "down": (f, d)}
-    adapters = sum(r * (sizes[t][0] + sizes[t][1]) for t in cfg.lora.targets) * cfg.num_layers
-    base = sum(sizes[t][0] * sizes[t][1] for t in cfg.lora.targets) * cfg.num_layers
+    """``(adapter parameters, base parameters of the targeted weights)`` of a ``ModelConfig`` with ``lora``, over the
+    layers that have each targeted module (a hybrid's other layers hold adapters that are never read)."""
+    sizes, r = projection_sides(cfg), cfg.lora.rank
+    layers = {t: len(target_layers(cfg, t)) for t in cfg.lora.targets}
+    adapters = sum(r * (sizes[t][0] + sizes[t][1]) * layers[t] for t in cfg.lora.targets)
+    base = sum(sizes[t][0] * sizes[t][1] * layers[t] for t in cfg.lora.targets)
     return adapters, base
 
 

@@ -11,8 +11,12 @@ import dataclasses
 ATTENTION_TARGETS = ("q", "k", "v", "o")
 MLP_TARGETS = ("gate", "up", "down")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS  # the default: every projection of the attention and the dense MLP
+# the gated delta-net's projections (Qwen3.5's module names): q, k and v in one (in_proj_qkv), z, b, a, out
+DELTA_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+DELTA_DEFAULT = ("in_proj_qkv", "in_proj_z", "out_proj")  # added to a hybrid's default targets
+ALL_TARGETS = TARGETS + DELTA_TARGETS
 HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-            "down": "down_proj"}  # the Hugging Face module names (peft's target_modules)
+            "down": "down_proj", **{t: t for t in DELTA_TARGETS}}  # the Hugging Face module names (peft's)
 
 
 def parse_targets(text: str | tuple | list) -> tuple[str, ...]:
@@ -21,8 +25,8 @@ def parse_targets(text: str | tuple | list) -> tuple[str, ...]:
     items = text.split(",") if isinstance(text, str) else list(text)
     by_hf = {v: k for k, v in HF_NAMES.items()}
     names = [by_hf.get(t.strip(), t.strip()) for t in items if t.strip()]
-    known = [t for t in TARGETS if t in names]
-    return tuple(known + [t for t in dict.fromkeys(names) if t not in TARGETS])
+    known = [t for t in ALL_TARGETS if t in names]
+    return tuple(known + [t for t in dict.fromkeys(names) if t not in ALL_TARGETS])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +52,11 @@ class LoraConfig:
         object.__setattr__(self, "alpha", float(self.alpha))
         if not self.targets:
             raise ValueError(f"--lora-targets names no projection; choose from {','.join(TARGETS)}")
-        unknown = [t for t in self.targets if t not in TARGETS]
+        unknown = [t for t in self.targets if t not in ALL_TARGETS]
         if unknown:
             raise ValueError(f"--lora-targets {unknown[0]!r} is not a projection this model has; it has "
-                             f"{','.join(TARGETS)} (or their Hugging Face names q_proj, ..., down_proj)")
+                             f"{','.join(TARGETS)} (or their Hugging Face names q_proj, ..., down_proj), and a hybrid "
+                             f"(Qwen3.5) also {','.join(DELTA_TARGETS)}")
         ok = isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool) and 0 <= self.dropout < 1
         if not ok:
             raise ValueError(f"--lora-dropout ({self.dropout!r}) must be a probability in [0, 1), e.g. 0.05 or 0.1")
@@ -71,6 +76,10 @@ class LoraConfig:
                 raise ValueError(f"--lora-targets {mlp[0]!r}: {model.name}'s MLP is a mixture of experts, and LoRA on "
                                  f"experts is not supported; it has {','.join(ATTENTION_TARGETS)} (pass --lora-targets "
                                  f"{','.join(ATTENTION_TARGETS)})")
+        delta = [t for t in self.targets if t in DELTA_TARGETS]
+        if delta and not model.linear_layers:
+            raise ValueError(f"--lora-targets {delta[0]!r}: {model.name} has no gated delta-net ('linear') layer; it "
+                             f"has {','.join(TARGETS)}")
         sides = projection_sides(model)
         narrow = min(self.targets, key=lambda t: min(sides[t]))
         if self.rank > min(sides[narrow]):
@@ -90,7 +99,20 @@ class LoraConfig:
 
 
 def projection_sides(model) -> dict[str, tuple[int, int]]:
-    """Per target, the (input, output) width of its projection in ``model`` (a ``ModelConfig``)."""
+    """Per target, the (input, output) width of its projection in ``model`` (a ``ModelConfig``); q's output doubled
+    by an output gate."""
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     d, f = model.hidden, model.mlp_dim
-    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+    keys = model.linear_num_key_heads * model.linear_key_head_dim
+    values = model.linear_num_value_heads * model.linear_value_head_dim
+    heads = model.linear_num_value_heads
+    return {"q": (d, 2 * q if model.attn_output_gate else q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, f),
+            "up": (d, f), "down": (f, d), "in_proj_qkv": (d, 2 * keys + values), "in_proj_z": (d, values),
+            "in_proj_b": (d, heads), "in_proj_a": (d, heads), "out_proj": (values, d)}
+
+
+def target_layers(model, target: str) -> tuple[int, ...]:
+    """The layers whose module ``target`` adapts: a hybrid's attention or delta-net layers, or every layer."""
+    if target in DELTA_TARGETS:
+        return model.linear_layers
+    return model.attention_layers if target in ATTENTION_TARGETS else tuple(range(model.num_layers))

@@ -17,7 +17,9 @@ Per device:
      expert, ``group_sizes [E]`` tokens per expert; nothing dropped, whatever the load;
   3. experts: ``silu(x W_gate) * (x W_up) W_down`` as three grouped matmuls (``kernels/grouped_matmul.py``: a Pallas
      kernel on GPUs, ``jax.lax.ragged_dot`` elsewhere);
-  4. combine: each pair's output back in token order, weighted by its routing weight, summed over the ``k``.
+  4. combine: each pair's output back in token order, weighted by its routing weight, summed over the ``k``;
+  5. with a shared expert (Qwen3-Next, Qwen3.5-MoE: ``shared_expert_dim``), every token's SwiGLU of that width times
+     ``sigmoid(x w_shared_router)`` added.
 
 With ``mlp_chunk`` the whole sublayer ``x + moe(norm(x))`` runs per chunk of the local tokens (``chunked.chunk_map``:
 one chunk's ``[c*k, D]`` pairs at a time, recomputed in the backward).
@@ -75,6 +77,18 @@ def resolve_impl(impl: str, mesh: Mesh) -> str:
     return grouped_impl(impl, device_platform(mesh))
 
 
+def describe(cfg: ModelConfig, mesh: Mesh) -> str:
+    """The start-up line of a mixture of experts: experts, layers, parameters, the grouped matmul, the aux loss."""
+    from ulysses_jax.model.flops import active_param_count, param_count
+
+    shared = f", a shared expert of {cfg.shared_expert_dim}" if cfg.shared_expert_dim else ""
+    return (f"{cfg.num_experts}, top-{cfg.experts_per_token}{shared}, in {len(cfg.sparse_layers)} of "
+            f"{cfg.num_layers} layers ({param_count(cfg) / 1e6:,.1f}M parameters, "
+            f"{active_param_count(cfg) / 1e6:,.1f}M active per token); grouped matmul {cfg.moe_impl} -> "
+            f"{resolve_impl(cfg.moe_impl, mesh)}; load-balancing "
+            f"loss weight {cfg.router_aux_loss_coef:g} (--router-aux-loss-coef)")
+
+
 def route(x_tD, w_DE, k: int, renormalize: bool, b_E=None):
     """``(weights [t, k] float32, experts [t, k] int32, probs [t, E] float32)`` of the top-``k`` router (``b_E``: its
     bias, gpt-oss). A softmax over the top-k logits (gpt-oss) is the renormalised top-k of the softmax."""
@@ -124,7 +138,13 @@ def experts_mlp(x_tD, ws: dict, *, k: int, renormalize: bool, impl: str, act=jax
         ys_PD = gmm(h_PF, ws["w_down_EFD"])
     unsort_P = jnp.zeros_like(order_P).at[order_P].set(jnp.arange(order_P.shape[0], dtype=order_P.dtype))
     ys_tkD = jnp.take(ys_PD, unsort_P, axis=0).reshape(t, k, d)  # back in (token, choice) order
-    return jnp.einsum("tkd,tk->td", ys_tkD, weights_tk.astype(ys_tkD.dtype))
+    out_tD = jnp.einsum("tkd,tk->td", ys_tkD, weights_tk.astype(ys_tkD.dtype))
+    if "w_shared_gate_DS" in ws:  # Qwen3-Next / Qwen3.5-MoE: every token's shared expert, scaled by its own gate
+        shared_tD = (act(x_tD @ ws["w_shared_gate_DS"]) * (x_tD @ ws["w_shared_up_DS"])) @ ws["w_shared_down_SD"]
+        gate_t1 = jax.nn.sigmoid(jnp.einsum("td,d->t", x_tD, ws["w_shared_router_D"],
+                                            preferred_element_type=jnp.float32))[:, None]
+        out_tD = out_tD + (gate_t1 * shared_tD.astype(jnp.float32)).astype(out_tD.dtype)
+    return out_tD
 
 
 def router_sums(x_tD, w_DE, valid_t, k: int, b_E=None):
@@ -141,6 +161,10 @@ def _shapes(cfg: ModelConfig) -> dict:
     d, e, f = cfg.hidden, cfg.num_experts, cfg.expert_mlp_dim
     router = {"w_router_DE": ((d, e), ("embed", "experts"))}
     down = {"w_down_EFD": ((e, f, d), ("experts", "mlp", "embed"))}
+    if cfg.shared_expert_dim:  # a SwiGLU of its own width beside the routed experts, gated per token (sigmoid)
+        z = cfg.shared_expert_dim
+        down = {**down, "w_shared_gate_DS": ((d, z), ("embed", "mlp")), "w_shared_up_DS": ((d, z), ("embed", "mlp")),
+                "w_shared_down_SD": ((z, d), ("mlp", "embed")), "w_shared_router_D": ((d,), ("embed",))}
     if cfg.expert_style == "gpt_oss":
         return {**router, "b_router_E": ((e,), ("experts",)),
                 "w_gate_up_EDX": ((e, d, 2 * f), ("experts", "embed", "mlp")),

@@ -12,33 +12,35 @@ optional per-head RMSNorm of q and k before RoPE (Qwen 3), SwiGLU MLP, final RMS
 that is the embedding table when ``tie_embeddings``. The unembedding is stored ``[V, D]`` in both cases.
 Gemma 3 adds (``ModelConfig``): a norm after each sublayer too, norm scales ``1 + w``, GeGLU, embeddings times
 sqrt(D), and local layers with a sliding window and their own RoPE base (``model/layer_kinds.py``: a ``lax.switch``
-per scanned layer).
+per scanned layer). The attention sublayer is ``model/attention.py``.
 
-Sharding: every parameter is created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted
-initializer per parameter writes each device's shard directly, so no device ever holds a whole copy, and the
-random values do not depend on the mesh (JAX's partitionable threefry). Parameters are gathered
-(constrained to their compute layout) where they are used; activations are constrained to batch over
-``("data", "fsdp")`` and sequence over ``("ring", "sp")``.
-
-Ulysses x ring (a mesh with ``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model
-computes in the ring's token order (zigzag, for causal load balance): tokens, positions and segment ids are
-permuted once at the input, positions first derived in the natural order; attention masks use the true
-positions, and every other layer works per token, so nothing else changes. ``hidden_states`` / ``__call__``
-return the natural order (one gather at the end); the loss (``loss.next_token_loss``) permutes the labels
-instead and keeps the ring order throughout (``ring_order``).
-
-Layers: one ``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and
-the forward is a ``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one
-layer's gathered weights and full-size gradients at a time (an unrolled loop lets it gather every
-layer's weights up front and combine every gradient reduction at the end).
-
-Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each
-layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs); ``remat_every=k``
-checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs instead of ``L``);
-``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's local sequence
-inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
-``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``:
-the projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
+Hybrids (Qwen3.5, Qwen3-Next): "linear" layers whose token mixer is the gated delta-net (``model/delta_net.py``) among
+full-attention ones (output-gated, partial RoPE). The scan stays one: every stacked layer holds both the attention's
+parameters and the delta-net's, and the ``lax.switch`` on the layer's kind runs one of them. The other set is zeros
+after import, never read, and gets a zero gradient: a memory cost (parameters, their gradients and optimizer state):
+21.8% more parameters stored than the model has for Qwen3.5-9B (24 linear layers carry an unused attention, 8 full ones
+an unused delta-net), 3.3% for Qwen3.5-35B-A3B and 1.7% for Qwen3-Next-80B-A3B, whose experts dominate. Stacking the two
+kinds apart and scanning over groups of layers would save it, at the price of a second layer structure for every tool
+that walks the stacked block (remat groups, parameter offload, LoRA, import and export). Sharding: every parameter is
+created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer per parameter writes each
+device's shard directly, so no device ever holds a whole copy, and the random values do not depend on the mesh (JAX's
+partitionable threefry). Parameters are gathered (constrained to their compute layout) where they are used; activations
+are constrained to batch over ``("data", "fsdp")`` and sequence over ``("ring", "sp")``. Ulysses x ring (a mesh with
+``ring > 1``): the sequence is split over ``("ring", "sp")`` and the model computes in the ring's token order (zigzag,
+for causal load balance): tokens, positions and segment ids are permuted once at the input, positions first derived in
+the natural order; attention masks use the true positions, and every other layer works per token, so nothing else
+changes. ``hidden_states`` / ``__call__`` return the natural order (one gather at the end); the loss
+(``loss.next_token_loss``) permutes the labels instead and keeps the ring order throughout (``ring_order``). Layers: one
+``Block`` holds the parameters of all ``L`` layers stacked on a leading ``"layers"`` axis and the forward is a
+``jax.lax.scan`` over it. Compile time does not grow with depth, and XLA holds one layer's gathered weights and
+full-size gradients at a time (an unrolled loop lets it gather every layer's weights up front and combine every gradient
+reduction at the end). Memory tools (``ModelConfig``): ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a
+policy (each layer's input pinned row-major, ``row_major``, so that XLA keeps one copy of the saved inputs);
+``remat_every=k`` checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs
+instead of ``L``); ``mlp_chunk`` runs the MLP sublayer (norm, MLP, residual add) over sequence chunks of each device's
+local sequence inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised;
+``attn_chunk`` does the same for the attention sublayer around the whole-sequence kernel (``tiled_attention.py``: the
+projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
 
 Float8 (``fp8``): the q, k, v, o, gate, up and down GEMMs run on float8 operands, forward and backward
 (``model/fp8.py``); the weights are gathered in the compute dtype and cast after the gather. With the delayed recipe,
@@ -60,86 +62,20 @@ from jax.sharding import Mesh
 
 from ulysses_jax.model import fp8, host_offload
 from ulysses_jax.model.config import ModelConfig
-from ulysses_jax.model.layers import (
-    ParamMaker,
-    RMSNorm,
-    apply_rope,
-    default_positions,
-    rope_factor,
-    rope_frequencies,
-    use,
-)
 from ulysses_jax.model import lora
+from ulysses_jax.model.attention import Attention
+from ulysses_jax.model.delta_net import DeltaNet, check_mesh
+from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
-from ulysses_jax.parallel.mesh import MESH_AXES, RING, SP
+from ulysses_jax.parallel.mesh import MESH_AXES, RING
 from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain
-from ulysses_jax.parallel.ulysses import ring_token_order, ulysses_attention
+from ulysses_jax.parallel.ulysses import ring_token_order
 
 RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
 GROUP_INPUT = "group_input"  # with remat_every > 1: each group's input, what the policy keeps instead
-
-
-class Attention(nnx.Module):
-    def __init__(self, make: ParamMaker):
-        cfg = self.cfg = make.cfg
-        self.mesh = make.mesh
-        d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.wq_DNH = make("attn.wq", (d, n, h), ("embed", "heads", "head_dim"))
-        self.wk_DKH = make("attn.wk", (d, k, h), ("embed", "kv_heads", "head_dim"))
-        self.wv_DKH = make("attn.wv", (d, k, h), ("embed", "kv_heads", "head_dim"))
-        self.wo_NHD = make("attn.wo", (n, h, d), ("heads", "head_dim", "embed"))
-        if cfg.qkv_bias:
-            self.bq_NH = make("attn.bq", (n, h), ("heads", "head_dim"), init="zeros")
-            self.bk_KH = make("attn.bk", (k, h), ("kv_heads", "head_dim"), init="zeros")
-            self.bv_KH = make("attn.bv", (k, h), ("kv_heads", "head_dim"), init="zeros")
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(make, h, ("head_dim",))
-            self.k_norm = RMSNorm(make, h, ("head_dim",))
-        if cfg.o_bias:
-            self.bo_D = make("attn.bo", (d,), ("embed",), init="zeros")
-        if cfg.attn_sinks:  # gpt-oss: a sink logit per head (zeros: exp(0) joins each row's softmax denominator)
-            self.sinks_N = make("attn.sinks", (n,), ("heads",), init="zeros")
-        if (history := fp8.make_history(cfg, make.mesh, 4, make.stack)) is not None:  # q, k, v, o (delayed float8)
-            self.fp8_history = history
-
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0, adapters=None, drop=None):
-        """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one).
-        ``adapters``: LoRA's ``{target: (A, B)}`` (``lora.pairs``), ``drop`` its dropout's ``(key, token ids)``."""
-        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        window = cfg.window_kinds[kind]
-        adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
-        hist = fp8.value(self)  # delayed float8 scaling: the amax histories of q, k, v, o
-
-        def proj(spec, x, w, i):  # x @ w, in float8 with --fp8 (weights gathered in the compute dtype, then cast)
-            return fp8.einsum(spec, x, use(w, mesh, dt), on=cfg.fp8, history=fp8.row(hist, i))
-
-        q_BSNH = proj("bsd,dnh->bsnh", x_BSD, self.wq_DNH, 0) + adapted(x_BSD, target="q")
-        k_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wk_DKH, 1) + adapted(x_BSD, target="k")
-        v_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wv_DKH, 2) + adapted(x_BSD, target="v")
-        if cfg.qkv_bias:
-            q_BSNH = q_BSNH + use(self.bq_NH, mesh, dt)
-            k_BSKH = k_BSKH + use(self.bk_KH, mesh, dt)
-            v_BSKH = v_BSKH + use(self.bv_KH, mesh, dt)
-        if cfg.qk_norm:
-            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        inv_freq, f = rope_frequencies(cfg, local=window is not None), rope_factor(cfg, local=window is not None)
-        q_BSNH = constrain(apply_rope(q_BSNH, positions_BS, inv_freq, f), mesh, ("batch", "seq", "heads", "head_dim"))
-        k_BSKH = constrain(apply_rope(k_BSKH, positions_BS, inv_freq, f), mesh,
-                           ("batch", "seq", "kv_heads", "head_dim"))
-        v_BSKH = constrain(v_BSKH, mesh, ("batch", "seq", "kv_heads", "head_dim"))
-        o_BSNH = ulysses_attention(
-            q_BSNH, k_BSKH, v_BSKH, mesh=mesh, axis_name=SP, ring_axis=RING, causal=True, segment_ids=segment_ids_BS,
-            impl=cfg.attention_impl, permuted=True,  # with a ring, the model computes in its token order
-            scale=cfg.attn_scale, window=window, max_documents=cfg.attn_max_documents, keep=cfg.attn_keep,
-            sinks=use(self.sinks_N, mesh, jnp.float32) if cfg.attn_sinks else None,
-        )
-        out_BSD = proj("bsnh,nhd->bsd", o_BSNH, self.wo_NHD, 3) + adapted(o_BSNH, target="o")
-        if cfg.o_bias:
-            out_BSD = out_BSD + use(self.bo_D, mesh, dt)
-        return constrain(out_BSD, mesh, ("batch", "seq", "embed"))
 
 
 def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
@@ -163,6 +99,8 @@ class Block(nnx.Module):
         self.mesh = make.mesh
         self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         self.attn = Attention(make)
+        if make.cfg.linear_layers:  # a hybrid holds both token mixers in every layer (module doc)
+            self.delta = DeltaNet(make)
         self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         if make.cfg.has_dense_mlp:
             self.mlp = MLP(make)
@@ -184,10 +122,13 @@ class Block(nnx.Module):
         cfg = self.attn.cfg
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
         branches = [functools.partial(self._attention, kind=i, drop=drop) for i in range(len(cfg.window_kinds))]
+        if cfg.linear_layers:  # the delta-net's branch, after the attention kinds (layer_kinds.kind_index)
+            branches.append(functools.partial(self._linear, drop=drop))
         if len(branches) == 1:
             h_BSD = branches[0](x_BSD, positions_BS, segment_ids_BS)
         elif kind is None:
-            raise ValueError(f"this model mixes attention kinds {cfg.window_kinds}; pass the layer's kind index")
+            raise ValueError(f"this model mixes token mixers {cfg.window_kinds} (+ linear: {bool(cfg.linear_layers)}); "
+                             f"pass the layer's kind index")
         else:
             h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
@@ -232,6 +173,11 @@ class Block(nnx.Module):
                                    recompute=cfg.attn_recompute, kind=kind)
         y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind, lora.pairs(self, "attn"), drop)
         return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
+
+    @jax.named_scope("linear_attention")
+    def _linear(self, x_BSD, positions_BS, segment_ids_BS, *, drop=None):
+        """``x + delta_net(norm(x))``: a gated delta-net layer (``model/delta_net.py``; positions unused)."""
+        return x_BSD + self.delta(self.attn_norm(x_BSD), segment_ids_BS, lora.pairs(self, "delta"), drop)
 
     def attention_params(self) -> dict:
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
@@ -299,6 +245,8 @@ class Transformer(nnx.Module):
             raise ValueError(f"the mesh must have axes {MESH_AXES} (use make_mesh), got {mesh.axis_names}")
         self.config, self.mesh = config, mesh
         cfg = config
+        if cfg.linear_layers:
+            check_mesh(cfg, mesh)
         make = ParamMaker(cfg, mesh, rngs)
         with nnx.use_eager_sharding(False):  # values are already laid out by ParamMaker
             self.embed_VD = make("embed", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))

@@ -41,6 +41,9 @@ LOGICAL_AXES: dict[str, tuple[object, object]] = {
     "head_dim": (None, None),
     "mlp": (None, None),
     "experts": (None, None),  # a mixture's experts: whole on every device, gathered over embed like the rest
+    "linear_heads": (None, None),  # the delta-net's key or value heads (model/delta_net.py)
+    "linear_dim": (None, None),  # a delta-net head's dims
+    "conv": (None, None),  # the taps of the delta-net's short convolution
     "layers": (None, None),  # the stacked-layers axis of the scanned block's parameters
 }
 

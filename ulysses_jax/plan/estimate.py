@@ -10,6 +10,11 @@ Per step and per device, from the compiled plan:
 * the other matmuls (projections, MLP, unembedding; every dot of the compiled program, re-runs included) at
   ``MATMUL_RATE``; with ``--fp8`` all but the unembedding's at ``FP8_MATMUL_RATE`` (an assumption, not measured), and
   ``FP8_PASSES`` more elementwise passes for their amaxes and casts;
+* the gated delta rule of a hybrid's linear layers (Qwen3.5, Qwen3-Next): its FLOPs (``model.flops.delta_rule_flops``,
+  the chunked kernel's forward and backward, a forward again per re-run of the layers) at ``DELTA_RATE``, an
+  **assumption**: the rule runs as plain XLA ops on GPUs (batched 64-token chunk matmuls and a scan over chunks) and no
+  rate of it has been measured. A hybrid's re-runs follow the flags' rule: its layer's switch holds both mixers, so
+  the compiled program's counts cannot tell which one ran;
 * elementwise work (norms, RoPE, SwiGLU, residual adds) and the optimizer update as HBM traffic;
 * collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
   schedule runs asynchronously beside compute (``hlo.Collective.overlapped_bytes``) are hidden up to the compute
@@ -64,6 +69,9 @@ FP8_PASSES = 12  # assumed: passes over [tokens, hidden] per layer (forward and 
 # the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
 # shapes, 65,536 rows (8,192 tokens x top-8; 429 TFLOP/s at 262,144 rows): experiments/results/gpu_h100_20261126b
 GROUPED_RATE = 333e12
+# assumed, not measured: the delta rule's chunked kernel (kernels/gated_delta.py) as XLA ops on an H100, small batched
+# matmuls ([64, 128] tiles) and a sequential scan over chunks: about a twentieth of the bf16 peak
+DELTA_RATE = 50e12
 LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
 ELEMENTWISE_PASSES = 16  # assumed: reads or writes of a [tokens, hidden] tensor per layer forward (norms, RoPE, SwiGLU)
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in float32: read parameter, gradient, 2 moments; write parameter, 2 moments
@@ -125,6 +133,8 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
     text = getattr(p, "hlo_text", "")
     if not text or kernel not in ("cudnn", "pallas") or getattr(p, "mesh", {}).get("ring", 1) > 1:
         return None
+    if model.linear_layers:  # the layer's switch holds both mixers: the program's counts cannot tell which one ran
+        return None
     work = reruns.program_work(text)
     mesh = p.mesh
     rows = p.batch_size / (mesh.get("data", 1) * mesh.get("fsdp", 1))
@@ -168,12 +178,15 @@ def step_estimate(p, model, kernel: str) -> dict:
     # --fp8: every matmul but the unembedding's (and the experts': refused with --fp8) in float8
     fp8_flops = max(matmul_flops - grouped - 3 * head_mm, 0.0) if getattr(model, "fp8", False) else 0.0
     matmul_s = (matmul_flops - grouped - fp8_flops) / MATMUL_RATE + fp8_flops / FP8_MATMUL_RATE + grouped / GROUPED_RATE
+    delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + redo_mm * flops.delta_rule_flops(
+        model, p.seq_len, p.batch_size, backward=False)) / n  # the delta rule, its re-runs included
+    delta_s = delta / DELTA_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
     passes = ELEMENTWISE_PASSES * (3 + redo_mm) + (FP8_PASSES if fp8_flops else 0)
     elementwise_s = passes * act_bytes * model.num_layers / t.hbm_bytes_per_s
     params = flops.param_count(model) / n
     update_s = 0.0 if p.optimizer_on_host else OPTIMIZER_BYTES_PER_PARAM * params / t.hbm_bytes_per_s
-    compute_s = attention_s + matmul_s + elementwise_s + update_s
+    compute_s = attention_s + matmul_s + delta_s + elementwise_s + update_s
 
     hidden_comm = exposed_comm = 0.0
     for c in p.collectives.values():
@@ -207,7 +220,13 @@ def step_estimate(p, model, kernel: str) -> dict:
         f"transfers exposed",
         "not counted: kernel launch gaps, data loading, the first step's compile, stragglers",
     ]
-    parts = {"attention_s": attention_s, "matmul_s": matmul_s, "elementwise_s": elementwise_s, "update_s": update_s,
+    if model.linear_layers:
+        assumptions.insert(2, f"the gated delta rule of the {len(model.linear_layers)} linear layers: "
+                              f"{delta * n / 1e12:,.1f} TFLOP per step (its chunked kernel's forward and backward) at "
+                              f"an "
+                              f"ASSUMED {DELTA_RATE / 1e12:.0f} TFLOP/s: plain XLA ops on GPUs, no rate measured yet")
+    parts = {"attention_s": attention_s, "matmul_s": matmul_s, "delta_rule_s": delta_s, "elementwise_s": elementwise_s,
+             "update_s": update_s,
              "collectives_hidden_s": hidden_comm, "collectives_exposed_s": exposed_comm,
              "host_activations_s": activations_host_s, "host_optimizer_s": optimizer_host_s, "compute_s": compute_s}
     return {

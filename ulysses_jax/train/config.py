@@ -16,7 +16,7 @@ import tyro
 
 from ulysses_jax.data.documents import DataConfig, DataFormat
 from ulysses_jax.model.config import PRESETS, ModelConfig, RopeScaling
-from ulysses_jax.model.lora_config import ATTENTION_TARGETS, TARGETS, LoraConfig
+from ulysses_jax.model.lora_config import ATTENTION_TARGETS, DELTA_DEFAULT, TARGETS, LoraConfig
 from ulysses_jax.train import runconfig
 from ulysses_jax.train.cluster import DEFAULT_PEER_TIMEOUT
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
@@ -195,9 +195,10 @@ def lora_settings(cfg: TrainConfig, model: ModelConfig) -> dict:
     if cfg.lora_alpha is None:
         out["lora_alpha"] = (2.0 * cfg.lora_rank, "2 x --lora-rank")
     if cfg.lora_targets is None:
-        targets = ATTENTION_TARGETS if model.num_experts else TARGETS
-        out["lora_targets"] = (",".join(targets), "attention only: LoRA on experts is not supported"
-                               if model.num_experts else "the attention and MLP projections")
+        targets = (ATTENTION_TARGETS if model.num_experts else TARGETS) + (DELTA_DEFAULT if model.linear_layers else ())
+        why = "attention only: LoRA on experts is not supported" if model.num_experts else (
+            "the attention and MLP projections")
+        out["lora_targets"] = (",".join(targets), why + (", and the delta-net's" if model.linear_layers else ""))
     if cfg.param_dtype is None:
         out["param_dtype"] = ("bfloat16", "the frozen base in bfloat16 with --lora-rank")
     return out

@@ -72,8 +72,14 @@ def _auto_sp(m: MeshConfig, model: ModelConfig, seq_len: int | None, devices) ->
     per_host = n // len({d.process_index for d in devices})
     seq_ring = seq_len // m.ring if seq_len is not None and seq_len % m.ring == 0 else 0
     fits = [d for d in range(per_host, 0, -1) if per_host % d == 0 and d <= model.num_heads
-            and n % (m.data * m.ring * d) == 0 and (seq_len is None or seq_ring % d == 0)]
+            and n % (m.data * m.ring * d) == 0 and (seq_len is None or seq_ring % d == 0) and _delta_fits(model, d)]
     return fits[0] if fits else 1
+
+
+def _delta_fits(model: ModelConfig, sp: int) -> bool:
+    """Whether a hybrid's delta-net heads split over ``sp`` (``parallel/ulysses_delta.plan_delta_heads``)."""
+    hk, hv = model.linear_num_key_heads, model.linear_num_value_heads
+    return not model.linear_layers or (hv % sp == 0 and (hk % sp == 0 or sp % hk == 0))
 
 
 def sequence_multiple(m: MeshConfig, devices=None) -> int:

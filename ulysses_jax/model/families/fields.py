@@ -72,9 +72,10 @@ def hf_layer_types(cfg) -> list[str]:
 # RoPE
 
 
-def rope(raw: dict, where) -> tuple[float, dict | None]:
+def rope(raw: dict, where, partial: bool = False) -> tuple[float, dict | None]:
     """``(rope_theta, scaling)`` (scaling: ``RopeScaling``'s fields) from transformers 5's ``rope_parameters`` or
-    4's ``rope_theta`` + ``rope_scaling``."""
+    4's ``rope_theta`` + ``rope_scaling``. ``partial``: the family reads ``partial_rotary_factor`` itself
+    (``partial_rotary_factor``), else any other value than 1 is refused."""
     if raw.get("rope_parameters") is not None:
         field, params = "rope_parameters", raw["rope_parameters"]
         if not isinstance(params, dict) or "rope_theta" not in params:
@@ -86,9 +87,8 @@ def rope(raw: dict, where) -> tuple[float, dict | None]:
         if not isinstance(params, dict):
             refuse(where, field, params, "expected an object or null")
     kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        refuse(where, "partial_rotary_factor", partial, "RoPE on part of the head dimension")
+    if partial_rotary_factor(raw) != 1.0 and not partial:
+        refuse(where, "partial_rotary_factor", partial_rotary_factor(raw), "RoPE on part of the head dimension")
     if kind == "default":
         return float(theta), None
     if kind == "yarn":
@@ -102,6 +102,12 @@ def rope(raw: dict, where) -> tuple[float, dict | None]:
     except KeyError as e:
         raise ValueError(f"{where}: {field} of rope_type 'llama3' has no {e.args[0]!r}; add it") from None
     return float(theta), scaling
+
+
+def partial_rotary_factor(raw: dict) -> float:
+    """The share of each head's dims that RoPE rotates (``rope_parameters`` of transformers 5, or the top level)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    return float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
 
 
 def _yarn(params: dict, raw: dict, where, field: str) -> dict:
@@ -163,13 +169,16 @@ def llama_json(cfg, architecture: str, model_type: str, dtype: str) -> dict:
 # mixtures of experts
 
 
-def refuse_unmodelled_experts(raw: dict, where) -> None:
-    """Refuse the keys of the MoE variants that no family models (any architecture)."""
+def refuse_unmodelled_experts(raw: dict, where, modelled: tuple[str, ...] = ()) -> None:
+    """Refuse the keys of the MoE variants that the family does not model (``modelled``: the keys it reads)."""
     for key, what in UNMODELLED_EXPERT_KEYS.items():
+        if key in modelled:
+            continue
         value = raw.get(key)
         if value not in (None, 0, [], False) and not (key == "routed_scaling_factor" and value == 1):
             raise ValueError(f"{where}: {key} = {raw[key]!r} is not supported ({what}); ulysses_jax models the "
-                             f"routed experts of Qwen3-MoE and Mixtral only")
+                             f"routed experts of Qwen3-MoE, Mixtral and gpt-oss, and the shared expert of Qwen3-Next "
+                             f"and Qwen3.5-MoE only")
 
 
 def expert_fields(raw: dict, where, experts_key: str) -> dict:

@@ -36,7 +36,8 @@ ENTRIES = (
 
 def screen(raw: dict, where) -> None:
     """Refuse a Gemma 3 vision-language folder (asked of every folder, before its architecture is looked up)."""
-    if raw.get("model_type") == "gemma3" or "vision_config" in raw or raw.get("architectures") == [
+    gemma = str(raw.get("model_type", "")).startswith("gemma")  # other families' vision-language folders pass
+    if raw.get("model_type") == "gemma3" or ("vision_config" in raw and gemma) or raw.get("architectures") == [
             "Gemma3ForConditionalGeneration"]:
         raise ValueError(f"{where} is a Gemma 3 vision-language model (text_config + vision_config); ulysses_jax "
                          f"takes Gemma 3 text only and would ignore the vision tower: use a {ARCHITECTURE} folder "

@@ -28,8 +28,13 @@ ENTRIES = llama_entries(mlp=(
 
 def fields(raw: dict, where, num_layers: int, head_dim: int) -> dict:
     """Qwen3's fields and the experts', the dense layers among the sparse ones included."""
-    out = qwen3.fields(raw, where, num_layers, head_dim)
-    out.update(expert_fields(raw, where, "num_experts" if "num_experts" in raw else "num_local_experts"))
+    return {**qwen3.fields(raw, where, num_layers, head_dim), **sparse_fields(raw, where, num_layers)}
+
+
+def sparse_fields(raw: dict, where, num_layers: int) -> dict:
+    """The routed experts of a Qwen MoE ``config.json`` (Qwen3-Next reads the same keys): their count, top-k, width,
+    renormalisation and the dense layers (``mlp_only_layers``, ``decoder_sparse_step``)."""
+    out = expert_fields(raw, where, "num_experts" if "num_experts" in raw else "num_local_experts")
     step = raw.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"{where}: decoder_sparse_step = {step!r} must be a positive integer; fix config.json")
@@ -39,7 +44,7 @@ def fields(raw: dict, where, num_layers: int, head_dim: int) -> dict:
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     if len(dense) == num_layers:
         raise ValueError(f"{where}: mlp_only_layers / decoder_sparse_step leave no sparse layer; this is a dense "
-                         f"model: use a {qwen3.ARCHITECTURE} folder")
+                         f"model: use a folder of its dense relative")
     return {**out, "moe_mlp_dim": integer(raw, "moe_intermediate_size", where), "dense_layers": dense,
             "router_renormalize": bool(raw.get("norm_topk_prob", False))}
 

@@ -14,18 +14,39 @@ A family is one module of this package with the same small interface:
 - ``hf_config(cfg, dtype) -> dict``: the ``config.json`` it writes (the generic writer adds the token ids);
 - ``ENTRIES``: its tensor names both ways (``model/families/tensors.py``), in the order export writes them;
 - ``PRESETS``: published shapes, name -> ``ModelConfig`` fields (``rope_scaling`` a dict of ``RopeScaling``'s);
-- optionally ``screen(raw, where)``: refuses a relative it does not read (asked of every folder first).
+- optionally ``screen(raw, where)``: refuses a relative it does not read (asked of every folder first);
+  ``language_config(raw, where)``: the ``config.json`` keys the generic reader reads (a vision-language folder's
+  ``text_config``); ``wrap_config(text, source)``: the ``config.json`` export writes around the text model's;
+  ``MODELLED_EXPERT_KEYS``: MoE keys refused elsewhere that it reads; ``IGNORED_PREFIXES``: tensors of its folders
+  that import leaves unread; ``PASSTHROUGH_PREFIXES``: those export copies from the source folder unchanged.
 """
 
 from __future__ import annotations
 
-from ulysses_jax.model.families import gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from ulysses_jax.model.families import (
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_5_vl,
+    qwen3_moe,
+    qwen3_next,
+)
 
 # as listed to the user ("use a model of ..."), and the order of ``hf_config.ARCHITECTURES``
-FAMILIES = (llama, qwen2, qwen3, mistral, gemma3, qwen3_moe, mixtral, gpt_oss)
-# the families export asks, in turn: the norms after each sublayer first, then the mixtures of experts (gpt-oss's
-# experts, then qk-norm, then the rest), then the dense ones (qk-norm, q/k/v bias, a window or a Mistral source, Llama)
-EXPORT_ORDER = (gemma3, gpt_oss, qwen3_moe, mixtral, qwen3, qwen2, mistral, llama)
+FAMILIES = (llama, qwen2, qwen3, mistral, gemma3, qwen3_moe, mixtral, gpt_oss, qwen3_5, qwen3_5_moe, qwen3_next,
+            qwen3_5_vl)
+# the families export asks, in turn: the hybrids first (the vision-language folder's class when the source was one,
+# the dense hybrid, Qwen3-Next's, Qwen3.5-MoE's), the norms after each sublayer, then the mixtures of experts
+# (gpt-oss's experts, then qk-norm, then the rest), then the dense ones (qk-norm, q/k/v bias, a window or a Mistral
+# source, Llama)
+EXPORT_ORDER = (qwen3_5_vl, qwen3_5, qwen3_next, qwen3_5_moe, gemma3, gpt_oss, qwen3_moe, mixtral, qwen3, qwen2,
+                mistral, llama)
 
 
 def screen(raw: dict, where) -> None:

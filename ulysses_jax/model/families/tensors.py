@@ -3,8 +3,14 @@ share.
 
 Each family lists its ``ENTRIES`` in the order the export writes them (per layer), built from the groups here and its
 own rows; ``interop/hf.py`` keeps those of a model's family whose condition (``when``) the model meets. Our layers are
-stacked on a leading axis (the scanned block), HF's are numbered (``{i}``); ``"NH,D"`` names a ``[N*H, D]`` matrix.
-Pure NumPy: nothing of the model is imported.
+stacked on a leading axis (the scanned block), HF's are numbered (``{i}``); ``"NH,D"`` names a ``[N*H, D]`` matrix. An
+HF letter that our parameter lacks must have size 1 (``O``: the convolution's ``[C, 1, K]``). A hybrid's attention
+rows are held by its attention layers, its delta-net rows (``blocks.delta.``) by its linear layers.
+
+One HF tensor may hold several of our parameters (``Fused``): Qwen3.5's ``in_proj_qkv`` (q, k and v rows one after
+the other), Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, then its value heads' v and z rows). Each of those
+parameters is an ``Entry`` of one piece, its ``hf_dims`` the piece's own (the groups first); import cuts the piece out
+of the tensor, export writes the tensor once all its pieces are there. Pure NumPy: nothing of the model is imported.
 """
 
 from __future__ import annotations
@@ -24,7 +30,23 @@ CONDITIONS = {
     "attn_sinks": lambda cfg: cfg.attn_sinks,
     "dense": lambda cfg: cfg.has_dense_mlp,  # and the layers that have the tensor: those with a dense MLP
     "experts": lambda cfg: bool(cfg.num_experts),  # and the layers that have it: the sparse ones
+    "shared_expert": lambda cfg: bool(cfg.shared_expert_dim),  # the sparse layers' shared expert (Qwen3-Next)
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """An HF tensor of several pieces: its first dimension is ``groups`` (letters; ``""``: one group) of ``pieces``
+    (letter products, in order); the entry is piece ``index``, in every group."""
+
+    groups: str
+    pieces: tuple[str, ...]
+    index: int
+
+    def rows(self, sizes: dict[str, int]) -> tuple[int, int, int, int]:
+        """``(groups, rows per group, this piece's first row in a group, its rows)``."""
+        widths = [math.prod(sizes[c] for c in p) for p in self.pieces]
+        return (math.prod(sizes[c] for c in self.groups), sum(widths), sum(widths[:self.index]), widths[self.index])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +58,7 @@ class Entry:
     hf: str  # ``{i}``: the layer number, for parameters of the stacked block
     hf_dims: str
     when: str | None = None  # what must hold (a key of CONDITIONS)
+    fused: Fused | None = None  # one piece of an HF tensor that other entries share
 
     @property
     def stacked(self) -> bool:
@@ -57,15 +80,36 @@ class Entry:
         return CONDITIONS[self.when](cfg)
 
     def layers(self, cfg) -> list[int]:
-        """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP."""
-        if self.when == "experts":
+        """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP, the
+        attention layers for the attention's, the linear ones for the delta-net's."""
+        if self.param.startswith("blocks.attn."):
+            return list(cfg.attention_layers)
+        if self.param.startswith("blocks.delta."):
+            return list(cfg.linear_layers)
+        if self.when in ("experts", "shared_expert"):
             return list(cfg.sparse_layers)
         if self.when == "dense":
             return [i for i in range(cfg.num_layers) if i not in cfg.sparse_layers]
         return list(range(cfg.num_layers))
 
     def hf_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape of this entry's tensor (of its piece, for a fused one)."""
         return tuple(math.prod(sizes[c] for c in g) for g in self.hf_dims.split(","))
+
+    def tensor_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape of the whole HF tensor (several pieces' for a fused entry)."""
+        shape = self.hf_shape(sizes)
+        if self.fused is None:
+            return shape
+        groups, per_group, _, _ = self.fused.rows(sizes)
+        return (groups * per_group, *shape[1:])
+
+    def piece(self, x: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
+        """This entry's piece of the whole HF tensor ``x`` (``x`` itself when not fused)."""
+        if self.fused is None:
+            return x
+        groups, per_group, first, rows = self.fused.rows(sizes)
+        return x.reshape(groups, per_group, *x.shape[1:])[:, first:first + rows].reshape(self.hf_shape(sizes))
 
     def to_ours(self, x: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
         """An HF tensor (or a block of it whose single-letter dimensions are cut) -> our layout."""
@@ -73,11 +117,23 @@ class Entry:
         for group, n in zip(self.hf_dims.split(","), x.shape):
             shape += [n] if len(group) == 1 else [sizes[c] for c in group]  # merged dims are never cut
         flat = self.hf_dims.replace(",", "")
-        return x.reshape(shape).transpose([flat.index(c) for c in self.dims])
+        x = x.reshape(shape)
+        x = x[tuple(slice(None) if c in self.dims else 0 for c in flat)]  # HF's letters of size 1 that we lack
+        kept = [c for c in flat if c in self.dims]
+        return x.transpose([kept.index(c) for c in self.dims])
 
     def to_hf(self, x: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
-        flat = self.hf_dims.replace(",", "")
+        flat = [c for c in self.hf_dims.replace(",", "") if c in self.dims]
         return x.transpose([self.dims.index(c) for c in flat]).reshape(self.hf_shape(sizes))
+
+
+def assemble(pieces: list[tuple[Entry, np.ndarray]], sizes: dict[str, int]) -> np.ndarray:
+    """The whole HF tensor from its fused entries' pieces (each in HF layout, ``Entry.to_hf``), in piece order."""
+    pieces = sorted(pieces, key=lambda p: p[0].fused.index)
+    groups = pieces[0][0].fused.rows(sizes)[0]
+    blocks = [x.reshape(groups, -1, *x.shape[1:]) for _, x in pieces]
+    whole = np.concatenate(blocks, axis=1)
+    return whole.reshape(-1, *whole.shape[2:])
 
 
 LAYER = "model.layers.{i}."

@@ -1,0 +1,145 @@
+"""The gated delta-net sublayer under Ulysses (model/delta_net.py, parallel/ulysses_delta.py) against the whole
+sublayer on one device with no exchange (projections, the short convolution, the token-by-token recurrence of
+kernels/gated_delta_reference.py, the gated norm, the output projection): outputs and gradients on fsdp 2 x sp 4, key
+heads split over sp or copied to it; packed rows against each document alone; the head layout and its refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ulysses_jax as uj
+from ulysses_jax.kernels.gated_delta import causal_conv1d, gates
+from ulysses_jax.kernels.gated_delta_reference import gated_delta_recurrent
+from ulysses_jax.model.delta_net import DeltaNet, check_mesh, gated_rms_norm
+from ulysses_jax.model.layers import ParamMaker
+from ulysses_jax.parallel.ulysses_delta import delta_exchange_bytes, plan_delta_heads
+
+B, S, D = 2, 64, 32
+# (key heads, value heads): key heads split over sp = 4, and fewer key heads than sp (each copied to 2 devices)
+HEADS = {"split": (4, 8), "copied": (2, 4)}
+
+
+def config(hk, hv):
+    return uj.ModelConfig(hidden=D, num_layers=1, layer_pattern=("linear",), linear_num_key_heads=hk,
+                          linear_num_value_heads=hv, linear_key_head_dim=8, linear_value_head_dim=8,
+                          compute_dtype="float32", init_std=0.3)
+
+
+def make(cfg, mesh, seed=0):
+    with nnx.use_eager_sharding(False):
+        net = DeltaNet(ParamMaker(cfg, mesh, nnx.Rngs(seed)))
+    params = nnx.state(net, nnx.Param)  # the filters and gates drawn anew: larger than the init, never zero
+    r = np.random.default_rng(seed)
+    for name in ("conv_q_JQC", "conv_k_JQC", "conv_v_UWC", "norm_W", "dt_bias_U"):
+        var = params[name]
+        var.set_value(jnp.asarray(r.normal(size=var.get_value().shape) * 0.5 + (name == "norm_W"), jnp.float32))
+    nnx.update(net, params)
+    return net
+
+
+def reference(p, x, seg, cfg):
+    """The sublayer on one device, no exchange: every channel convolved at once, the recurrence token by token."""
+    q, k = (jnp.einsum("bsd,djq->bsjq", x, p[n]) for n in ("wq_DJQ", "wk_DJQ"))
+    v, z = (jnp.einsum("bsd,duw->bsuw", x, p[n]) for n in ("wv_DUW", "wz_DUW"))
+    b, a = (jnp.einsum("bsd,du->bsu", x, p[n]) for n in ("wb_DU", "wa_DU"))
+    bs, s = x.shape[:2]
+    flat = jnp.concatenate([q.reshape(bs, s, -1), k.reshape(bs, s, -1), v.reshape(bs, s, -1)], axis=-1)
+    c = cfg.linear_conv_kernel
+    w = jnp.concatenate([p[n].reshape(-1, c) for n in ("conv_q_JQC", "conv_k_JQC", "conv_v_UWC")])
+    flat = causal_conv1d(flat, w, seg)
+    q2, k2, v2 = jnp.split(flat, np.cumsum([q[0, 0].size, k[0, 0].size]), axis=-1)
+    g, beta = gates(a, b, p["a_log_U"], p["dt_bias_U"])
+    o = gated_delta_recurrent(q2.reshape(q.shape), k2.reshape(k.shape), v2.reshape(v.shape), g, beta,
+                              segment_ids=seg)
+    return jnp.einsum("bsuw,uwd->bsd", gated_rms_norm(o, z, p["norm_W"], cfg.rms_eps), p["wo_UWD"])
+
+
+def close(got, want, tol, what=""):
+    """``|got - want| <= tol * max|want|`` elementwise: float32 through a chunked rule against a token-by-token one."""
+    got, want = np.asarray(got), np.asarray(want)
+    scale = np.abs(want).max()
+    assert scale > 0, what  # every output and gradient is nonzero: each part matters
+    err = np.abs(got - want).max() / scale
+    assert err <= tol, f"{what}: max error {err:.2e} of max |value| {scale:.3g}"
+
+
+def packed_ids():
+    """Three documents in row 0, crossing the devices' seams (16 tokens each), padding at the end of row 1."""
+    row0 = np.repeat([1, 2, 3], [21, 27, 16])
+    row1 = np.concatenate([np.full(50, 1), np.zeros(14, int)])
+    return jnp.asarray(np.stack([row0, row1]), jnp.int32)
+
+
+@pytest.fixture(scope="module", params=[pytest.param("copied"), pytest.param("split", marks=pytest.mark.slow)])
+def sharded(request):
+    """The sublayer on fsdp 2 x sp 4 over packed rows: its parameters, input, output and gradients of
+    ``sum(out * cot)`` (one compiled program, shared by the tests below)."""
+    cfg = config(*HEADS[request.param])
+    net = make(cfg, uj.make_mesh(fsdp=2, sp=4))
+    graphdef, params = nnx.split(net, nnx.Param)
+    r = np.random.default_rng(1)
+    x = jnp.asarray(r.normal(size=(B, S, D)), jnp.float32)
+    cot = jnp.asarray(r.normal(size=(B, S, D)), jnp.float32)
+    seg = packed_ids()
+
+    @jax.jit
+    def ours(params, x):
+        out, vjp = jax.vjp(lambda p, x: nnx.merge(graphdef, p)(x, seg), params, x)
+        return out, vjp(cot)
+
+    out, (g_params, g_x) = ours(params, x)
+    flat = {k[0]: v.get_value() for k, v in nnx.to_flat_state(params)}
+    grads = {k[0]: v.get_value() for k, v in nnx.to_flat_state(g_params)}
+    return dict(cfg=cfg, flat=flat, x=x, cot=cot, seg=seg, out=out, g_x=g_x, grads=grads)
+
+
+def test_sharded_sublayer_equals_one_device_outputs_and_gradients(sharded):
+    cfg, flat, x, cot, seg = (sharded[k] for k in ("cfg", "flat", "x", "cot", "seg"))
+
+    @jax.jit
+    def ref(flat, x):
+        out, vjp = jax.vjp(lambda f, x: reference(f, x, seg, cfg), flat, x)
+        return out, vjp(cot)
+
+    ref_out, (ref_g, ref_gx) = ref(flat, x)
+    close(sharded["out"], ref_out, 2e-5, "output")
+    close(sharded["g_x"], ref_gx, 5e-5, "input gradient")
+    for name, got in sharded["grads"].items():
+        close(got, ref_g[name], 5e-5, f"gradient of {name}")
+
+
+def test_packed_rows_equal_each_document_alone(sharded):
+    """Each document of the packed rows run alone from its first token (then zeros, which a causal sublayer's earlier
+    outputs never see), without segment ids, on one device."""
+    x, seg = np.asarray(sharded["x"]), np.asarray(sharded["seg"])
+    docs = [(row, np.flatnonzero(seg[row] == d)) for row in range(B) for d in np.unique(seg[row][seg[row] > 0])]
+    alone = np.zeros((len(docs), S, D), np.float32)
+    for i, (row, where) in enumerate(docs):
+        alone[i, :len(where)] = x[row, where]
+    ref = jax.jit(lambda f, x: reference(f, x, None, sharded["cfg"]))(sharded["flat"], jnp.asarray(alone))
+    for i, (row, where) in enumerate(docs):
+        close(np.asarray(sharded["out"])[row, where], ref[i, :len(where)], 2e-5, f"row {row}, tokens {where[0]}..")
+
+
+def test_head_layout_and_refusals():
+    assert plan_delta_heads(16, 32, 8).kl == 2 and not plan_delta_heads(16, 32, 8).copies_keys
+    wide = plan_delta_heads(16, 32, 32)  # Qwen3.5-9B / Qwen3-Next on sp 32: one key head copied to two devices
+    assert (wide.kl, wide.vl, wide.key_slots[:4]) == (1, 1, (0, 0, 1, 1))
+    with pytest.raises(ValueError, match=r"16 key and 32 value heads .* use --mesh.sp one of 1, 2, 4, 8, 16, 32"):
+        plan_delta_heads(16, 32, 64)
+    with pytest.raises(ValueError, match="do not split over sp=3"):
+        plan_delta_heads(2, 6, 3)
+    assert delta_exchange_bytes(plan_delta_heads(2, 4, 4), batch=1, seq_len=64, dk=8, dv=8, itemsize=4) == {
+        "qkvab": 16 * 4 * (2 * 8 + 8 + 2) * 4, "out": 16 * 4 * 8 * 4}
+    cfg = config(*HEADS["copied"])
+    with pytest.raises(ValueError, match=r"do not run with a ring \(--mesh.ring 2\)"):
+        check_mesh(cfg, uj.make_mesh(fsdp=2, ring=2, sp=2))
+    with pytest.raises(ValueError, match="layer_pattern has 'linear' .* set linear_num_key_heads"):
+        uj.ModelConfig(layer_pattern=("linear", "global"))
+    with pytest.raises(ValueError, match="must be a multiple of linear_num_key_heads"):
+        uj.ModelConfig(layer_pattern=("linear",), linear_num_key_heads=3, linear_num_value_heads=4,
+                       linear_key_head_dim=8, linear_value_head_dim=8)

@@ -1,0 +1,89 @@
+"""A hybrid model (delta-net and gated full-attention layers in one scan, Qwen3.5 / Qwen3-Next) on fake CPU devices:
+sharded meshes and the memory tools (remat full / offload, the tiled MLP, ZeRO-3) equal the plain single-device model
+(logits, loss, gradients, on packed rows); the experts' shared expert; the layer switch keeps one scan; LoRA on the
+delta-net's projections as peft loads it on transformers' model."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_model import MESHES, assert_same, build, packed_batch, run_model, shrink
+
+from ulysses_jax import Transformer, make_mesh
+
+# 3 layers: linear, global, linear (the pattern cut at the model's depth); 8 heads of 16 (4 rotated), 2 KV heads;
+# the delta-net: 2 key heads (copied over sp 4), 4 value heads of 8
+HYBRID = dict(num_layers=3, layer_pattern=("linear", "global"), num_heads=8, num_kv_heads=2, head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              attention_impl="xla")
+
+
+def hybrid(**overrides):
+    return shrink("qwen3.5-9b", **{**HYBRID, **overrides})
+
+
+def hybrid_moe(**overrides):
+    """Qwen3-Next's mixture: 4 experts, top-2, a shared expert, layer 1 dense."""
+    return shrink("qwen3-next-80b-a3b", **{**HYBRID, "num_experts": 4, "experts_per_token": 2, "moe_mlp_dim": 32,
+                                          "shared_expert_dim": 48, "dense_layers": (1,), **overrides})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The plain single-device results of each model, computed once when first asked for."""
+    batch, results = packed_batch(0), {}
+
+    def of(name):
+        if name not in results:
+            results[name] = run_model(build((hybrid if name == "dense" else hybrid_moe)(), "1dev", 0), batch)
+        return results[name]
+
+    return batch, of
+
+
+# Each compiles the delta rule's forward and backward twice (about 100 s on 2 loaded cores): `make test-slow`. The
+# default suite keeps the sublayer's gradients on fsdp 2 x sp 4 (tests/test_delta_net.py) and the families' parity.
+CASES = [pytest.param(*case, marks=pytest.mark.slow) for case in (
+    ("dense", "fsdp2xsp4", dict(remat="offload", mlp_chunk=4)),  # FSDP, layer inputs in host memory, tiled MLP
+    ("moe", "fsdp2xsp4", dict(remat="full", mlp_chunk=4)),  # the experts and the shared expert chunk by chunk
+    ("dense", "data2xfsdp2xsp2-zero3", dict(remat="full", remat_every=3)),  # ZeRO-3, one group of three layers
+    ("moe", "sp4", dict()),
+)]
+
+
+@pytest.mark.parametrize("model, mesh_name, tools", CASES)
+def test_sharded_and_memory_tools_equal_plain(plain, model, mesh_name, tools):
+    batch, of = plain
+    cfg = (hybrid if model == "dense" else hybrid_moe)(shard_params_over_data=MESHES[mesh_name][3], **tools)
+    result = run_model(build(cfg, mesh_name, 0), batch)
+    assert_same(result, of(model))
+    grads = dict(nnx.to_flat_state(result[2]))
+    for path, g in grads.items():  # each layer's own mixer trains; the other kind's zeros get no gradient
+        value = np.asarray(g.get_value())
+        if path[:2] == ("blocks", "delta"):
+            assert np.abs(value[1]).max() == 0 and np.abs(value[0]).max() > 0, path
+        elif path[:2] == ("blocks", "attn"):
+            assert np.abs(value[0]).max() == 0 and np.abs(value[1]).max() > 0, path
+
+
+def test_one_scan_whatever_the_depth():
+    """The traced forward has as many equations for 12 hybrid layers as for 4: one scan, a switch per layer."""
+    def count(n):
+        cfg = hybrid(num_layers=n)
+        model = nnx.eval_shape(lambda: Transformer(cfg, mesh=make_mesh(devices=jax.devices()[:1]), rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(model)
+        return len(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.zeros((1, 16), jnp.int32))
+                   .jaxpr.eqns)
+
+    assert count(4) == count(12)
+    assert hybrid().kind_of_layer == (1, 0, 1) and hybrid().window_kinds == (None,)
+
+
+def test_an_automatic_sp_splits_the_delta_net_heads():
+    """`--mesh.sp 0` takes the most devices of a host whose sp both attention and the delta-net's heads split over."""
+    from ulysses_jax.train.devices import MeshConfig, build_mesh
+
+    mesh = build_mesh(MeshConfig(sp=0), hybrid(linear_num_key_heads=2, linear_num_value_heads=4), 64)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "ring": 1, "sp": 4}  # 8 query heads, but 4 value heads
