@@ -119,12 +119,13 @@ class Watchdog:
     def leave(self, code: int) -> None:
         """End this failed process with ``code``, without JAX's shutdown (its barrier waits for every process, and the
         others are leaving or stuck in a collective). Process 0 hosts the store that holds the failure mark: it first
-        waits (a few heartbeats at most) until every other process has read it; the others leave at once (process 0
-        waits for them before it takes the store away, so that nothing aborts them first)."""
+        waits (``linger`` and two heartbeats at most) until every other process has gone, left or finished; the others
+        leave at once (process 0 waits for them before it takes the store away, so that nothing aborts them first)."""
         self.code = code
-        if self.me == 0:
+        if self.me == 0:  # until each other process is gone: one failing too (an error decided for the whole job)
+            # may still be on its way out, and the store's going would abort it there (a C++ stack, not its line)
             self._wait_until(lambda: set(range(1, self.n)) <= set().union(
-                *(self._marked(kind) for kind in ("failed", "done", "left"))), self.interval + self.grace + 2)
+                *(self._marked(kind) for kind in ("gone", "done", "left"))), self.linger + 2 * self.interval + 1)
         self._try_set(f"gone/{self.me}", str(code), wait=1.0)
         sys.stdout.flush()
         sys.stderr.flush()
