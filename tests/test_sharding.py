@@ -17,7 +17,7 @@ from ulysses_jax.parallel.sharding import compute_spec, fsdp_axes, param_spec
 def test_table():
     # each logical name once (a dict), each with an at-rest and a compute entry
     assert set(LOGICAL_AXES) == {"batch", "seq", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "experts",
-                                 "layers"}
+                                 "layers", "linear_heads", "linear_dim", "conv"}  # the last three: the delta-net's
     assert param_spec(("experts", "embed", "mlp")) == P(None, ("fsdp", "ring", "sp"), None)  # experts gathered
     assert fsdp_axes() == ("fsdp", "ring", "sp") and fsdp_axes(over_data=True) == ("data", "fsdp", "ring", "sp")
     # at rest: only the embed dimension is split, over fsdp x ring x sp (x data)
