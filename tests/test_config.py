@@ -216,6 +216,13 @@ def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
     assert dataclasses.replace(gemma, remat="full", attn_keep=True).attn_keep  # kept on the device: fine
     skipped = {f: why for f, _, why in memory_choices(PlanConfig(), 26, mixed_kinds=True) if why}
     assert any("--remat offload --attn-keep" in f for f in skipped), skipped
+    # a hybrid (delta-net and attention layers) switches between kinds too: the same refusal (plan --memory auto
+    # on qwen3.5-9b used to try the set and crash)
+    hybrid = ModelConfig.from_preset("qwen3.5-9b")
+    assert hybrid.mixed_layer_kinds and gemma.mixed_layer_kinds
+    assert not ModelConfig.from_preset("llama3.2-1b").mixed_layer_kinds
+    with pytest.raises(ValueError, match=r"mixes layer kinds \(local, global or linear layers\)"):
+        dataclasses.replace(hybrid, remat="offload", attn_keep=True)
 
 
 def test_hybrid_flops_count_the_delta_rule_and_each_layers_own_mixer():

@@ -267,9 +267,9 @@ class ModelConfig:
         if self.lora is not None:
             self.lora.check(self)
         check_layers(self)
-        if self.attn_keep and self.remat == "offload" and len(self.window_kinds) + bool(self.linear_layers) > 1:
+        if self.attn_keep and self.remat == "offload" and self.mixed_layer_kinds:
             raise ValueError("attn_keep (--attn-keep) with remat offload is not available for a model that mixes "
-                             "local and global layers (XLA cannot offload the kept outputs from inside the layer's "
+                             "layer kinds (local, global or linear layers) (XLA cannot offload the kept outputs from inside the layer's "
                              "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
                              "without --attn-keep")
         self._check_experts()
@@ -332,6 +332,11 @@ class ModelConfig:
     def window_kinds(self) -> tuple:
         """The distinct attention kinds of the layers, each a window (``None``: global); see ``layer_kinds``."""
         return layer_kinds.kinds(self)
+
+    @property
+    def mixed_layer_kinds(self) -> bool:
+        """Whether the layers switch between kinds (local and global attention, or delta-net and attention)."""
+        return len(self.window_kinds) + bool(self.linear_layers) > 1
 
     @property
     def kind_of_layer(self) -> tuple[int, ...]:

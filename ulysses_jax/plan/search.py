@@ -211,7 +211,7 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     best, results = None, []
     model = _model(cfg)
     choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias,
-                             mixed_kinds=len(model.window_kinds) > 1)
+                             mixed_kinds=model.mixed_layer_kinds)
     for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
         if skip:
             log(f"{flags}: skipped ({skip})")
@@ -251,7 +251,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
         mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
     fitting, results = [], []
     for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms,
-                                                 o_bias=model.o_bias, mixed_kinds=len(model.window_kinds) > 1):
+                                                 o_bias=model.o_bias, mixed_kinds=model.mixed_layer_kinds):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
