@@ -6,8 +6,9 @@
 #   3. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128, packed and not)
 #   4. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens), then again with --attn-keep
 #   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed; in STEPS by name only)
-# STEPS (default "env tests attention train") picks steps (also: peers, delta, profile: experiments/bench_peers.py
-# with PEER_ROWS, experiments/bench_delta.py, experiments/profile_step.py with PROFILE_ARGS); PYTEST_K narrows the GPU tests (pytest -k);
+# STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
+# experiments/bench_peers.py with PEER_ROWS, PEER_ARGS (more of its arguments) and PEERS_LIMIT (its seconds, default
+# 420), experiments/bench_delta.py, experiments/profile_step.py with PROFILE_ARGS); PYTEST_K narrows the GPU tests (pytest -k);
 # TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
 # Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
@@ -91,8 +92,8 @@ for attn in ${TRAIN_ATTENTION:-auto}; do
 done
 step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
 # issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list)
-step peers 420 "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" "${QUICK[@]}" \
-  ${PEER_ROWS:+--rows "$PEER_ROWS"}
+step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" \
+  "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_ARGS:-}
 step delta 150 "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
 step profile 120 "$PY" experiments/profile_step.py --out-dir "$RES" --sp 1 --fsdp 1 --batch-size 1 "${CPU_FLAG[@]}" \
   "${QUICK[@]}" ${PROFILE_ARGS:---seq-lens 32768 --attn-keep}
