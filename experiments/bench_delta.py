@@ -7,7 +7,9 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
 
 Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
 from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
-`flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels), in a child process (torch) fed the same
+`flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels; fla 0.6.0 refuses Hopper GPUs under Triton
+3.4-3.7.0, so on the lent image's Triton 3.6 it needs a Triton >= 3.7.1 or a tilelang wheel, each larger than one call
+may carry: experiments/results/gpu_h100_20261127), in a child process (torch) fed the same
 inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both: cuDNN's causal attention
 (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
 is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length, with the

@@ -253,23 +253,33 @@ def write(stem: pathlib.Path, rows: list[dict], header: list[str]) -> list[pathl
     return [stem.with_suffix(".csv"), stem.with_suffix(".md")]
 
 
-def fill_estimates(path: pathlib.Path, target: str | None) -> int:
-    """``estimate_s`` of every row: ``plan`` for our flags on one compile-only GPU (h100 / h200 by the gpu column)."""
+def plan_of_row(r: dict, kind: str):
+    """``plan`` (no detail) of a CSV row's configuration on one compile-only GPU of ``kind`` (h100 / h200)."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the CUDA plugin registers without a GPU
     from ulysses_jax.cli import parse
     from ulysses_jax.plan.planner import plan
 
+    flags = r["flags"].replace("--optim-offload", "--optim.offload --optim.master-weights --param-dtype "
+                                                  "bfloat16").split()
+    lora = ["--lora-rank", "16"] if r["mode"] == "lora16" else []
+    cfg = parse(["plan", "--preset", r["model"], "--seq-len", str(r["seq_len"]), "--batch-size", "1", "--devices",
+                 "1", "--mesh.fsdp", "1", "--mesh.sp", "1", "--target", kind, "--no-kernels", *lora, *flags])
+    return plan(cfg, detail=False)
+
+
+def gpu_kind(gpu: str) -> str:
+    return "h200" if "h200" in gpu.lower() else "h100"
+
+
+def fill_estimates(path: pathlib.Path, target: str | None) -> int:
+    """``estimate_s`` of every row: ``plan`` for our flags on one compile-only GPU (h100 / h200 by the gpu column)."""
     rows = list(csv.DictReader(open(path)))
     cache = {}
     for r in rows:
-        kind = target or ("h200" if "h200" in r["gpu"].lower() else "h100")
+        kind = target or gpu_kind(r["gpu"])
         key = (r["model"], r["mode"], r["seq_len"], r["flags"], kind)
         if key not in cache:
-            flags = r["flags"].replace("--optim-offload", "--optim.offload --optim.master-weights --param-dtype "
-                                                          "bfloat16").split()
-            lora = ["--lora-rank", "16"] if r["mode"] == "lora16" else []
-            cfg = parse(["plan", "--preset", r["model"], "--seq-len", r["seq_len"], "--batch-size", "1", "--devices",
-                         "1", "--mesh.fsdp", "1", "--mesh.sp", "1", "--target", kind, "--no-kernels", *lora, *flags])
-            p = plan(cfg, detail=False)
+            p = plan_of_row(r, kind)
             cache[key] = "" if p.estimate is None else f"{p.estimate['step_seconds']:.3f}"
             print(f"{key}: estimate {cache[key]} s", flush=True)
         r["estimate_s"] = cache[key]

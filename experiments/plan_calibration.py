@@ -5,8 +5,8 @@
     python experiments/plan_calibration.py --attention pallas   # our kernel: ..._h100_pallas.md
 
 Each row compiles our train step for compile-only H100s with the memory tools named in the row (or chooses them with
-`--memory auto`) and reads the plan's *estimate* (plan/estimate.py: a model of the step, not a measurement; no GPU
-has run any of it). The published figures are others' measured runs, with their own kernels and methods: the row
+`--memory auto`) and reads the plan's *estimate* (plan/estimate.py: a model of the step, not a measurement of these
+rows; its rates are calibrated on the single-GPU steps this project measured, experiments/results/plan_vs_measured_h100.md). The published figures are others' measured runs, with their own kernels and methods: the row
 says which. The published figures come from the project's anchors notes.
 """
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         results.append(measure(row, args.attention))
         print(results[-1], flush=True)
         write_table(os.path.join(args.out_dir, name), "The plan's step-time estimate vs published "
-                    "runs (an estimate: no GPU has run ours)", meta, list(results[0]), results)
+                    "runs (an estimate of ours, calibrated on our single-GPU steps)", meta, list(results[0]), results)
     return 0
 
 

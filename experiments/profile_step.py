@@ -113,9 +113,27 @@ def hlo_categories(text: str) -> dict[str, str]:
     return out
 
 
+def kernel_category(kernel: str) -> str:
+    """A category from a GPU kernel's own name, for a device op whose ``hlo_op`` is not an instruction of the compiled
+    module (the first H100 profile, 2026-11-27, matched none: every op fell to "elementwise and copies").
+    cuDNN's attention kernels carry ``sdpa``/``fmha`` and ``fprop``/``bprop``; GEMMs are cuBLAS's (``gemm``,
+    ``nvjet``, ``xmma``, CUTLASS) or XLA's Triton GEMM fusions; NCCL's kernels are the collectives."""
+    k = kernel.lower()
+    if any(t in k for t in ("sdpa", "fmha", "flash_attention", "_mha_", "flash_fprop", "flash_bprop")):
+        return "attention backward" if any(t in k for t in ("bprop", "bwd", "backward", "dqdkdv", "dkdv")) else (
+            "attention forward")
+    if "nccl" in k:
+        return "collectives"
+    if any(t in k for t in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma")):
+        return "GEMMs"
+    if any(t in k for t in ("memcpy htod", "memcpy dtoh", "htod", "dtoh")):
+        return "host transfers"
+    return "elementwise and copies"
+
+
 def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]]:
     """``(start us, end us, hlo_op or event name, kind)`` of the device ops in a perfetto trace: events tagged with
-    ``hlo_op``, and memcpy events (kind ``memcpy``)."""
+    ``hlo_op`` (kind: the kernel's own name), and memcpy events (kind ``memcpy``)."""
     files = sorted(trace_dir.rglob("*perfetto_trace.json.gz"))
     if not files:
         raise RuntimeError(f"no perfetto trace under {trace_dir}")
@@ -127,7 +145,7 @@ def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]
             continue
         args = e.get("args") or {}
         if "hlo_op" in args:
-            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), args["hlo_op"], "op"))
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), args["hlo_op"], e.get("name", "")))
         elif "memcpy" in e.get("name", "").lower():
             out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], "memcpy"))
     return out
@@ -141,7 +159,7 @@ def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], flo
     rank = {c: i for i, c in enumerate(CATEGORIES)}
 
     def category(name, kind):
-        return "host transfers" if kind == "memcpy" else categories.get(name, "elementwise and copies")
+        return "host transfers" if kind == "memcpy" else categories.get(name) or kernel_category(kind)
 
     points = []
     for start, end, name, kind in events:
@@ -190,6 +208,7 @@ def main(argv=None) -> int:
         wall = (time.perf_counter() - t0) / args.profile_steps
     events = device_events(trace_dir)
     total, span = breakdown(events, categories)
+    matched = sum(e[2] in categories for e in events)
     n = args.profile_steps
     per_step = {c: v / n for c, v in total.items()}
     busy = sum(per_step.values())
@@ -204,6 +223,15 @@ def main(argv=None) -> int:
              "| category | ms per step | share of the step |", "|---|---|---|"]
     lines += [f"| {c} | {v * 1e3:.1f} | {v / wall:.1%} |" for c, v in rows]
     lines.append(f"| **sum** | {sum(v for _, v in rows) * 1e3:.1f} | {sum(v for _, v in rows) / wall:.1%} |")
+    lines += ["", f"{matched:,} of the {len(events):,} device ops traced named an instruction of the compiled module "
+              "(categorised by it); the rest by the kernel's own name. Largest device ops (per step; nested ops "
+              "counted in each):", "", "| ms per step | category | hlo_op | kernel |", "|---|---|---|---|"]
+    by_op = collections.Counter()
+    for start, end, name, kind in events:
+        by_op[name, kind] += (end - start) * 1e-3 / n
+    for (name, kind), ms in by_op.most_common(15):
+        cat = "host transfers" if kind == "memcpy" else categories.get(name) or kernel_category(kind)
+        lines.append(f"| {ms:.1f} | {cat} | `{name[:60]}` | `{kind[:80]}` |")
     if args.plan_json:
         parts = json.loads(args.plan_json.read_text())["estimate"]["parts"]
         lines += ["", "| plan's part | estimate ms | measured ms | measured - estimate |", "|---|---|---|---|"]

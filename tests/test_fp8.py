@@ -310,7 +310,8 @@ def test_a_hugging_face_folder_starts_with_empty_histories(tmp_path):
 
 
 def test_plan_estimates_float8_gemms_at_their_own_rate():
-    """The estimate's float8 matmuls (all but the unembedding) at FP8_MATMUL_RATE, labelled as an assumption."""
+    """The estimate's float8 matmuls (all but the unembedding) at FP8_MATMUL_RATE, both kinds at the measured
+    MATMUL_EFFICIENCY, the rate labelled as fitted on measured rows."""
     from ulysses_jax.plan import estimate
     from ulysses_jax.plan.targets import TARGETS
 
@@ -321,10 +322,13 @@ def test_plan_estimates_float8_gemms_at_their_own_rate():
     bf16, f8 = (estimate.step_estimate(p, dataclasses.replace(model, fp8=on), "cudnn") for on in (False, True))
     tokens = p.seq_len / p.num_devices
     head = 3 * 2 * model.vocab_size * model.hidden * tokens
-    total = bf16["parts"]["matmul_s"] * estimate.MATMUL_RATE
-    want = head / estimate.MATMUL_RATE + (total - head) / estimate.FP8_MATMUL_RATE
+    eff = estimate.MATMUL_EFFICIENCY
+    total = bf16["parts"]["matmul_s"] * estimate.MATMUL_RATE * eff
+    want = head / (estimate.MATMUL_RATE * eff) + (total - head) / (estimate.FP8_MATMUL_RATE * eff)
     assert f8["parts"]["matmul_s"] == pytest.approx(want, rel=1e-9)
-    assert any("ASSUMED" in a and "--fp8" in a for a in f8["assumptions"])
+    assert f8["parts"]["matmul_fp8_s"] == pytest.approx((total - head) / (estimate.FP8_MATMUL_RATE * eff), rel=1e-9)
+    assert bf16["parts"]["matmul_fp8_s"] == 0.0
+    assert any("fitted on two measured rows" in a and "--fp8" in a for a in f8["assumptions"])
     assert not any("--fp8" in a for a in bf16["assumptions"])
 
 

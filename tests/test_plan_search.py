@@ -15,6 +15,7 @@ import pytest
 
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
+from ulysses_jax.model.lora_config import LoraConfig
 from ulysses_jax.plan import estimate, search
 from ulysses_jax.plan.hlo import Collective
 from ulysses_jax.plan.planner import PlanConfig, budgets, plan
@@ -156,7 +157,8 @@ def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
     """--memory auto --seq-len N: every set is compiled; among those within both budgets the lowest estimated step
     time wins, the rest are printed as runners-up; none fitting is one clear error."""
     def step_s(cfg, n):
-        return {"full": 2.0, "offload": 3.0}[cfg.remat] + (0.5 if cfg.attn_chunk else 0) + 0.1 * (cfg.remat_every or 1)
+        return {"full": 2.0, "save_matmuls": 2.05, "offload": 3.0}[cfg.remat] + (0.5 if cfg.attn_chunk else 0) + 0.1 * (
+            cfg.remat_every or 1)
 
     fake, compiled = _fake_plan(device_per_token=600_000, host_per_token=1_000, step_s=step_s)
     monkeypatch.setattr(search, "plan", fake)
@@ -166,7 +168,7 @@ def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
     lines = []
     best = search.auto_fit(cfg, log=lines.append)
     assert best.memory_flags == "--remat full --loss-chunk 4000 --mlp-chunk 4000"  # 12,000 per device: chunks of 4000
-    assert {c.remat for c, _, d in compiled if not d} == {"full", "offload"} and compiled[-1][2]  # detail at the end
+    assert {c.remat for c, _, d in compiled if not d} == {"full", "save_matmuls", "offload"} and compiled[-1][2]
     assert sum(best.memory_flags in ln for ln in lines) == 2  # each set listed once as it runs, then the choice
     assert any(ln.startswith("Chosen (--memory auto)") for ln in lines) and not any("Runners-up" in ln for ln in lines)
     assert len(best.alternatives) == len(compiled) - 2
@@ -192,7 +194,9 @@ def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
             assert all(local is None or local % c == 0 for c in chunks), (flags, local)
         else:
             assert tile is None and "attn-chunk" in flags and f"divides each device's {local:,} tokens" in skip
-    assert sum(skip is None for *_, skip in choices) == (6 if tile is None else 9)  # 2 of them --attn-keep
+    assert sum(skip is None for *_, skip in choices) == (7 if tile is None else 10)  # 3 of them --attn-keep
+    (save,) = [c for f, c, _ in choices if "save_matmuls" in f]  # the MLP untiled: its GEMMs' outputs kept
+    assert save["mlp_chunk"] == 0 and save["attn_keep"] and save.get("loss_chunk") == tile
     nested = [c for f, c, _ in choices if "--remat-nested" in f]  # 32 layers: groups of 4, every input offloaded
     assert len(nested) == 1 and nested[0]["remat_every"] == 4 and nested[0]["attn_recompute"]
     assert sum(c["remat_nested"] for _, c, _ in choices) == 1  # the others say they do not nest
@@ -206,7 +210,8 @@ def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():
     cfg = PlanConfig(preset="gemma3-4b", kernels=False)
     llama, gemma = memory_choices(cfg, 34, 4096), memory_choices(cfg, 34, 4096, post_norms=True)
     assert [f for f, *_ in gemma] == [f for f, *_ in llama if "--attn-recompute" not in f] and len(gemma) < len(llama)
-    assert any("--attn-chunk" in f for f, *_ in gemma) and all("--mlp-chunk 4096" in f for f, *_ in gemma)
+    assert any("--attn-chunk" in f for f, *_ in gemma)
+    assert all("--mlp-chunk 4096" in f for f, *_ in gemma if "save_matmuls" not in f)  # that one keeps the MLP's GEMMs
     fields = ("remat", "remat_every", "mlp_chunk", "attn_chunk", "attn_head_chunk", "attn_recompute")
     for _, changes, _ in gemma:
         ModelConfig.from_preset("gemma3-4b", **{k: v for k, v in changes.items() if k in fields and v is not None})
@@ -214,8 +219,11 @@ def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():
 
 def test_memory_auto_keeps_the_users_chunks():
     cfg = PlanConfig(preset="tiny", loss_chunk=1024, mlp_chunk=0, kernels=False)
-    flags, changes, _ = memory_choices(cfg, 4, 4096)[0]
+    choices = memory_choices(cfg, 4, 4096)
+    flags, changes, _ = choices[0]
     assert flags == "--remat full" and "loss_chunk" not in changes and "mlp_chunk" not in changes
+    (save,) = [(f, c) for f, c, _ in choices if "save_matmuls" in f]
+    assert save[0] == "--remat save_matmuls --attn-keep" and "mlp_chunk" not in save[1]
 
 
 # ------------------------------------------------------------------------------------ the estimate
@@ -241,7 +249,9 @@ def test_estimate_is_the_sum_of_its_parts_by_hand():
     assert 200e12 < rate.backward < rate.forward < 600e12  # the calibrated static estimate
     assert math.isclose(e["parts"]["attention_s"], 2 * fwd / rate.forward + 2.5 * fwd / rate.backward)
     per_token = 2 * (32 * flops.layer_matmul_params(model) * 4 + 128_256 * 4096 * 3)  # 3 passes + 1 recompute
-    assert math.isclose(e["parts"]["matmul_s"], per_token * s / n / estimate.MATMUL_RATE, rel_tol=1e-9)
+    rate = estimate.MATMUL_RATE * estimate.MATMUL_EFFICIENCY  # the measured steps' share of the GEMM rate
+    assert 0.3 < estimate.MATMUL_EFFICIENCY < 1
+    assert math.isclose(e["parts"]["matmul_s"], per_token * s / n / rate, rel_tol=1e-9)
     assert math.isclose(e["step_seconds"], e["parts"]["compute_s"])  # nothing to overlap or expose
     assert math.isclose(e["tokens_per_second_per_gpu"], s / n / e["step_seconds"])
     assert math.isclose(e["mfu"], flops.training_flops(model, batch=1, seq_len=s) / n / e["step_seconds"] / 989e12)
@@ -389,7 +399,8 @@ def test_estimate_counts_the_reruns_in_the_compiled_program_not_the_flags():
     layer_mm = 2 * model.num_layers * flops.layer_matmul_params(model) * tokens
     head_mm = 2 * model.vocab_size * model.hidden * tokens
     assert work.dot_flops > 3 * (layer_mm + head_mm) + layer_mm
-    assert p.estimate["parts"]["matmul_s"] == pytest.approx(work.dot_flops / estimate.MATMUL_RATE)
+    assert p.estimate["parts"]["matmul_s"] == pytest.approx(
+        work.dot_flops / (estimate.MATMUL_RATE * estimate.MATMUL_EFFICIENCY))
 
 
 @pytest.mark.aot
@@ -428,3 +439,20 @@ def test_estimate_counts_the_delta_rule_at_its_assumed_rate():
     rate, _ = estimate.attention_rate("pallas", 256, s)
     assert math.isclose(e["parts"]["attention_s"], 2 * fwd / rate.forward + 2.5 * fwd / rate.backward)
     assert any("delta rule of the 24 linear layers" in a and "ASSUMED 50 TFLOP/s" in a for a in e["assumptions"])
+
+
+def test_estimate_updates_only_what_trains():
+    """AdamW's HBM traffic is counted for the parameters it updates: with LoRA the adapters alone (the frozen base
+    has no optimizer state), the head_dim-64 attention at the fitted share of the hd128 rate, labelled so."""
+    full = ModelConfig.from_preset("llama3.1-8b", remat="full")
+    lora = dataclasses.replace(full, lora=LoraConfig(rank=16))
+    n, hbm = 1, TARGETS["h100"].hbm_bytes_per_s
+    e_full, e_lora = (estimate.step_estimate(_plan_stub(m, seq_len=8192, devices=n), m, "cudnn") for m in (full, lora))
+    assert e_full["parts"]["update_s"] == pytest.approx(estimate.OPTIMIZER_BYTES_PER_PARAM * flops.param_count(full)
+                                                        / hbm)
+    adapters = flops.adapter_matmul_params(lora)
+    assert 0 < adapters < flops.param_count(full) / 100
+    assert e_lora["parts"]["update_s"] == pytest.approx(estimate.OPTIMIZER_BYTES_PER_PARAM * adapters / hbm)
+    rate, note = estimate.attention_rate("cudnn", 64)
+    assert rate.forward == pytest.approx(estimate.ATTENTION_RATES["cudnn", 128].forward * estimate.HEAD_DIM_FACTOR[64][0])
+    assert "fitted on measured steps" in note

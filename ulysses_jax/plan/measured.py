@@ -33,6 +33,8 @@ _CUDNN = "--attention cudnn --remat full --loss-chunk 4096 --mlp-chunk 4096"
 _AUTO = "--attention auto --remat full --loss-chunk 4096 --mlp-chunk 4096"
 _H100 = "experiments/results/gpu_h100_20261126"
 _H200 = "experiments/results/gpu_h200_20261126"
+_PEERS = "experiments/results/peers_h100_20261127.csv"
+_KEEP = _AUTO + " --attn-keep"
 ROWS: tuple[Measured, ...] = (
     Measured("h100", "llama3.2-1b", "full", 8192, 4, _CUDNN, 0.210, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
     Measured("h100", "llama3.2-1b", "full", 32768, 4, _CUDNN, 1.080, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
@@ -45,6 +47,17 @@ ROWS: tuple[Measured, ...] = (
     Measured("h200", "llama3.2-1b", "lora16", 8192, 4, _AUTO, 0.158, f"{_H200}/b1_lora_new.log"),
     Measured("h200", "llama3.2-1b", "lora16", 32768, 4, _AUTO, 0.910, f"{_H200}/b1_lora_new.log"),
     Measured("h200", "llama3.1-8b", "lora16", 32768, 4, _AUTO, 3.785, f"{_H200}/b8_lora_new.log"),
+    # one document a row, beside the peers in the same call (experiments/bench_peers.py); plan's calibration
+    *(Measured("h100", preset, mode, seq, 1, flags, step, _PEERS) for preset, mode, seq, flags, step in (
+        ("llama3.2-1b", "full", 32768, _KEEP.replace(" --attn-keep", ""), 1.478),
+        ("llama3.2-1b", "full", 32768, _KEEP, 1.312),
+        ("llama3.2-1b", "full", 32768, "--attention auto --remat save_matmuls --attn-keep --loss-chunk 4096 "
+                                       "--mlp-chunk 0", 1.207),
+        ("llama3.2-1b", "full", 32768, _KEEP + " --fp8", 1.309),
+        ("llama3.2-1b", "full", 131072, _KEEP, 12.375),
+        ("llama3.1-8b", "lora16", 8192, _KEEP, 0.833),
+        ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8", 0.766),
+        ("llama3.1-8b", "lora16", 32768, _KEEP, 4.606))),
 )
 
 

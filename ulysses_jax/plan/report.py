@@ -74,7 +74,7 @@ def format_plan(p) -> str:
             f"per step, if this run fares as published runs of the same shapes did: they took "
             f"{CALIBRATION_SPREAD[0]}x to {CALIBRATION_SPREAD[1]}x the estimate (other kernels and methods, so the "
             f"estimate lies below the range; experiments/results/plan_calibration_h100.md)",
-            "  parts: " + ", ".join(f"{k[:-2]} {seconds(v)}" for k, v in e["parts"].items()),
+            "  parts: " + ", ".join(f"{k[:-2]} {seconds(v)}" for k, v in e["parts"].items() if v or k != "matmul_fp8_s"),
             "  assumptions:",
         ]
         lines += [f"    - {a}" for a in e["assumptions"]]
