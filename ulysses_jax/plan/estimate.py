@@ -13,9 +13,9 @@ Per step and per device, from the compiled plan:
   with ``--fp8`` all but the unembedding's at ``FP8_MATMUL_RATE`` (fitted on two measured rows) and ``FP8_PASSES``
   more elementwise passes for their amaxes and casts;
 * the gated delta rule of a hybrid's linear layers (Qwen3.5, Qwen3-Next): its FLOPs (``model.flops.delta_rule_flops``,
-  the chunked kernel's forward and backward, a forward again per re-run of the layers) at ``DELTA_RATE``, an
-  **assumption**: the rule runs as plain XLA ops on GPUs (batched 64-token chunk matmuls and a scan over chunks) and no
-  rate of it has been measured. A hybrid's re-runs follow the flags' rule: its layer's switch holds both mixers, so
+  the chunked kernel's forward and backward, a forward again per re-run of the layers) at ``DELTA_RATE``, measured
+  once on an H100 at 32K (the rule runs as plain XLA ops on GPUs: batched 64-token chunk matmuls and a scan over
+  chunks). A hybrid's re-runs follow the flags' rule: its layer's switch holds both mixers, so
   the compiled program's counts cannot tell which one ran;
 * elementwise work (norms, RoPE, SwiGLU, residual adds) and the optimizer update as HBM traffic;
 * collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
@@ -83,9 +83,11 @@ FP8_PASSES = 12  # assumed: passes over [tokens, hidden] per layer (forward and 
 # the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
 # shapes, 65,536 rows (8,192 tokens x top-8; 429 TFLOP/s at 262,144 rows): experiments/results/gpu_h100_20261126b
 GROUPED_RATE = 333e12
-# assumed, not measured: the delta rule's chunked kernel (kernels/gated_delta.py) as XLA ops on an H100, small batched
-# matmuls ([64, 128] tiles) and a sequential scan over chunks: about a twentieth of the bf16 peak
-DELTA_RATE = 50e12
+# the delta rule's chunked kernel (kernels/gated_delta.py) as XLA ops, measured on one H100: forward + backward at 32K
+# tokens, 16 key / 32 value heads of 128, bf16, 101.0 ms for 6.8e11 matmul FLOPs of gated_delta_flops (elementwise
+# work not counted: an effective rate), experiments/results/gpu_h100_20261127/call2/delta.log; it was assumed 50e12.
+# Small batched matmuls ([64, 128] tiles) and a sequential scan over chunks; fewer heads per device (sp) untimed
+DELTA_RATE = 6.7e12
 LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
 ELEMENTWISE_PASSES = 16  # assumed: reads or writes of a [tokens, hidden] tensor per layer forward (norms, RoPE, SwiGLU)
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in float32: read parameter, gradient, 2 moments; write parameter, 2 moments
@@ -240,8 +242,8 @@ def step_estimate(p, model, kernel: str) -> dict:
     if model.linear_layers:
         assumptions.insert(2, f"the gated delta rule of the {len(model.linear_layers)} linear layers: "
                               f"{delta * n / 1e12:,.1f} TFLOP per step (its chunked kernel's forward and backward) at "
-                              f"an "
-                              f"ASSUMED {DELTA_RATE / 1e12:.0f} TFLOP/s: plain XLA ops on GPUs, no rate measured yet")
+                              f"{DELTA_RATE / 1e12:.1f} TFLOP/s, the rate measured for our plain-XLA kernel on one H100 "
+                              f"at 32K, 32 value heads (its matmul FLOPs only; fewer heads per device untimed)")
     parts = {"attention_s": attention_s, "matmul_s": matmul_s, "matmul_fp8_s": fp8_s, "delta_rule_s": delta_s, "elementwise_s": elementwise_s,
              "update_s": update_s,
              "collectives_hidden_s": hidden_comm, "collectives_exposed_s": exposed_comm,
