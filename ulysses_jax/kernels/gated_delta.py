@@ -343,9 +343,18 @@ def causal_conv1d(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = No
         raise ValueError(f"w {w.shape} must be [channels, kernel size] with the {c} channels of x {x.shape}")
     if activation not in ("silu", None):
         raise ValueError(f"activation {activation!r}: 'silu' (the Qwen3-Next layer's) or None")
-    f = compute_dtype(x.dtype, w.dtype)
-    xf, wf, ksize = x.astype(f), w.astype(f), w.shape[1]
     doc = document_index(segment_ids, b, s) if segment_ids is not None else None
+    return _conv(x, w, doc, activation)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3,))
+def _conv(x, w, doc, activation):
+    """:func:`causal_conv1d`'s body, rematerialised: its backward keeps only ``x`` (in its own dtype) and runs the
+    taps again, so no float32 ``[B, S, C]`` copy (the upcast input, the sum before the SiLU) outlives the forward;
+    at 1M tokens on one device those are 4 GiB each (Qwen3.5-9B under sp = 8, the compiled H100 plan)."""
+    s, ksize = x.shape[1], w.shape[1]
+    f = compute_dtype(x.dtype, w.dtype)
+    xf, wf = x.astype(f), w.astype(f)
     out = xf * wf[:, ksize - 1]
     for lag in range(1, min(ksize, s)):  # the tap reading token t - lag
         past = jnp.pad(xf[:, : s - lag], ((0, 0), (lag, 0), (0, 0)))
