@@ -12,12 +12,17 @@ from ulysses_jax.kernels.attention import resolve_impl
 from ulysses_jax.kernels.blockwise import BlockSizes, blockwise_attention, visited_tiles
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+# segment ids x causal x head layout x dtype. The default suite keeps every head layout in both dtypes with segment
+# ids and the causal mask, and GQA in float32 under the other three masks; `make test-slow` the rest.
+MASK_GRID = [
+    pytest.param(use_seg, causal, heads, dtype,
+                 id=f"{'seg' if use_seg else 'noseg'}-{'causal' if causal else 'full'}-{heads}-{dtype}",
+                 marks=[] if (use_seg and causal) or (heads, dtype) == ("gqa", "float32") else [pytest.mark.slow])
+    for use_seg in (True, False) for causal in (True, False) for heads in HEADS for dtype in ("float32", "bfloat16")
+]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("use_seg", [True, False], ids=["seg", "noseg"])
+@pytest.mark.parametrize("use_seg, causal, heads, dtype", MASK_GRID)
 def test_xla_matches_f64(dtype, heads, causal, use_seg, seed):
     h, hkv = HEADS[heads]
     q, k, v, do, seg = random_inputs(seed, 2, 24, h, hkv, 8, jnp.dtype(dtype))
@@ -133,10 +138,7 @@ def assert_matches_f64(q, k, v, do, out, grads, dtype, **kwargs):
         assert rel_err(g, rg) < TOL[dtype], name
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("use_seg", [True, False], ids=["seg", "noseg"])
+@pytest.mark.parametrize("use_seg, causal, heads, dtype", MASK_GRID)
 def test_blockwise_matches_f64(dtype, heads, causal, use_seg, seed):
     """Outputs and gradients over many tiles, an odd length, 4 packed documents (tiles between them skipped)."""
     h, hkv = HEADS[heads]

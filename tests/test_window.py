@@ -28,9 +28,14 @@ def _impl(name):
     return functools.partial(flash_attention, block_sizes=FLASH_TILES, interpret=True)
 
 
-# windows smaller than, equal to and larger than a tile; documents cross tiles and windows
-@pytest.mark.parametrize("impl", ["xla", "blockwise", "pallas"])
-@pytest.mark.parametrize("window", [5, TILE, 40])
+# windows smaller than, equal to and larger than a tile; documents cross tiles and windows. Each call runs eagerly
+# (op by op, 5-25 s): the default suite keeps each kernel at one of the three windows, `make test-slow` the rest.
+WINDOW_CASES = [(window, impl) if (window, impl) in {(5, "xla"), (TILE, "blockwise"), (40, "pallas")} else
+                pytest.param(window, impl, marks=pytest.mark.slow)
+                for impl in ("xla", "blockwise", "pallas") for window in (5, TILE, 40)]
+
+
+@pytest.mark.parametrize("window, impl", WINDOW_CASES)
 def test_window_matches_float64(impl, window, seed):
     q, k, v, do, seg = random_inputs(seed, 2, 72, 4, 2, 16, jnp.float32, n_docs=3)  # 72: a padded last tile
     fn = _impl(impl)
