@@ -24,9 +24,9 @@ from ulysses_jax.plan.targets import INSTALL_HINT, cuda_plugin_installed  # noqa
 # with the venv built): each repeats coverage that a faster variant in the default suite keeps (another mesh, dtype,
 # kernel or jit mode of the same check), or is a smoke run of a benchmark script, a second multi-process run (tests/
 # test_hf.py runs two processes too), a second end-to-end CLI run of a path the default suite runs once, or a
-# compile-only H100 memory figure of one planner feature. Large grids mark their own cases (pytest.param in the test
-# files: test_ulysses.py, test_ring.py, test_ulysses_ring.py, test_window.py, test_attention.py,
-# test_flash_attention.py).
+# compile-only H100 memory figure of one planner feature; a few are the only check of what their comment names as
+# checked in `make test-slow` only. Large grids mark their own cases (pytest.param in the test files: test_ulysses.py,
+# test_ring.py, test_ulysses_ring.py, test_ring_window.py, test_window.py, test_attention.py, test_flash_attention.py).
 SLOW = frozenset({
     "tests/test_experiments.py::test_benchmark_smoke[bench_train.py]",
     "tests/test_experiments.py::test_benchmark_smoke[bench_attention.py]",
@@ -35,14 +35,19 @@ SLOW = frozenset({
     # eval reads each process's rows: the two-process data path stays in test_hf.py::test_two_processes_read_half_each_
     # and_export, eval by position on one process in test_eval_position.py
     "tests/test_multiprocess.py::test_eval_on_two_processes_equals_one",
-    # the default suite keeps the kill of process 1 (the watchdog's line); the others of test_cluster.py are marked slow
+    # the watchdog's one line for a peer stays in test_a_failed_process_ends_the_job_with_one_line[1] (a process that
+    # fails); a process killed -9 and found by the heartbeats (either process) in `make test-slow` only
     "tests/test_cluster.py::test_a_lost_process_ends_the_job_with_one_line[0]",
+    "tests/test_cluster.py::test_a_lost_process_ends_the_job_with_one_line[1]",
     # the default suite keeps the failure of process 1 (its peer, process 0, hosts the store it writes its mark to)
     "tests/test_cluster.py::test_a_failed_process_ends_the_job_with_one_line[0]",
     # the verdict on a row beyond the bound: test_cli.py::test_the_loop_refuses_a_row_beyond_the_bound_before_its_step;
     # a failure on one process ending both with one line: test_a_failed_process_ends_the_job_with_one_line[1]
     "tests/test_cluster.py::test_a_batch_refused_on_one_process_is_refused_on_every_one",
     "tests/test_step.py::test_offloaded_optimizer_equals_the_on_device_one[bfloat16-True]",
+    # the step's accumulation against the whole batch stays in test_grad_accumulation_adds_in_float32 (4 micro-batches
+    # against the float32 whole batch) and test_loss.py::test_gradient_accumulation_normalises_by_tokens
+    "tests/test_step.py::test_grad_accumulation_equals_large_batch[fsdp2xsp4]",
     "tests/test_step.py::test_grad_accumulation_equals_large_batch[dp2xfsdp2xsp2]",
     # bfloat16 with accumulation ([bfloat16-2]) stays: the dtypes, shardings and aliasing of the same step
     "tests/test_step.py::test_state_dtypes_and_shardings_unchanged_by_a_step[float32-1]",
@@ -55,9 +60,14 @@ SLOW = frozenset({
     # remat_every 2 with offload: test_remat_nested_same_gradients (offload, every 2) and the mixed layers' remat
     # every 2 in tests/test_model_window.py
     "tests/test_model.py::test_remat_every_second_layer_same_gradients[offload]",
+    # remat='full' against the plain model with the tools: test_tiled_attention_equals_plain[mha-bias-...-xla-full],
+    # test_model_window.py's remat every 2, test_lora.py's memory tools; save_matmuls and offload stay here
+    "tests/test_model.py::test_remat_policies_same_gradients[full]",
     "tests/test_ulysses.py::test_inputs_in_other_shardings[eager]",
     # padded heads stay in test_matches_reference[sp8-h12-...], Pallas inside Ulysses in [kv-copied]
     "tests/test_ulysses.py::test_pallas_kernel_inside_ulysses[padded]",
+    # padded heads with a ring: test_ulysses_ring.py's h6 case (heads not divisible by sp); [gqa-kv-copied-f32] stays
+    "tests/test_ring.py::test_ulysses_ring_2d_matches_reference[h12-padded-bf16]",
     # inputs in the ring's token order (the model's way) stay in test_model_ring.py::test_ring2_sp4_equals_single_device
     "tests/test_ulysses_ring.py::test_permuted_inputs_and_output_sharding",
     "tests/test_loss.py::test_tiled_loss_equals_plain[sp4-gqa-llama3]",
@@ -75,17 +85,20 @@ SLOW = frozenset({
     # test_a_signal_stops_after_the_step_and_a_second_one_at_once, a damaged checkpoint in test_step.py
     "tests/test_cli.py::test_signal_and_crash_then_resume_matches_uninterrupted",
     "tests/test_cli.py::test_kill_during_an_asynchronous_checkpoint_then_resume",
-    # SP=P == SP=1 of the model stays on fsdp2xsp4 (mha-bias, gqa-llama3), fsdp4xsp2 (qk-norm) and ZeRO-3; KV heads
+    # SP=P == SP=1 of the model stays on fsdp2xsp4 (mha-bias), fsdp4xsp2 (qk-norm) and ZeRO-3 (gqa-llama3); KV heads
     # copied in the model in test_tiled_attention_head_groups_equal_plain[gqa-llama3-sp8-...]
+    "tests/test_model.py::test_sharded_equals_single_device[fsdp2xsp4-gqa-llama3]",
     "tests/test_model.py::test_sharded_equals_single_device[sp2-mha-bias]",
     "tests/test_model.py::test_sharded_equals_single_device[sp4-gqa-llama3]",
     "tests/test_model.py::test_sharded_equals_single_device[sp8-gqa-qknorm]",
     # the tiled MLP stays on ZeRO-3 (data x fsdp x sp) and in tests/test_model_window.py, tests/test_lora.py
     "tests/test_model.py::test_tiled_mlp_equals_plain[sp4]",
     "tests/test_model.py::test_tiled_mlp_equals_plain[data2xsp4]",
-    # the tiled attention stays on ZeRO-3 (XLA, remat full) and fsdp2xsp4 (blockwise, offload); with head groups on
-    # one device (8 groups sharing KV heads), sp2 (Pallas, the output recomputed) and sp8 (copied KV heads)
+    # the tiled attention stays on ZeRO-3 (XLA, remat full); with head groups on one device (blockwise, 8 groups
+    # sharing KV heads), sp2 (Pallas, the output recomputed) and sp8 (copied KV heads); remat offload in
+    # test_remat_policies_same_gradients[offload] and test_remat_nested_same_gradients
     "tests/test_model.py::test_tiled_attention_equals_plain[gqa-qknorm-sp4-blockwise-none]",
+    "tests/test_model.py::test_tiled_attention_equals_plain[gqa-llama3-fsdp2xsp4-blockwise-offload]",
     "tests/test_model.py::test_tiled_attention_equals_plain[gqa-llama3-sp8-pallas-none]",
     "tests/test_model.py::test_tiled_attention_equals_plain[gqa-qknorm-data2xsp4-blockwise-none]",
     "tests/test_model.py::test_tiled_attention_head_groups_equal_plain[gqa-llama3-1dev-xla-full-4-True]",
@@ -93,9 +106,10 @@ SLOW = frozenset({
     "tests/test_model.py::test_tiled_attention_head_groups_equal_plain[mha-bias-fsdp2xsp4-blockwise-offload-1-False]",
     "tests/test_model.py::test_tiled_attention_head_groups_equal_plain[gqa-qknorm-data2xfsdp2xsp2-zero3-blockwise-"
     "full-1-True]",
-    # mixed local/global layers equal the plain model with the blockwise kernel on sp4 and with remat every 2; each
-    # other tool on uniform layers in tests/test_model.py; the windowed ring in tests/test_ring_window.py and the
-    # ring model in tests/test_model_ring.py
+    # mixed local/global layers equal the plain model on sp4 with remat every 2 (XLA kernel); the window in the
+    # blockwise kernel under Ulysses in tests/test_window.py; each other tool on uniform layers in tests/test_model.py;
+    # the windowed ring in tests/test_ring_window.py and the ring model in tests/test_model_ring.py
+    "tests/test_model_window.py::test_memory_tools_equal_plain_with_mixed_layers[sp4-attention_impl]",
     "tests/test_model_window.py::test_memory_tools_equal_plain_with_mixed_layers[fsdp2xsp4-attention_impl]",
     "tests/test_model_window.py::test_memory_tools_equal_plain_with_mixed_layers[fsdp2xsp4-remat]",
     "tests/test_model_window.py::test_memory_tools_equal_plain_with_mixed_layers[sp4-attn_chunk-attn_head_chunk-"
@@ -104,8 +118,10 @@ SLOW = frozenset({
     "attention_impl-remat]",
     "tests/test_model_window.py::test_memory_tools_equal_plain_with_mixed_layers[data2xfsdp2xsp2-zero3-mlp_chunk]",
     "tests/test_model_window.py::test_ring_mesh_equals_plain_with_mixed_layers",
-    # Gemma 3's post-norms in the chunks stay on fsdp2xsp4: the tiled MLP with remat, the tiled attention with both
+    # Gemma 3's post-norms in the chunks stay in test_gemma_tiled_attention_equals_plain[fsdp2xsp4-...-mlp_chunk=4]
+    # (the tiled attention and the tiled MLP, remat)
     "tests/test_model_window.py::test_gemma_tiled_mlp_equals_plain[1dev-]",
+    "tests/test_model_window.py::test_gemma_tiled_mlp_equals_plain[fsdp2xsp4-remat]",
     "tests/test_model_window.py::test_gemma_tiled_mlp_equals_plain[data2xfsdp2xsp2-zero3-]",
     "tests/test_model_window.py::test_gemma_tiled_attention_equals_plain[1dev-attn_chunk=8-attention_impl=blockwise]",
     "tests/test_model_window.py::test_gemma_tiled_attention_equals_plain[sp4-attn_chunk=4-attn_head_chunk=1-"
@@ -126,8 +142,9 @@ SLOW = frozenset({
     # MoE on fsdp 2 x sp 4 stays in the default suite with the tiled MLP and remat (variant1) and in the parity of
     # tests/test_moe_hf.py (plain, sharded)
     "tests/test_moe.py::test_eight_devices_equal_one[variant0]",
-    # attn_keep equals plain remat with XLA (offload) and blockwise (offload, remat every 2)
+    # attn_keep equals plain remat with the blockwise kernel, offload, remat every 2
     "tests/test_kept_attention.py::test_kept_attention_gives_the_same_loss_and_gradients[blockwise-full-1]",
+    "tests/test_kept_attention.py::test_kept_attention_gives_the_same_loss_and_gradients[xla-offload-1]",
     "tests/test_kept_attention.py::test_kept_attention_gives_the_same_loss_and_gradients[pallas-full-2]",
     # remat_every 2 ([2]) stays in the default suite and counts the same forward runs; notebook 01 stays
     "tests/test_kept_attention.py::test_the_compiled_step_runs_attention_forward_once_per_layer[1]",
@@ -135,10 +152,18 @@ SLOW = frozenset({
     # dropout's masks depend on the token alone (the same on a device's or a chunk's share) in
     # test_dropout_masks_depend_on_the_token_alone; LoRA on any mesh in test_same_loss_and_adapter_gradients_...
     "tests/test_lora.py::test_dropout_drops_the_adapters_inputs_alone_and_is_the_same_on_any_mesh",
-    # compile-only H100 memory figures of one planner feature each; the planner's compile, its JSON and plan's
-    # train_args (with the host optimizer) stay in test_tiny_train_step_plan, test_llama8b_full_depth_at_32k_on_8_h100s,
-    # test_cli_plan_writes_json and test_train_args_compile_the_planned_program[host optimizer]; the search itself in
-    # test_plan_search.py's unit tests and test_joint_verdict_in_the_json
+    # compile-only H100 memory figures of one planner feature each, Llama-3.1-8B planned at full depth and a second
+    # `plan` subprocess writing its JSON; the planner's compile and its JSON stay in test_tiny_train_step_plan, the
+    # CLI's plan and its JSON in test_plan_search.py::test_joint_verdict_in_the_json, plan's train_args (with the host
+    # optimizer) in test_train_args_compile_the_planned_program[host optimizer]; the search in test_plan_search.py's
+    # unit tests
+    "tests/test_plan.py::test_llama8b_full_depth_at_32k_on_8_h100s",
+    "tests/test_plan.py::test_cli_plan_writes_json",
+    # the kernels' registers and spills stay with segment ids at D 64 and 128 (the larger kernels of the same head dims)
+    # and float32 at D 128 (the larger shared memory)
+    "tests/test_gpu_compile_kernels.py::test_bf16_kernels_compile_without_spills[d64]",
+    "tests/test_gpu_compile_kernels.py::test_bf16_kernels_compile_without_spills[d128]",
+    "tests/test_gpu_compile_kernels.py::test_large_head_dim_and_float32_fit_the_shared_memory[d64-f32]",
     "tests/test_plan.py::test_optimizer_offload_puts_the_state_in_host_memory",
     "tests/test_plan.py::test_remat_full_keeps_one_copy_of_the_saved_layer_inputs",
     "tests/test_plan.py::test_streamed_update_writes_the_layers_parameters_in_place",
@@ -152,6 +177,28 @@ SLOW = frozenset({
     # and_an_edited_folder (SFT records, the optimizer's defaults) and test_text_documents_cut_are_counted_...
     "tests/test_finetune_cli.py::test_new_user_silences_are_said_at_start",
     "tests/test_finetune_cli.py::test_sft_start_line_adds_up_with_held_out_records",
+    # the whole path of an --init-from-hf run in one test; its parts stay: --init-from-hf training and an exact resume
+    # through the entry point in test_moe_hf.py::test_tiny_moe_trains_on_sft_data_and_resumes_exactly, a changed
+    # folder refused in test_finetune_cli.py::test_fine_tuning_defaults_overlong_sft_dropped_and_an_edited_folder,
+    # eval of a run in test_cli.py::test_eval_reads_the_run_and_refuses_other_data, export through the CLI in
+    # test_a_preset_run_exports and export parity per family in test_hf.py
+    "tests/test_cli_hf.py::test_init_from_hf_resume_eval_export_load",
+    # --optim.master-weights is compiled in test_plan.py::test_train_args_compile_the_planned_program[host optimizer]
+    # and refused on resume by name in test_cli.py::test_run_dir_of_another_run_is_refused; its training and the
+    # export of its float32 masters run in `make test-slow` only
+    "tests/test_cli_hf.py::test_master_weights_run_exports_its_float32_masters",
+    # masked labels on shards: test_loss.py::test_shards_and_rows_without_valid_tokens; SP=P == SP=1 with masked
+    # labels (each document's last position) in test_model.py; the SFT masks themselves are hand-checked in this file
+    "tests/test_sft.py::test_masked_loss_and_gradients_equal_across_meshes",
+    # the float8 model beside the bf16 one: test_float8_model_is_close_to_the_bf16_model (loss and gradients); float8
+    # through the train step, its accumulation and a resume: test_delayed_history_through_the_step_accumulation_...
+    "tests/test_fp8.py::test_ten_steps_learn_as_bf16_does",
+    # each kernel's sinks: test_pair_kernels_put_the_sink_in_o_and_lse and test_local_attention_with_sinks_matches_f64;
+    # sinks under Ulysses in test_ulysses_with_sinks_matches_f64; the tiled sublayer's head groups (without sinks) in
+    # tests/test_model.py
+    "tests/test_sinks.py::test_tiled_attention_head_groups_with_sinks[xla-heads1-4-0-True]",
+    "tests/test_sinks.py::test_sinks_none_is_unchanged_and_sinks_matter[blockwise]",
+    "tests/test_sinks.py::test_sinks_none_is_unchanged_and_sinks_matter[pallas]",
 })
 
 

@@ -1,7 +1,8 @@
 """Float8 projections (``--fp8``, ``model/fp8.py``): the projection against a float32 reference that quantises by
 hand, overflow and NaN, the delayed recipe's history, the float8 model beside the bf16 one, eight devices against one
 (FSDP x Ulysses, remat, the tiled sublayers, LoRA), training and an exact resume, a Hugging Face start, refusals, the
-compiled H100 program's float8 dots and plan's estimate; slow: the real entry point's 30-step run and resume.
+compiled H100 program's float8 dots and plan's estimate; slow: ten steps against bf16, the real entry point's 30-step
+run and resume, and eight devices with the tiled sublayers, remat and LoRA.
 
 Measured bounds (CPU, 2-layer model, bf16 compute, 6 seeds): the float8 model's loss is within 8e-5 (relative) of the
 bf16 model's, each parameter's gradient has cosine similarity >= 0.9937 with the bf16 one, all gradients together
@@ -222,7 +223,7 @@ def patterned(i, b=4, s=64):
 
 
 def test_ten_steps_learn_as_bf16_does():
-    """The default suite's training check (the real entry point's 30-step run is the slow test below): 10 steps of a
+    """The short training check (`make test-slow`, with the real entry point's 30-step run below): 10 steps of a
     2-layer model on one batch of a patterned language, float8 against bf16: the loss falls the same way (measured:
     5.56 -> 3.23 in bf16, -> 3.25 in float8), within 3% at the end."""
     finals, b = {}, patterned(0, b=8)

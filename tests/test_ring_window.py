@@ -35,7 +35,17 @@ CASES = [(ring, order, window, list(KERNELS)[i % 3])
 CASES += [(2, "zigzag", 20, "pallas"), (8, "contiguous", 3, "blockwise")]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+# the default suite keeps every kernel, both orders and rings of 2, 4 and 8; `make test-slow` the other windows
+DEFAULT = {(4, "zigzag", 5, "xla"), (4, "contiguous", 8, "blockwise"), (2, "zigzag", 20, "pallas"),
+           (8, "contiguous", 3, "blockwise")}
+
+
+def test_default_cases_exist():
+    assert DEFAULT <= set(CASES)
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
+                         ids=lambda c: "-".join(map(str, c)))
 def test_windowed_ring_matches_float64(case, seed):
     ring, order, window, kernel = case
     q, k, v, do, seg = random_inputs(seed, B, S, 4, 2, D, jnp.float32, shard=S // (2 * ring))
