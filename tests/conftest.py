@@ -18,6 +18,29 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# Programs compiled for the CPU in the test processes skip LLVM's optimisations (XLA's backend optimisation level 0),
+# as FAST_COMPILE does per call in test_model.py, test_ring.py and others: XLA's HLO passes run as usual (the same
+# collectives, fusions, buffer assignment and memory figures), only the machine code is unoptimised, and compiling is
+# most of a CPU test's time (five of the heaviest test files took 40% less time on 2 cores). Programs compiled for the
+# compile-only H100s (tests marked aot) keep the default, and so do the CLI subprocesses the tests start.
+# ULYSSES_TEST_CPU_OPT=1 compiles as users do. The hook is on a private JAX function
+# (jax._src.compiler.get_compile_options); where it is missing the tests run at the default.
+if not os.environ.get("ULYSSES_TEST_CPU_OPT"):
+    try:
+        from jax._src import compiler as _compiler
+
+        _get_compile_options = _compiler.get_compile_options
+
+        def _cpu_without_llvm_optimisations(*args, backend=None, **kwargs):
+            options = _get_compile_options(*args, backend=backend, **kwargs)
+            if backend is not None and backend.platform == "cpu":
+                options.executable_build_options.debug_options.xla_backend_optimization_level = 0
+            return options
+
+        _compiler.get_compile_options = _cpu_without_llvm_optimisations
+    except (ImportError, AttributeError):
+        pass
+
 from ulysses_jax.plan.targets import INSTALL_HINT, cuda_plugin_installed  # noqa: E402
 
 # Kept out of the default `make test` (run by `make test-slow`) to hold it near 8 minutes on 2 cores (15 minutes in CI
