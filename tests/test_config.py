@@ -223,11 +223,14 @@ def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
     assert not ModelConfig.from_preset("llama3.2-1b").mixed_layer_kinds
     with pytest.raises(ValueError, match=r"mixes layer kinds \(local, global or linear layers\)"):
         dataclasses.replace(hybrid, remat="offload", attn_keep=True)
-    # and its gated attention has no tiled sublayer: --memory auto skips those sets with the reason (it crashed)
-    gated = memory_choices(PlanConfig(), 32, 4096, mixed_kinds=True, output_gate=True)
-    tiled = [(f, why) for f, _, why in gated if "--attn-chunk" in f]
-    assert tiled and all(why and "has no output gate" in why for _, why in tiled)
-    assert all(why is None for f, _, why in gated if "--attn-chunk" not in f and "offload --attn-keep" not in f)
+    # its gated attention runs in the tiled sublayer too (tests/test_model.py): --memory auto tries those sets
+    gated = memory_choices(PlanConfig(), 32, 4096, mixed_kinds=True)
+    assert any("--attn-chunk" in f for f, _, _ in gated)
+    assert all(why is None for f, _, why in gated if "offload --attn-keep" not in f)
+    assert dataclasses.replace(hybrid, attn_chunk=4096).attn_chunk == 4096
+    with pytest.raises(ValueError, match=r"takes an output gate \(attn_output_gate\) or a post-attention norm "
+                                         r"\(post_norms\), not both; use attn_chunk 0"):
+        dataclasses.replace(hybrid, attn_chunk=4096, post_norms=True)
 
 
 def test_hybrid_flops_count_the_delta_rule_and_each_layers_own_mixer():

@@ -50,6 +50,8 @@ CASES = [pytest.param(*case, marks=pytest.mark.slow) for case in (
     ("moe", "fsdp2xsp4", dict(remat="full", mlp_chunk=4)),  # the experts and the shared expert chunk by chunk
     ("dense", "data2xfsdp2xsp2-zero3", dict(remat="full", remat_every=3)),  # ZeRO-3, one group of three layers
     ("moe", "sp4", dict()),
+    # the gated attention layer in the tiled sublayer, one head per group (its KV head copied over sp 4)
+    ("dense", "fsdp2xsp4", dict(remat="full", attn_chunk=4, attn_head_chunk=1)),
 )]
 
 

@@ -42,6 +42,9 @@ VARIANTS = {
     "mha-bias": lambda: shrink("qwen2.5-0.5b", num_kv_heads=8),  # MHA, q/k/v bias, tied
     "gqa-llama3": lambda: shrink("llama3.2-1b", num_kv_heads=2),  # GQA 4:1, llama3 rope scaling, tied
     "gqa-qknorm": lambda: shrink("qwen3-8b", num_kv_heads=4, head_dim=16),  # qk-norm, N*H != D, untied
+    # Qwen3.5's full-attention layers alone: the output gate, a quarter of each head rotated, qk-norm with (1 + w)
+    "gated": lambda: shrink("qwen3.5-9b", layer_pattern=("global",), num_kv_heads=2, head_dim=16, linear_num_key_heads=0,
+                            linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0),
 }
 
 
@@ -244,6 +247,9 @@ def test_tiled_attention_equals_plain(variant, mesh_name, impl, remat, seed):
     ("gqa-llama3", "sp8", "xla", "none", 1, False),  # 1 head per device, its KV head copied: one group
     ("gqa-qknorm", "data2xfsdp2xsp2-zero3", "blockwise", "full", 1, True),  # ZeRO-3, replicas, 4 groups of one head
     ("gqa-qknorm", "sp4", "blockwise", "none", 0, True),  # one group, output recomputed
+    # the output gate: per group in slot order (KV heads copied over sp 4), its gradient through its own projection
+    ("gated", "fsdp2xsp4", "blockwise", "full", 1, False),
+    ("gated", "sp2", "xla", "none", 2, True),  # groups added up as they finish, each gated in its slot order
 ])
 def test_tiled_attention_head_groups_equal_plain(variant, mesh_name, impl, remat, head_chunk, recompute, seed):
     """attn_head_chunk: each group of a device's heads projected, exchanged and run through the kernel alone, with

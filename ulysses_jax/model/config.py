@@ -252,9 +252,9 @@ class ModelConfig:
         if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1 or int(self.head_dim * f) % 2:
             raise ValueError(f"partial_rotary_factor ({f!r}) must be in (0, 1] with head_dim ({self.head_dim}) x it "
                              f"an even number of rotated dims")
-        if self.attn_output_gate and self.attn_chunk:
-            raise ValueError("the tiled attention sublayer (attn_chunk, --attn-chunk) has no output gate "
-                             "(attn_output_gate: Qwen3.5 / Qwen3-Next); use attn_chunk 0")
+        if self.attn_output_gate and self.post_norms and self.attn_chunk:
+            raise ValueError("the tiled attention sublayer (attn_chunk, --attn-chunk) takes an output gate "
+                             "(attn_output_gate) or a post-attention norm (post_norms), not both; use attn_chunk 0")
         if self.attn_recompute and not self.attn_chunk:
             raise ValueError("attn_recompute recomputes the output of the tiled attention sublayer; set attn_chunk "
                              "too (tokens per chunk, e.g. 4096)")

@@ -39,6 +39,14 @@ Gemma 3 (``post_norms``): the post-attention norm is applied to each chunk of th
 residual add; its backward first runs the chunks' projections again from ``O`` (all heads) to send the gradient
 through the norm, then the groups as above. It needs ``O``, so ``attn_recompute`` is refused with ``post_norms``.
 
+The output gate (Qwen3.5 / Qwen3-Next, ``attn_output_gate``): the gathered ``wq``'s per-head ``[q | gate]`` is cut
+into ``wq`` and ``wg`` (plain autodiff joins their gradients). The gate is a function of a chunk's own tokens, so it
+never crosses the exchange: per chunk, after the output's all-to-all, ``sigmoid(norm(x) @ wg)`` multiplies it before
+the output projection (a group's slots with the group's cut of ``wg``). Backward: the gate is recomputed per chunk
+beside the output projection's backward, which sends ``dO * gate`` to the kernel and ``dO * O`` back through the
+gate's sigmoid, projection and norm onto the input's gradient there and then: one more GEMM per chunk, no buffer.
+Gemma 3's post-norm and the gate are not combined (``ModelConfig`` refuses it; no family has both).
+
 Kernels: ``xla``, ``blockwise``, ``pallas`` through ``ring.ring_kernel`` (with the log-sum-exp); ``cudnn`` has none, so
 its backward re-runs its forward (``jax.vjp``). Attention sinks (gpt-oss, ``params["sinks"] [heads]``, not cuDNN):
 cut per group like the query heads; each device's kernel takes its heads', its backward their gradient. Needs a mesh
@@ -79,6 +87,7 @@ from ulysses_jax.parallel.sharding import fsdp_axes, param_spec
 PARAMS = {
     "norm": (("embed",), 0),
     "wq": (("embed", "heads", "head_dim"), 0),
+    "wg": (("embed", "heads", "head_dim"), None),  # the output gate's projection: cut from wq after its gather
     "wk": (("embed", "kv_heads", "head_dim"), 0),
     "wv": (("embed", "kv_heads", "head_dim"), 0),
     "wo": (("heads", "head_dim", "embed"), 2),
@@ -148,10 +157,21 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = Fal
     return apply_rope(q, pos_bc, inv_freq, f), apply_rope(k, pos_bc, inv_freq, f), v
 
 
-def output_chunk(o_bcXH, wo, *, layout: HeadLayout, fp8_on: bool = False, history=None):
-    """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: the output projection
-    (in float8 with ``fp8_on``)."""
-    return fp8.einsum("bsnh,nhd->bsd", layout.ungather_out(o_bcXH), wo, on=fp8_on, history=history)
+def gate_chunk(x_bcD, w: dict, *, cfg: ModelConfig):
+    """The output gate of a chunk (Qwen3.5 / Qwen3-Next): ``sigmoid(rms_norm(x) @ wg)`` ``[b, c, heads, H]`` in the
+    compute dtype, as ``model.Attention`` computes it (the sigmoid in float32). ``w``: ``"norm"`` and ``"wg"`` (all
+    heads in their own order, or a group's slots). With float8 the gate's GEMM scales by its own current amax (a
+    delayed recipe's history rows are q, k, v and o's)."""
+    xn = rms_norm(x_bcD, norm_scale(w["norm"], cfg), cfg.rms_eps)
+    g = fp8.einsum("bsd,dnh->bsnh", xn, w["wg"], on=cfg.fp8)
+    return jax.nn.sigmoid(g.astype(_F32)).astype(w["wg"].dtype)
+
+
+def output_chunk(o_bcXH, wo, gate=None, *, layout: HeadLayout, fp8_on: bool = False, history=None):
+    """``[b, c, sp * hq, H]`` (a chunk of the output after its all-to-all) ``-> [b, c, D]``: times the output gate
+    ``gate [b, c, heads, H]`` (real head order) if given, then the output projection (in float8 with ``fp8_on``)."""
+    o = layout.ungather_out(o_bcXH)
+    return fp8.einsum("bsnh,nhd->bsd", o if gate is None else o * gate, wo, on=fp8_on, history=history)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,8 +205,17 @@ class _Spec:
     def project(self, x, pos, w):
         return project_chunk(x, pos, w, cfg=self.cfg, local=self.window is not None)
 
-    def out_proj(self, o, wo, hist=None):
-        return output_chunk(o, wo, layout=self.groups.layout, fp8_on=self.cfg.fp8, history=hist)
+    def out_proj(self, o, wo, gate=None, hist=None):
+        return output_chunk(o, wo, gate, layout=self.groups.layout, fp8_on=self.cfg.fp8, history=hist)
+
+    def gate(self, x, w):
+        return gate_chunk(x, w, cfg=self.cfg)
+
+    def gate_of(self, x, w: dict):
+        """``i -> `` chunk ``i``'s output gate from ``w`` (its ``"wg"``: all heads or a group's slots), or None
+        without one."""
+        c = x.shape[1] // self.n
+        return (lambda i: self.gate(chunk(x, i, c), w)) if "wg" in w else None
 
     def out_proj_of(self, w: dict):
         """``out_proj`` with ``w``'s float8 history of the output projection (delayed scaling), if any."""
@@ -248,7 +277,7 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
             q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
             o_t, _ = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
             return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"], spec.cfg.fp8,
-                           fp8.row(wg.get(fp8.HISTORY_KEY), 3))
+                           fp8.row(wg.get(fp8.HISTORY_KEY), 3), spec.gate_of(x, wg))
 
         acc = _over_groups(groups.count, group_acc, fresh(x.shape, w["wo"].dtype, x) * 0)
         # the residual added per chunk into the sum's buffer (a plain x + acc: 13 GiB more, 8B LoRA at 2.15M tokens)
@@ -270,8 +299,8 @@ def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
 
     o, lse = _over_groups(groups.count, group, (o, lse))
     post = (lambda y: spec.post(y, w["post_norm"])) if "post_norm" in w else None
-    return fill_out(spec.out_proj_of(w), n, sp, o, x, w["wo"], post), (x, pos, seg, w, None if spec.recompute else o,
-                                                                        lse)
+    y = fill_out(spec.out_proj_of(w), n, sp, o, x, w["wo"], post, spec.gate_of(x, w))
+    return y, (x, pos, seg, w, None if spec.recompute else o, lse)
 
 
 def _sublayer_bwd(spec: _Spec, res, ct):
@@ -292,10 +321,16 @@ def _sublayer_bwd(spec: _Spec, res, ct):
             o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
             lse_t = None if lse is None else lse[t]
         hist = wg.get(fp8.HISTORY_KEY)
-        do, dwo, dhist = grad_out(n, sp, o_t, ct_out, wg["wo"], spec.cfg.fp8, fp8.row(hist, 3))
+        gate = (spec.gate, x, {"norm": wg["norm"], "wg": wg["wg"]}, dx) if "wg" in wg else None
+        do, dwo, dhist, gated = grad_out(n, sp, o_t, ct_out, wg["wo"], spec.cfg.fp8, fp8.row(hist, 3), gate)
+        if gated is not None:  # the gate's gradient already sent through its norm and projection onto dx
+            dx, dgate = gated
         grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do, spec.sinks(wg))
-        w_in = {name: a for name, a in wg.items() if name not in ("wo", "sinks")}
+        w_in = {name: a for name, a in wg.items() if name not in ("wo", "sinks", "wg")}
         dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads[:3], dx)
+        if gated is not None:
+            dwg["norm"] = dwg["norm"] + dgate["norm"]
+            dwg["wg"] = dgate["wg"]
         if hist is not None:  # q, k, v's new histories from their projections, o's from its backward here
             dwg[fp8.HISTORY_KEY] = dwg[fp8.HISTORY_KEY].at[3].max(dhist)
         if "sinks" in wg:  # this device's heads' share of the group's slots; shard_map sums over devices
@@ -355,6 +390,8 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
             w[k] = v if axis is None else jax.lax.all_gather(v, fsdp_axes(over_data), axis=axis, tiled=True)
         if fp8.HISTORY_KEY in w:
             w[fp8.HISTORY_KEY] = w[fp8.HISTORY_KEY][0]  # this device's copy
+        if cfg.attn_output_gate:  # each head's [q | gate] (model.Attention's wq), gathered: the gate's own weights
+            w["wq"], w["wg"] = jnp.split(w["wq"], 2, axis=-1)
         if seg is not None:
             seg = jax.lax.all_gather(seg, SP, axis=1, tiled=True)  # [b, S]
         return _sublayer(spec, x, pos, seg, w)

@@ -91,16 +91,18 @@ def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
     return jax.lax.fori_loop(0, n, body, (dx, zeros_f32(w)))
 
 
-def fill_out(out_proj, n: int, sp: int, o, x, wo, post=None):
+def fill_out(out_proj, n: int, sp: int, o, x, wo, post=None, gate=None):
     """``x + post(out_proj(heads -> sequence all-to-all of o))``, chunk by chunk: ``o [b, S, hq, H]`` (whole
     sequence, local heads), ``x [b, s, D]`` (local tokens, the residual) -> ``[b, s, D]``; ``post``: the
-    post-attention norm of a chunk (Gemma 3), or ``None``."""
+    post-attention norm of a chunk (Gemma 3), or ``None``; ``gate``: with an output gate, ``gate(i)`` is chunk
+    ``i``'s ``sigmoid(gate)``, which ``out_proj(o, wo, gate)`` applies before the projection."""
     b, s, _ = x.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, y):
-        y_c = out_proj(heads_to_seq(_exchanged(o6, i), SP), wo)
+        o_c = heads_to_seq(_exchanged(o6, i), SP)
+        y_c = out_proj(o_c, wo) if gate is None else out_proj(o_c, wo, gate(i))
         return put(y, chunk(x, i, c) + (y_c if post is None else post(y_c)).astype(x.dtype), i, c)
 
     return jax.lax.fori_loop(0, n, body, fresh(x.shape, x.dtype, o))
@@ -124,47 +126,67 @@ def grad_post(out_proj, post, n: int, sp: int, o, ct, wo, scale):
     return jax.lax.fori_loop(0, n, body, (fresh(ct.shape, wo.dtype, ct), jnp.zeros(scale.shape, _F32)))
 
 
-def grad_out(n: int, sp: int, o, ct, wo, fp8_on: bool = False, history=None):
+def grad_out(n: int, sp: int, o, ct, wo, fp8_on: bool = False, history=None, gate=None):
     """The backward of a group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's output),
     ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order)
     -> ``(do [b, S, size, H], dwo, history')``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and
     ``wo``'s gradient (float32) from the chunk's exchange of ``o``, recomputed. ``fp8_on``: both GEMMs in float8
     (``fp8.grads``); ``history'``: with delayed scaling the history's new value (the chunks' amaxes meet in a max),
-    else None."""
+    else None.
+
+    ``gate``: with an output gate (Qwen3.5), ``(fn, x, wg, dx)``: ``fn(x_chunk, wg)`` is a chunk's ``sigmoid(gate)``
+    ``[b, c, sp * size, H]`` (slot order), which multiplied the exchanged output before the projection; ``x [b, s, D]``
+    the sublayer's input, ``dx`` its gradient so far. Per chunk the gate's own gradient goes back through ``fn``
+    at once (its norm and projection), so no buffer of it outlives the chunk; the call then returns ``(do, dwo,
+    history', (dx', dwg))`` (``dwg``: ``wg``'s gradient in float32) instead of ``(do, dwo, history', None)``."""
     b, s, _ = ct.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
     like = jax.ShapeDtypeStruct((b, c, *wo.shape[:2]), wo.dtype)
+    fn, x, wg, dx = gate if gate is not None else (None, None, None, None)
 
     def body(i, carry):
-        buf, acc, h = carry
+        buf, acc, h, gated = carry
         ct_i = chunk(ct, i, c).astype(wo.dtype)
         o_i = heads_to_seq(_exchanged(o6, i), SP)
+        if fn is not None:
+            g_i, vjp = jax.vjp(fn, chunk(x, i, c), wg)
+            o_in = o_i * g_i
+        else:
+            o_in = o_i
         if fp8_on:
-            do, dwo, new = fp8.grads("bsnh,nhd->bsd", o_i, wo, ct_i, history)
+            do, dwo, new = fp8.grads("bsnh,nhd->bsd", o_in, wo, ct_i, history)
             h = h if new is None else jnp.maximum(h, new)
         else:
             do = jnp.einsum("bsd,nhd->bsnh", ct_i, wo)
-            dwo = jnp.einsum("bsnh,bsd->nhd", o_i, ct_i, preferred_element_type=_F32)
-        return _land(buf, seq_to_heads(do.astype(wo.dtype), SP), i), acc + dwo, h
+            dwo = jnp.einsum("bsnh,bsd->nhd", o_in, ct_i, preferred_element_type=_F32)
+        if fn is not None:  # d(o * g) = do: the output's gradient do * g, the gate's do * o
+            dxc, dwg_i = vjp((do * o_i).astype(g_i.dtype))
+            dx_acc, dwg = gated
+            gated = (put(dx_acc, chunk(dx_acc, i, c) + dxc, i, c), sum_f32(dwg, dwg_i))
+            do = do * g_i
+        return _land(buf, seq_to_heads(do.astype(wo.dtype), SP), i), acc + dwo, h, gated
 
     h0 = None if history is None else jnp.zeros(history.shape, _F32)
-    buf, dwo, h = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32), h0))
-    return _whole(buf), dwo, h
+    gated0 = None if fn is None else (dx, zeros_f32(wg))
+    buf, dwo, h, gated = jax.lax.fori_loop(0, n, body, (_buffer(b, sp, n, c, like, ct), jnp.zeros(wo.shape, _F32),
+                                                          h0, gated0))
+    return _whole(buf), dwo, h, gated
 
 
-
-def add_out(n: int, sp: int, o, acc, wo, fp8_on: bool = False, history=None):
+def add_out(n: int, sp: int, o, acc, wo, fp8_on: bool = False, history=None, gate=None):
     """``acc [b, s, D]`` plus one group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's
     output, whole sequence), ``wo [sp * size, H, D]`` (the group's output weights, slot order, dummy heads zero): per
     chunk the heads -> sequence all-to-all of ``o`` and ``o @ wo`` (in float8 with ``fp8_on``), added onto ``acc`` in
-    place."""
+    place. ``gate``: with an output gate, ``gate(i)``: chunk ``i``'s ``sigmoid(gate)`` in the group's slot order,
+    multiplying the exchanged output first."""
     b, s, _ = acc.shape
     c = s // n
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, acc):
-        y = fp8.einsum("bsnh,nhd->bsd", heads_to_seq(_exchanged(o6, i), SP), wo, on=fp8_on, history=history,
+        o_i = heads_to_seq(_exchanged(o6, i), SP)
+        y = fp8.einsum("bsnh,nhd->bsd", o_i if gate is None else o_i * gate(i), wo, on=fp8_on, history=history,
                        preferred_element_type=_F32)
         return put(acc, chunk(acc, i, c).astype(_F32) + y, i, c)
 
