@@ -167,12 +167,12 @@ def test_auto_picks_cudnn_for_packed_rows_on_gpu():
     assert resolve_impl("auto", dtype=jnp.float32, head_dim=128, has_segment_ids=True, platform="gpu") == "pallas"
 
 
-def _compiled_text(dev, impl, *, h, hkv, window, max_documents, s=4096):
+def _compiled_text(dev, impl, *, h, hkv, window, max_documents, s=4096, d=128):
     from jax.sharding import SingleDeviceSharding
 
     sh = SingleDeviceSharding(dev)
-    q = jax.ShapeDtypeStruct((2, s, h, 128), jnp.bfloat16, sharding=sh)
-    kv = jax.ShapeDtypeStruct((2, s, hkv, 128), jnp.bfloat16, sharding=sh)
+    q = jax.ShapeDtypeStruct((2, s, h, d), jnp.bfloat16, sharding=sh)
+    kv = jax.ShapeDtypeStruct((2, s, hkv, d), jnp.bfloat16, sharding=sh)
     seg = jax.ShapeDtypeStruct((2, s), jnp.int32, sharding=sh)
 
     def loss(q, k, v, seg):
@@ -185,15 +185,17 @@ def _compiled_text(dev, impl, *, h, hkv, window, max_documents, s=4096):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("h,hkv,window,m", [(8, 8, None, 16), (8, 2, None, 16), (8, 2, 512, 4), (8, 2, None, 1)],
-                         ids=["mha", "gqa", "gqa-window", "gqa-one-document"])
-def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m):
+@pytest.mark.parametrize("h,hkv,window,m,d", [(8, 8, None, 16, 128), (8, 2, None, 16, 128), (8, 2, 512, 4, 128),
+                                               (8, 2, None, 1, 128), (4, 1, None, 1, 256)],
+                         ids=["mha", "gqa", "gqa-window", "gqa-one-document", "hd256"])
+def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m, d):
     """``attention(..., segment_ids=s, impl="cudnn", platform="gpu")`` forward and backward for a compile-only H100:
-    cuDNN's fused attention each way, no Triton kernel; ``impl="auto"`` gives the same program."""
+    cuDNN's fused attention each way, no Triton kernel; ``impl="auto"`` gives the same program (head_dim 256 too:
+    Qwen3.5's full-attention layers, which Hopper's cuDNN takes)."""
     from ulysses_jax.plan.targets import target_devices
 
     dev = target_devices("h100", devices=1)[0]
-    text = _compiled_text(dev, "cudnn", h=h, hkv=hkv, window=window, max_documents=m)
+    text = _compiled_text(dev, "cudnn", h=h, hkv=hkv, window=window, max_documents=m, d=d)
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text)
     assert len(calls) == 2 and sum("Backward" in c for c in calls) == 1, calls
     # no Pallas kernel and no Triton matmul: XLA's only Triton fusions here are the [B, S] reductions that find each
@@ -203,16 +205,24 @@ def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m):
     assert all("reduce" in line.split("=")[0] for line in triton), triton
     if window:
         assert text.count("sliding_window_length") >= 2
-    auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m)
+    auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m, d=d)
     assert re.findall(r'custom_call_target="([^"]*)"', auto) == re.findall(r'custom_call_target="([^"]*)"', text)
 
 
-def test_auto_says_why_it_does_not_run_cudnn():
-    from ulysses_jax.kernels.attention import auto_reason
+def test_auto_says_why_it_does_not_run_cudnn(monkeypatch):
+    from ulysses_jax.kernels import attention as attention_mod
+    from ulysses_jax.kernels.attention import auto_reason, cudnn_max_head_dim, resolve_impl
 
     assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="gpu") is None
+    # head_dim 256 (Qwen3.5): cuDNN on Hopper (the compile-only targets here), our kernel before Hopper
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=256, platform="gpu") is None
+    assert auto_reason(dtype=jnp.bfloat16, head_dim=264, platform="gpu") == (
+        "cuDNN needs head_dim a multiple of 8 and at most 256 (compute capability 9.0), got 264")
+    assert (cudnn_max_head_dim((8, 0)), cudnn_max_head_dim((9, 0)), cudnn_max_head_dim((10, 0))) == (128, 256, 256)
+    monkeypatch.setattr(attention_mod, "gpu_capability", lambda: (8, 0))  # an A100
     assert auto_reason(dtype=jnp.bfloat16, head_dim=256, platform="gpu") == (
-        "cuDNN needs head_dim a multiple of 8 and at most 128, got 256")
+        "cuDNN needs head_dim a multiple of 8 and at most 128 (compute capability 8.0), got 256")
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=256, has_segment_ids=True, platform="gpu") == "pallas"
     assert auto_reason(dtype=jnp.float32, head_dim=128, platform="gpu") == (
         "cuDNN needs float16 or bfloat16 inputs, got float32")
     assert auto_reason(dtype=jnp.bfloat16, head_dim=128, platform="gpu", ring=2).startswith("cuDNN has no ring kernel")

@@ -168,15 +168,20 @@ def test_vision_language_folder_trains_its_language_model_and_carries_the_vision
     assert np.abs(moved - logits_of(model, tokens)).max() <= TOL and np.abs(moved - ref).max() > 0.1
 
 
-def test_head_dim_256_runs_our_kernel_on_gpus_and_says_why():
-    """The full-attention layers' head_dim 256 is beyond cuDNN's 128: `auto` takes our Pallas kernel on GPUs, and the
-    start-up line's reason names it (cli._impl_note)."""
+def test_head_dim_256_runs_cudnn_on_hopper_and_our_kernel_before(monkeypatch):
+    """The full-attention layers' head_dim 256: cuDNN takes it on Hopper (forward and backward, packed rows), so
+    `auto` picks it there; before Hopper (cuDNN's 128) our Pallas kernel, and the start-up line's reason names it
+    (cli._impl_note)."""
+    from ulysses_jax.kernels import attention as attention_mod
     from ulysses_jax.kernels.attention import auto_reason, resolve_impl
 
     cfg = uj.ModelConfig.from_preset("qwen3.5-9b")
     args = dict(dtype=cfg.compute_jnp_dtype, head_dim=cfg.head_dim, platform="gpu")
+    assert resolve_impl("auto", has_segment_ids=True, **args) == "cudnn" and auto_reason(**args) is None
+    monkeypatch.setattr(attention_mod, "gpu_capability", lambda: (8, 9))  # an L40S
     assert resolve_impl("auto", has_segment_ids=True, **args) == "pallas"
-    assert auto_reason(**args) == "cuDNN needs head_dim a multiple of 8 and at most 128, got 256"
+    assert auto_reason(**args) == ("cuDNN needs head_dim a multiple of 8 and at most 128 (compute capability 8.9), "
+                                   "got 256")
 
 
 def test_a_ring_and_heads_that_do_not_split_are_refused(tmp_path):

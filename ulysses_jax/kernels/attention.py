@@ -23,7 +23,8 @@ Implementations (``impl=``):
     the reference does, on any platform; the fast exact path on CPUs (``make train`` in well under
     half the reference's time), memory linear in the sequence length.
   * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only,
-    float16/bfloat16 only, head_dim a multiple of 8 up to 128. With ``segment_ids`` (packed documents), cuDNN's
+    float16/bfloat16 only, head_dim a multiple of 8 up to 256 on Hopper and later (compute capability 9.0: forward
+    and backward, packed rows included, cuDNN's support matrix and jax's own check), up to 128 before. With ``segment_ids`` (packed documents), cuDNN's
     packed layout instead (``kernels/cudnn_packed.py``: segment ids turned into per-row document lengths and
     offsets inside the program; Hopper or later; at most ``max_documents`` documents a row).
   * ``"auto"``: resolved per call by ``resolve_impl`` (rule in its docstring).
@@ -64,7 +65,7 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     ``"auto"``: on CPU (and any non-GPU platform) ``"blockwise"`` (exact, and faster there than the ``"xla"``
     reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU
     ``"cudnn"`` when cuDNN can take the request (packed rows included: float16/bfloat16, head_dim a multiple of 8 and
-    <= 128), otherwise ``"pallas"``. Measured on an H100 (``experiments/results/gpu_h100_20261126``): cuDNN runs
+    at most ``cudnn_max_head_dim()``: 256 on Hopper, 128 before), otherwise ``"pallas"``. Measured on an H100 (``experiments/results/gpu_h100_20261126``): cuDNN runs
     causal attention at 609 / 527 TFLOP/s forward / backward against our kernel's 398 / 338 (S = 32K, head_dim 128),
     and llama3.2-1b trains 1.76x faster at 32K tokens on cuDNN's packed path than on our kernel. ``sinks``: the call
     has attention sinks, which cuDNN has not: ``"auto"`` picks ``"pallas"`` on GPU, ``"cudnn"`` is refused.
@@ -94,6 +95,21 @@ def auto_reason(*, dtype, head_dim: int, platform: str, ring: int = 1, sinks: bo
     return None if problem is None else problem.replace("cuDNN attention needs", "cuDNN needs")
 
 
+def gpu_capability() -> tuple[int, int]:
+    """The compute capability of the GPUs programs are built for: the local GPU's on a machine with one; on a machine
+    without one, the compile-only targets' (``ulysses_jax.plan.targets``: H100 and H200, 9.0)."""
+    if jax.default_backend() != "gpu":
+        return (9, 0)
+    major, minor = str(getattr(jax.devices()[0], "compute_capability", "9.0")).split(".")[:2]
+    return int(major), int(minor)
+
+
+def cudnn_max_head_dim(capability: tuple[int, int] | None = None) -> int:
+    """cuDNN's largest head_dim for training (forward and backward, packed rows included): 256 on Hopper and later,
+    128 on Ampere / Ada (cuDNN's support matrix; jax's ``check_is_flash_attention`` draws the same line)."""
+    return 256 if (capability or gpu_capability()) >= (9, 0) else 128
+
+
 def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str, sinks: bool = False) -> str | None:
     if platform != "gpu":
         return f"cuDNN needs a GPU but the devices' platform is {platform!r}"
@@ -101,8 +117,10 @@ def _cudnn_problem(*, dtype, head_dim: int, has_segment_ids: bool, platform: str
         return "cuDNN attention has no attention sinks"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"cuDNN attention needs float16 or bfloat16 inputs, got {jnp.dtype(dtype)}"
-    if head_dim % 8 or head_dim > 128:
-        return f"cuDNN attention needs head_dim a multiple of 8 and at most 128, got {head_dim}"
+    most = cudnn_max_head_dim()
+    if head_dim % 8 or head_dim > most:
+        return (f"cuDNN attention needs head_dim a multiple of 8 and at most {most} (compute capability "
+                f"{'.'.join(map(str, gpu_capability()))}), got {head_dim}")
     return None
 
 
