@@ -22,6 +22,8 @@ the filter length.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,8 +35,11 @@ from ulysses_jax.parallel.sharding import constrain
 from ulysses_jax.parallel.ulysses_delta import plan_delta_heads, ulysses_gated_delta
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3,))
 def gated_rms_norm(o, z, w, eps: float):
-    """``rms_norm(o) * w * silu(z)`` over the last axis (a value head's ``dv``), float32 inside, ``o``'s dtype out."""
+    """``rms_norm(o) * w * silu(z)`` over the last axis (a value head's ``dv``), float32 inside, ``o``'s dtype out.
+    Rematerialised: its backward recomputes the float32 intermediates from ``o`` and ``z`` rather than keeping them
+    (each ``[B, S/sp, Hv, dv]`` float32, twice the size of ``o``)."""
     o32 = o.astype(jnp.float32)
     y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
