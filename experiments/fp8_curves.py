@@ -53,7 +53,9 @@ def train(args, name: str, run_dir: pathlib.Path) -> dict:
     cmd = [sys.executable, "-m", "ulysses_jax", "train", "--preset", args.preset, "--steps", str(args.steps),
            "--seq-len", str(args.seq_len), "--run-dir", str(run_dir), "--no-progress", "--checkpoint-every",
            str(args.steps), *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
-           *(["--data", *args.data] if args.data else []), *args.train_flags, *RUNS[name]]
+           *(["--data", *args.data] if args.data else []),
+           "--memory", "manual",  # both runs with the same memory tools, not each the fastest of its own search
+           *args.train_flags, *RUNS[name]]
     if name == "fp8":
         cmd += ["--fp8-recipe", args.fp8_recipe]
     print("$", " ".join(shlex.quote(c) for c in cmd[1:]), flush=True)

@@ -1,6 +1,7 @@
 """The ``ulysses-jax train`` flags of a planned program (the plan's ``train_args``): every setting the compiled
 step depends on, resolved as the plan resolved it (mesh, batch, memory pool), so that ``train`` with these flags
-compiles the program ``plan`` compiled (tests/test_plan.py compares the two HLOs).
+compiles the program ``plan`` compiled (tests/test_plan.py compares the two HLOs). They end with ``--memory manual``:
+``train`` runs the memory tools planned (the preset's, where the plan has none), never a search of its own.
 """
 
 from __future__ import annotations
@@ -52,4 +53,4 @@ def train_args(cfg: TrainConfig, *, seq_len: int, batch_size: int, mesh: dict[st
                     args += _flag(f"{name}.{f.name}", v)
         elif name in ALWAYS or value != was:
             args += _flag(name, value)
-    return args
+    return args + ["--memory", "manual"]

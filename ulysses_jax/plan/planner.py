@@ -70,10 +70,10 @@ class PlanConfig(TrainConfig):
     budget_fraction: float = 0.9  # share of device memory XLA's buffers may use (the rest: CUDA, NCCL, fragmentation)
     find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
     memory: Literal["manual", "auto"] = "manual"
-    """auto: try the sets of memory tools (remat full, every k-th layer, offload with the optimizer in host memory,
-    every 2nd layer, the tiled attention in head groups) in that order of cost and print the train flags: the first
-    that fits --seq-len, or with --find-max-seq-len the one with the longest context; host memory within
-    --host-memory-gib"""
+    """auto: compile the sets of memory tools (remat full, with attention's output kept, every k-th layer, offload
+    with the optimizer in host memory, every 2nd layer, the tiled attention in head groups) and print the train
+    flags: of those that fit --seq-len the one of the shortest estimated step, or with --find-max-seq-len the one
+    with the longest context; host memory within --host-memory-gib. (train --memory auto does the same by itself)"""
     host_memory_gib: float | None = None
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""
@@ -105,6 +105,7 @@ class Plan:
     max_seq_len: int | None = None
     optimizer_on_host: bool = False  # --optim.offload: the optimizer state's shard is in pinned host memory
     memory_flags: str | None = None  # --memory auto: the train flags of the memory tools it chose
+    memory_changes: dict = dataclasses.field(default_factory=dict, repr=False)  # ... as TrainConfig fields
     memory_fraction: float = 0.95  # the share of the GPU JAX's pool must take (train --memory-fraction)
     host_budget_note: str = ""  # where the host budget comes from
     host_budget_assumed: bool = True  # the host budget is the target node's share, not --host-memory-gib

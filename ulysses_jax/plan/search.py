@@ -208,7 +208,7 @@ def _summary(flags: str, p: Plan | None, *, length: int | None, note: str = "") 
 def _choose(cfg: PlanConfig, p: Plan, flags: str, changes: dict) -> Plan:
     """The chosen set's plan again with the detail (largest buffers, kernels), its flags and runners-up set."""
     best = plan(dataclasses.replace(cfg, memory="manual", **changes), seq_len=p.seq_len)
-    best.max_seq_len, best.memory_flags = p.max_seq_len, flags
+    best.max_seq_len, best.memory_flags, best.memory_changes = p.max_seq_len, flags, changes
     return best
 
 
@@ -249,9 +249,10 @@ def cfg_host_budget(cfg: PlanConfig) -> int:
     return budgets(cfg, get_target(cfg.target))[2]
 
 
-def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
+def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) -> Plan:
     """``--memory auto`` for ``--seq-len``: of ``memory_choices`` that fit both budgets, the one with the lowest
-    estimated step time; the others are printed as runners-up."""
+    estimated step time; the others are printed as runners-up. ``detail``: compile the chosen set again with its
+    largest buffers and kernels (``train --memory auto`` takes the trial's plan as it is)."""
     model = _model(cfg)
     _, mesh = _mesh(cfg, model, cfg.seq_len)
     local = cfg.seq_len // (mesh.shape["ring"] * mesh.shape["sp"]) if cfg.seq_len % (
@@ -277,7 +278,11 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
                          f"host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices, or find "
                          f"the longest that fits with --find-max-seq-len")
     p, flags, changes = min(fitting, key=lambda f: f[0].estimate["step_seconds"])
-    chosen = _choose(cfg, p, flags, changes)
+    if detail:
+        chosen = _choose(cfg, p, flags, changes)
+    else:
+        chosen = p
+        chosen.memory_flags, chosen.memory_changes = flags, changes
     chosen.alternatives = [r for r in results if r["flags"] != flags]
     log(f"Chosen (--memory auto): the lowest estimated step time of the {len(fitting)} sets that fit, each listed "
         f"above: {flags}")

@@ -41,6 +41,12 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step (normalised by tokens, not by micro-batches)
     mesh: MeshConfig = MeshConfig()
     attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
+    memory: Literal["auto", "manual"] = "auto"
+    """auto: on an H100 or H200, a new run given no memory flag (--remat, --remat-every, --remat-nested, --loss-chunk,
+    --mlp-chunk, --attn-chunk, --attn-head-chunk, --attn-recompute, --attn-keep, --param-dtype, --offload-params,
+    --optim.offload, --optim.master-weights) compiles its step with each set of memory tools `plan --memory auto`
+    tries and trains with the one of the shortest estimated step that fits, said at start; manual: the flags as
+    given, the preset's tools where none is. The two are the same on CPUs, other GPUs and with --resume"""
     remat: Remat | None = None  # rematerialisation per layer; None: the preset's
     remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
     remat_nested: bool = False
@@ -134,6 +140,27 @@ class TrainConfig:
     peer_timeout: float = DEFAULT_PEER_TIMEOUT
     """multi-process: seconds without a heartbeat from another process before every process stops with one line
     naming it (exit 69; restart with --resume)"""
+
+
+# The settings that are memory tools: ``--memory auto`` chooses them when none is given (``memory_flags_given``).
+MEMORY_SETTINGS = ("remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
+                   "attn_recompute", "attn_keep", "param_dtype", "offload_params", "optim.offload",
+                   "optim.master_weights")
+
+
+def memory_flags_given(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The flags of the ``MEMORY_SETTINGS`` that ``cfg`` has from the user: named in ``given`` (the settings this
+    invocation's flags and ``--config`` file give, ``runconfig.given_settings``: ``--no-attn-keep`` counts) or holding
+    a value other than the default (from a run's record, or a config built in Python)."""
+    changed = memory_changes(TrainConfig(), cfg)
+    return [runconfig.flag(path) for path in MEMORY_SETTINGS if path in given or path in changed]
+
+
+def memory_changes(before: TrainConfig, after: TrainConfig) -> dict:
+    """``{setting: value}`` of the ``MEMORY_SETTINGS`` that ``after`` sets otherwise than ``before``."""
+    a, b = runconfig.to_dict(before), runconfig.to_dict(after)
+    return {path: runconfig.get(b, path) for path in MEMORY_SETTINGS
+            if runconfig.get(a, path) != runconfig.get(b, path)}
 
 
 # ------------------------------------------------------------------------------------ setup

@@ -47,6 +47,7 @@ from ulysses_jax.train.config import (
     data_config,
     default_run_dir,
     lora_settings,
+    memory_changes,
     model_config,
 )
 from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_total_bytes re-exported)
@@ -166,12 +167,14 @@ def _continuation(cfg: TrainConfig, recorded: dict, where: runconfig.RunDir, not
     return start, dataclasses.replace(cfg.optim, decay_steps=first, warmup_steps=warmup), horizon, replans
 
 
-def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
+def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Run:
     """Validate everything and build (or restore) the state; raises ValueError on user error; writes the record last.
 
     ``loop_eval_setup``: how the in-training evaluations of ``--eval-by-position`` / ``--eval-passkey`` are built
     (``ulysses_jax.evaluation.loop.LoopEval.setup``; the evaluation layer sits above this one, so it is handed in:
-    ``ulysses-jax train`` and ``ulysses_jax.evaluation.loop.train`` do)."""
+    ``ulysses-jax train`` and ``ulysses_jax.evaluation.loop.train`` do). ``memory_setup(cfg, mesh=, batch_size=)``:
+    ``(cfg with the memory tools to train with, why)``, once the model, mesh and batch are checked, for a new run
+    (``--memory auto``: ``ulysses_jax.plan.train_memory.choose_memory``, handed in by ``ulysses-jax train``)."""
     if cfg.eval_every and (cfg.eval_by_position or cfg.eval_passkey) and loop_eval_setup is None:
         raise ValueError("--eval-by-position and --eval-passkey run in the evaluation layer: start the run with "
                          "`ulysses-jax train` or ulysses_jax.evaluation.loop.train(cfg), not ulysses_jax.train.trainer")
@@ -247,6 +250,13 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
     check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
     check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
+    memory_chosen = {}  # the memory tools memory_setup chose: recorded with why, as the defaults' choices are
+    if memory_setup is not None and not resuming:  # a resumed run keeps the tools it recorded
+        picked, why = memory_setup(cfg, mesh=mesh, batch_size=batch_size)
+        if memory_chosen := {k: {"value": v, "why": why} for k, v in memory_changes(cfg, picked).items()}:
+            cfg, model = picked, model_config(picked, summary.vocab_size)
+            check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
+            check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
     peak, profile = _peak(cfg.peak_tflops), _profile_range(cfg.profile_steps)
 
     notes: list[str] = early_notes
@@ -258,7 +268,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None) -> Run:
         start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning, lora=adapters), []
         horizon = optim.decay_steps
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
-                  cfg.optim.defaults(cfg.steps, fine_tuning, adapters).items()}
+                  cfg.optim.defaults(cfg.steps, fine_tuning, adapters).items()} | memory_chosen
         if adapters:  # the LoRA settings not given, recorded as resolved (a resume compares them)
             lora_chosen = {k: v for k, v in lora_settings(cfg, model).items() if k != "param_dtype"}
             chosen.update({k: {"value": v, "why": why} for k, (v, why) in lora_chosen.items()})
