@@ -224,8 +224,9 @@ def test_kept_attention_is_not_offloaded_from_mixed_layer_kinds():
     with pytest.raises(ValueError, match=r"mixes layer kinds \(local, global or linear layers\)"):
         dataclasses.replace(hybrid, remat="offload", attn_keep=True)
     # its gated attention runs in the tiled sublayer too (tests/test_model.py): --memory auto tries those sets
-    gated = memory_choices(PlanConfig(), 32, 4096, mixed_kinds=True)
-    assert any("--attn-chunk" in f for f, _, _ in gated)
+    gated = memory_choices(PlanConfig(), 32, 4096, mixed_kinds=True, delta=True)
+    tiled = [(f, c) for f, c, _ in gated if "--attn-chunk" in f]  # with the delta-net in groups of one value head
+    assert tiled and all("--delta-head-chunk 1" in f and c["delta_head_chunk"] == 1 for f, c in tiled)
     assert all(why is None for f, _, why in gated if "offload --attn-keep" not in f)
     assert dataclasses.replace(hybrid, attn_chunk=4096).attn_chunk == 4096
     with pytest.raises(ValueError, match=r"takes an output gate \(attn_output_gate\) or a post-attention norm "

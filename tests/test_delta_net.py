@@ -5,6 +5,8 @@ heads split over sp or copied to it; packed rows against each document alone; th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,14 +21,16 @@ from ulysses_jax.model.layers import ParamMaker
 from ulysses_jax.parallel.ulysses_delta import delta_exchange_bytes, plan_delta_heads
 
 B, S, D = 2, 64, 32
-# (key heads, value heads): key heads split over sp = 4, and fewer key heads than sp (each copied to 2 devices)
-HEADS = {"split": (4, 8), "copied": (2, 4)}
+# (key heads, value heads[, delta_head_chunk]): key heads split over sp = 4, fewer key heads than sp (each copied to 2
+# devices); in head groups: two groups of one key head and its two value heads each, and two groups of one value head
+# each sharing a key head (projected and exchanged once per group)
+HEADS = {"split": (4, 8), "copied": (2, 4), "groups": (8, 16, 2), "groups-shared-key": (4, 8, 1)}
 
 
-def config(hk, hv):
+def config(hk, hv, m=0):
     return uj.ModelConfig(hidden=D, num_layers=1, layer_pattern=("linear",), linear_num_key_heads=hk,
                           linear_num_value_heads=hv, linear_key_head_dim=8, linear_value_head_dim=8,
-                          compute_dtype="float32", init_std=0.3)
+                          compute_dtype="float32", init_std=0.3, delta_head_chunk=m)
 
 
 def make(cfg, mesh, seed=0):
@@ -74,7 +78,9 @@ def packed_ids():
     return jnp.asarray(np.stack([row0, row1]), jnp.int32)
 
 
-@pytest.fixture(scope="module", params=[pytest.param("copied"), pytest.param("split", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=[pytest.param("copied"), pytest.param("split", marks=pytest.mark.slow),
+                                        pytest.param("groups"), pytest.param("groups-shared-key",
+                                                                             marks=pytest.mark.slow)])
 def sharded(request):
     """The sublayer on fsdp 2 x sp 4 over packed rows: its parameters, input, output and gradients of
     ``sum(out * cot)`` (one compiled program, shared by the tests below)."""
@@ -143,3 +149,57 @@ def test_head_layout_and_refusals():
     with pytest.raises(ValueError, match="must be a multiple of linear_num_key_heads"):
         uj.ModelConfig(layer_pattern=("linear",), linear_num_key_heads=3, linear_num_value_heads=4,
                        linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+def test_head_groups_are_laid_out_per_device_and_bad_ones_refused():
+    """``group_heads``: each group's key and value heads device by device (the order the exchange hands them out);
+    a group size that does not split a device's heads, or one on a model without delta-net layers, is refused."""
+    from ulysses_jax.model.delta_net import group_heads
+
+    keys, values = group_heads(config(8, 16, 2), 4)  # 2 key / 4 value heads per device: 2 groups of whole key heads
+    np.testing.assert_array_equal(values, [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]])
+    np.testing.assert_array_equal(keys, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    keys, values = group_heads(config(4, 8, 1), 4)  # one value head a group: the two of a key head share it
+    np.testing.assert_array_equal(keys, [[0, 1, 2, 3], [0, 1, 2, 3]])
+    np.testing.assert_array_equal(values, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert [len(x) for x in group_heads(config(2, 4), 4)] == [1, 1]  # 0: one group
+    with pytest.raises(ValueError, match=r"delta_head_chunk \(3\) must divide the 4 delta-net value heads each device "
+                                         r"computes \(sp=4\) .*; use one of 1, 2, 4"):
+        check_mesh(config(8, 16, 3), uj.make_mesh(fsdp=2, sp=4))
+    with pytest.raises(ValueError, match=r"delta_head_chunk \(2\) groups the heads of delta-net layers, but .* has "
+                                         r"none; set it to 0"):
+        uj.ModelConfig(delta_head_chunk=2)
+    with pytest.raises(ValueError, match=r"delta_head_chunk \(-1\) must be 0 \(off\) or a positive number of "
+                                         r"delta-net value heads"):
+        config(8, 16, -1)
+
+
+def test_head_groups_with_lora_adapters_equal_the_whole_sublayer():
+    """LoRA on the delta-net (the fused q/k/v adapter, z's, out_proj's) in head groups: the same output and gradients
+    (of the input and of every adapter) as the sublayer with all of a device's heads at once, on sp 4."""
+    from ulysses_jax.model.lora_config import LoraConfig
+
+    r, mesh = 2, uj.make_mesh(fsdp=2, sp=4)
+    cfgs = [dataclasses.replace(config(8, 16, m), lora=LoraConfig(rank=r, targets=("in_proj_qkv", "in_proj_z",
+                                                                                     "out_proj"))) for m in (0, 2)]
+    rng = np.random.default_rng(3)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)  # noqa: E731
+    adapters = {"in_proj_qkv": (f(D, r), f(r, 2 * 8 * 8 + 16 * 8)), "in_proj_z": (f(D, r), f(r, 16, 8)),
+                "out_proj": (f(16, 8, r), f(r, D))}
+    x, cot, seg = f(B, S, D), f(B, S, D), packed_ids()
+    results = []
+    for cfg in cfgs:
+        graphdef, params = nnx.split(make(cfg, mesh), nnx.Param)
+
+        @jax.jit
+        def run(params, x, adapters):
+            out, vjp = jax.vjp(lambda x, ad: nnx.merge(graphdef, params)(x, seg, ad), x, adapters)
+            return out, vjp(cot)
+
+        results.append(run(params, x, adapters))
+    (out0, (gx0, ga0)), (out1, (gx1, ga1)) = results
+    close(out1, out0, 1e-5, "output")
+    close(gx1, gx0, 1e-5, "input gradient")
+    for name in adapters:
+        for i in range(2):
+            close(ga1[name][i], ga0[name][i], 1e-5, f"{name}'s {'AB'[i]} gradient")

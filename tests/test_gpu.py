@@ -8,7 +8,7 @@ import pytest
 from np_reference import rel_err
 
 from ulysses_jax import attention, make_mesh, ulysses_attention
-from ulysses_jax.kernels.attention import resolve_impl
+from ulysses_jax.kernels.attention import gpu_capability, resolve_impl
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,6 +77,9 @@ def test_each_kernel_matches_the_float32_reference(d, causal, segments, hkv, see
 def test_auto_picks_cudnn_with_and_without_segments():
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=False) == "cudnn"
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True) == "cudnn"
+    hopper = gpu_capability() >= (9, 0)  # head_dim 256: cuDNN on Hopper, our kernel before
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=256, has_segment_ids=True) == (
+        "cudnn" if hopper else "pallas")
 
 
 def packed_segments(rng, rows, s, docs, pad, ones=0):
@@ -99,7 +102,9 @@ def packed_segments(rng, rows, s, docs, pad, ones=0):
     (2, 8, 2, 128, 6, 100, 0, True, 512),
     (2, 8, 4, 64, 5, 64, 0, True, None),
     (2, 8, 2, 128, 5, 64, 0, False, None),
-], ids=["many-docs-pad-mha", "len1-docs-gqa", "one-doc-mqa", "window-gqa-pad", "hd64-pad", "full-gqa-pad"])
+    (2, 4, 1, 256, 5, 64, 0, True, None),  # Qwen3.5's full-attention head_dim (cuDNN takes 256 on Hopper)
+], ids=["many-docs-pad-mha", "len1-docs-gqa", "one-doc-mqa", "window-gqa-pad", "hd64-pad", "full-gqa-pad",
+        "hd256-pad"])
 def test_packed_cudnn_matches_the_float32_reference(rows, h, hkv, d, docs, pad, ones, causal, window, seed):
     """Packed rows on cuDNN (segment ids turned into ragged offsets, kernels/cudnn_packed.py) against the float32
     reference: several rows with different document counts (cudnn-frontend #737 mis-addressed ragged offsets across

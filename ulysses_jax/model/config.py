@@ -186,6 +186,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    delta_head_chunk: int = 0  # the delta-net in head groups: value heads per device in each group (0: all at once)
     lora: LoraConfig | None = None  # LoRA adapters (model/lora.py): only they train; None: every parameter
     fp8: bool = False  # the seven projections' GEMMs in float8, forward and backward (model/fp8.py)
     fp8_recipe: str = "current"  # float8 scales: current (this step's amax) or delayed (an amax history)
@@ -223,10 +224,11 @@ class ModelConfig:
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")
-        for field in ("loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk"):
+        for field in ("loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk", "delta_head_chunk"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                what = "query heads" if field == "attn_head_chunk" else "tokens"
+                what = {"attn_head_chunk": "query heads", "delta_head_chunk": "delta-net value heads"}.get(field,
+                                                                                                          "tokens")
                 raise ValueError(f"{field} ({value!r}) must be 0 (off) or a positive number of {what} per chunk")
         if self.attn_head_chunk and not self.attn_chunk:
             raise ValueError(f"attn_head_chunk ({self.attn_head_chunk}) groups the heads of the tiled attention "

@@ -14,6 +14,15 @@ slice of each: the exchange hands each device whole heads, and each takes its ow
 (``parallel/ulysses_delta.py``). Like every weight they are FSDP-split at rest over their ``embed`` dimension (the
 filters, gates and norm, which have none, whole) and gathered where they are used.
 
+Head groups (``ModelConfig.delta_head_chunk = m``: value heads per device in a group). The exchanged whole sequences
+of a device's heads (``[b, S, 2 kl dk + vl dv + 2 vl]``, several copies in the backward) are what fills a device at
+the longest contexts. With ``m`` set, the sublayer runs ``vl / m`` groups in a ``lax.scan``, each the whole sublayer
+for ``m`` value heads per device (and the key heads they read: ``m / n`` of them, ``n = Hv / Hk``, or, with ``m < n``,
+the one key head, projected and exchanged again for each group that reads it), its body rematerialised: the forward
+and the backward hold one group's whole-sequence buffers at a time, and the output projections add up over the
+groups. ``m`` must divide ``vl`` and be a multiple or a divisor of ``n``. LoRA's terms: the input projections' are
+computed whole and cut per group; ``out_proj``'s adapter is cut by its rows (its dropout draws its mask per group).
+
 ``z`` never crosses the exchange: the gated norm needs, for one token and one head, that head's output and ``z`` of
 the same token and head, both on the sequence-split side once the output has come back. Shapes follow the model's
 letters (``model/transformer.py``) with ``J`` key heads, ``U`` value heads, ``Q`` / ``W`` their head dims and ``C``
@@ -26,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ulysses_jax.model import lora
@@ -51,7 +61,7 @@ def check_mesh(cfg, mesh) -> None:
         raise ValueError(f"{cfg.name} has gated delta-net ('linear') layers, which do not run with a ring "
                          f"(--mesh.ring {mesh.shape[RING]}): their recurrence would pass its state around the ring; "
                          f"use --mesh.ring 1 and sp for the sequence")
-    plan_delta_heads(cfg.linear_num_key_heads, cfg.linear_num_value_heads, mesh.shape[SP])
+    group_heads(cfg, mesh.shape[SP])  # the heads split over sp, and into groups of delta_head_chunk
 
 
 def describe(cfg, mesh) -> str:
@@ -96,6 +106,8 @@ class DeltaNet(nnx.Module):
         """The sublayer's output ``[B, S, D]`` for the normed input (module doc). ``adapters``: LoRA's ``{target: (A,
         B)}`` (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        if cfg.delta_head_chunk and len(group_heads(cfg, mesh.shape[SP])[1]) > 1:
+            return self._grouped(x_BSD, segment_ids_BS, adapters, drop)
 
         def proj(w, target=None, term=None):  # x W (+ LoRA's term: the target's, or a given share of a fused one's)
             out = jnp.einsum("bsd,d...->bs...", x_BSD, use(w, mesh, dt))
@@ -116,3 +128,68 @@ class DeltaNet(nnx.Module):
         out = jnp.einsum("bsuw,uwd->bsd", y, use(self.wo_UWD, mesh, dt)) + lora.low_rank(y, adapters, "out_proj",
                                                                                           cfg.lora, drop)
         return constrain(out, mesh, ("batch", "seq", "embed"))
+
+    def _grouped(self, x_BSD, segment_ids_BS, adapters, drop):
+        """``__call__`` in head groups (module doc)."""
+        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
+        keys, values = group_heads(cfg, mesh.shape[SP])
+        w = {name: use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
+             for name in shapes(cfg)}
+        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)
+        terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
+            qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
+        for name, target in (("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a")):
+            term = lora.low_rank(x_BSD, adapters, target, cfg.lora, drop)
+            terms[name] = None if isinstance(term, int) else term
+        out_ad = None if not adapters or "out_proj" not in adapters else adapters["out_proj"]
+
+        def group(x, idx):
+            key, val = idx
+
+            def proj(name, heads, term):
+                out = jnp.einsum("bsd,d...->bs...", x, jnp.take(w[name], heads, axis=1))
+                if term is not None:
+                    out = out + jnp.take(term, heads, axis=2)
+                return constrain(out, mesh, ("batch", "seq") + (None,) * (out.ndim - 2))
+
+            q, k = proj("wq_DJQ", key, terms["q"]), proj("wk_DJQ", key, terms["k"])
+            v, z = proj("wv_DUW", val, terms["v"]), proj("wz_DUW", val, terms["z"])
+            b, a = proj("wb_DU", val, terms["b"]), proj("wa_DU", val, terms["a"])
+            conv = [jnp.take(w[n], h, axis=0) for n, h in (("conv_q_JQC", key), ("conv_k_JQC", key),
+                                                          ("conv_v_UWC", val))]
+            o = ulysses_gated_delta(q, k, v, a, b, *conv, jnp.take(w["a_log_U"], val), jnp.take(w["dt_bias_U"], val),
+                                    mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS)
+            y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
+            out = jnp.einsum("bsuw,uwd->bsd", y, jnp.take(w["wo_UWD"], val, axis=0))
+            if out_ad is not None:  # the adapter's rows of this group's heads
+                cut = {"out_proj": (jnp.take(out_ad[0], val, axis=0), out_ad[1])}
+                out = out + lora.low_rank(y, cut, "out_proj", cfg.lora, drop)
+            return constrain(out, mesh, ("batch", "seq", "embed"))
+
+        body = jax.checkpoint(group)  # each group's forward again in its backward: one group's buffers at a time
+
+        def step(acc, idx):  # summed in the compute dtype, as a tensor-parallel all-reduce sums its partial outputs
+            return acc + body(x_BSD, idx), None
+
+        acc = constrain(jnp.zeros(x_BSD.shape, x_BSD.dtype), mesh, ("batch", "seq", "embed"))
+        return jax.lax.scan(step, acc, (jnp.asarray(keys), jnp.asarray(values)))[0]
+
+
+def group_heads(cfg, sp: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys [G, sp * kg], values [G, sp * m])``: the global key and value heads of each head group (module doc;
+    ``m = cfg.delta_head_chunk`` value heads per device, ``kg`` key heads), device by device, in the order the
+    exchange hands them out. One group (``G = 1``) when ``m`` is 0 or a device's whole share. ``ValueError`` for an
+    ``m`` that does not split a device's heads."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    layout = plan_delta_heads(hk, hv, sp)
+    vl, n = layout.vl, hv // hk
+    m = cfg.delta_head_chunk or vl
+    if vl % m or (m % n and n % m):
+        fits = [d for d in range(1, vl + 1) if vl % d == 0 and (d % n == 0 or n % d == 0)]
+        raise ValueError(f"delta_head_chunk ({m}) must divide the {vl} delta-net value heads each device computes "
+                         f"(sp={sp}) and be a multiple or a divisor of the {n} value heads per key head; use one of "
+                         f"{', '.join(map(str, fits))}")
+    kg = max(1, m // n)
+    keys = [[(p * vl + t * m) // n + i for p in range(sp) for i in range(kg)] for t in range(vl // m)]
+    values = [[p * vl + t * m + j for p in range(sp) for j in range(m)] for t in range(vl // m)]
+    return np.asarray(keys, np.int32), np.asarray(values, np.int32)

@@ -56,6 +56,9 @@ def check_linear(cfg) -> None:
         if any(sizes.values()):
             raise ValueError(f"{', '.join(f for f, v in sizes.items() if v)} describe delta-net layers, but "
                              f"layer_pattern {list(cfg.layer_pattern)} has no 'linear' layer; add one or set them to 0")
+        if cfg.delta_head_chunk:
+            raise ValueError(f"delta_head_chunk ({cfg.delta_head_chunk}) groups the heads of delta-net layers, but "
+                             f"{cfg.name} has none; set it to 0")
         return
     if missing := [f for f, v in sizes.items() if not v]:
         raise ValueError(f"layer_pattern has 'linear' (delta-net) layers; set {', '.join(missing)}")

@@ -188,5 +188,8 @@ class RMSNorm(nnx.Module):
         self.cfg, self.mesh = make.cfg, make.mesh
         self.scale = make("norm.scale", (dim,), names, init="zeros" if make.cfg.norm_plus_one else "ones")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, norm_scale(use(self.scale, self.mesh, jnp.float32), self.cfg), self.cfg.rms_eps)
+    def __call__(self, x: jax.Array, remat: bool = False) -> jax.Array:
+        """``remat``: the backward recomputes the norm from ``x`` instead of keeping its float32 intermediates (each
+        the size of ``x`` twice over), for a norm whose whole-sequence output feeds several products."""
+        norm = jax.checkpoint(rms_norm, static_argnums=(2,)) if remat else rms_norm
+        return norm(x, norm_scale(use(self.scale, self.mesh, jnp.float32), self.cfg), self.cfg.rms_eps)

@@ -177,7 +177,9 @@ class Block(nnx.Module):
     @jax.named_scope("linear_attention")
     def _linear(self, x_BSD, positions_BS, segment_ids_BS, *, drop=None):
         """``x + delta_net(norm(x))``: a gated delta-net layer (``model/delta_net.py``; positions unused)."""
-        return x_BSD + self.delta(self.attn_norm(x_BSD), segment_ids_BS, lora.pairs(self, "delta"), drop)
+        # the norm recomputed in the backward: its float32 intermediates of the device's whole sequence were kept
+        # (six float32 [S/sp, hidden] buffers in Qwen3.5-9B's compiled step at 1M tokens)
+        return x_BSD + self.delta(self.attn_norm(x_BSD, remat=True), segment_ids_BS, lora.pairs(self, "delta"), drop)
 
     def attention_params(self) -> dict:
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype

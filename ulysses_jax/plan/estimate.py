@@ -195,8 +195,13 @@ def step_estimate(p, model, kernel: str) -> dict:
     fp8_flops = max(matmul_flops - grouped - 3 * head_mm, 0.0) if getattr(model, "fp8", False) else 0.0
     fp8_s = fp8_flops / (FP8_MATMUL_RATE * MATMUL_EFFICIENCY)
     matmul_s = (matmul_flops - grouped - fp8_flops) / (MATMUL_RATE * MATMUL_EFFICIENCY) + fp8_s + grouped / GROUPED_RATE
-    delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + redo_mm * flops.delta_rule_flops(
-        model, p.seq_len, p.batch_size, backward=False)) / n  # the delta rule, its re-runs included
+    sp = getattr(p, "mesh", {}).get("sp", 1)
+    # --delta-head-chunk: each group's body is rematerialised, one more forward of the rule (a key head shared by
+    # groups also projects and exchanges again per group: not counted)
+    grouped_delta = bool(model.linear_layers and model.delta_head_chunk
+                         and model.linear_num_value_heads // max(sp, 1) > model.delta_head_chunk)
+    delta_fwd = flops.delta_rule_flops(model, p.seq_len, p.batch_size, backward=False)
+    delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + (redo_mm + grouped_delta) * delta_fwd) / n
     delta_s = delta / DELTA_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
     passes = ELEMENTWISE_PASSES * (3 + redo_mm) + (FP8_PASSES if fp8_flops else 0)

@@ -131,14 +131,16 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
 
 
 def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False,
-                   o_bias: bool = False, mixed_kinds: bool = False) -> list[tuple[str, dict, str | None]]:
+                   o_bias: bool = False, mixed_kinds: bool = False,
+                   delta: bool = False) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
     tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory).
     ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
     (``tile_for``), and a set is skipped with the reason where none does. ``post_norms`` (Gemma 3): no set with
     ``attn_recompute``, which such a model refuses; ``o_bias`` (gpt-oss): the tiled attention sets are skipped (it
     takes no output-projection bias); ``mixed_kinds`` (local and global layers, or delta-net and attention layers):
-    the kept attention is not offloaded (``ModelConfig`` refuses it)."""
+    the kept attention is not offloaded (``ModelConfig`` refuses it); ``delta`` (delta-net layers: Qwen3.5,
+    Qwen3-Next): the tiled sets run the delta-net in groups of one value head per device too."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
             default=1)
     tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
@@ -180,8 +182,9 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
                         dict(remat="offload", remat_every=2, **host, **tiles), None))
     if cfg.mesh.ring <= 1:  # the tiled attention sublayer tiles the Ulysses exchange of a mesh without a ring
         tiled = f"--attn-chunk {tile} --attn-head-chunk 1"  # one query head per group: the smallest kernel buffers
+        tiled += " --delta-head-chunk 1" if delta else ""
         tiled_skip = "the tiled attention sublayer takes no output-projection bias (gpt-oss)" if o_bias else no_tile
-        attn = dict(attn_chunk=tile, attn_head_chunk=1, **tiles)
+        attn = dict(attn_chunk=tile, attn_head_chunk=1, **({"delta_head_chunk": 1} if delta else {}), **tiles)
         choices.append((f"--remat offload {host_flags} {tiled}{tile_flags}",
                         dict(remat="offload", remat_every=None, **host, **attn), tiled_skip))
         if num_layers % 2 == 0 and not post_norms:  # two layers' inputs on the device in a group's backward: no
@@ -218,7 +221,7 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     best, results = None, []
     model = _model(cfg)
     choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias,
-                             mixed_kinds=model.mixed_layer_kinds)
+                             mixed_kinds=model.mixed_layer_kinds, delta=bool(model.linear_layers))
     for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
         if skip:
             log(f"{flags}: skipped ({skip})")
@@ -259,7 +262,8 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
         mesh.shape["ring"] * mesh.shape["sp"]) == 0 else None
     fitting, results = [], []
     for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms,
-                                                 o_bias=model.o_bias, mixed_kinds=model.mixed_layer_kinds):
+                                                 o_bias=model.o_bias, mixed_kinds=model.mixed_layer_kinds,
+                                                 delta=bool(model.linear_layers)):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))

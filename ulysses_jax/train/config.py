@@ -60,6 +60,9 @@ class TrainConfig:
     attn_head_chunk: int | None = None
     """with --attn-chunk: query heads per device in each group of the tiled attention, one group's whole-sequence Q,
     K, V and gradients on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    delta_head_chunk: int | None = None
+    """hybrids (Qwen3.5, Qwen3-Next): the delta-net layers in head groups of this many value heads per device, one
+    group's whole-sequence buffers on the device at a time (0: all of a device's heads at once; None: the preset's)"""
     sliding_window: int | None = None
     """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
     has none); None: the model's own"""
@@ -144,6 +147,7 @@ class TrainConfig:
 
 # The settings that are memory tools: ``--memory auto`` chooses them when none is given (``memory_flags_given``).
 MEMORY_SETTINGS = ("remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
+                   "delta_head_chunk",
                    "attn_recompute", "attn_keep", "param_dtype", "offload_params", "optim.offload",
                    "optim.master_weights")
 
@@ -187,7 +191,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
     value; a switch (``--attn-recompute``, ``--offload-params``) is always on or off, whatever the model says."""
     return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every,
                 remat_nested=cfg.remat_nested, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
-                attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk,
+                attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl, fp8=cfg.fp8,
                 fp8_recipe=cfg.fp8_recipe)
