@@ -163,7 +163,8 @@ def test_workspace_rule_matches_the_h100_measurement():
 
 def test_auto_picks_cudnn_for_packed_rows_on_gpu():
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=128, has_segment_ids=True, platform="gpu") == "cudnn"
-    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=256, has_segment_ids=True, platform="gpu") == "pallas"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=256, has_segment_ids=True, platform="gpu") == "cudnn"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=264, has_segment_ids=True, platform="gpu") == "pallas"
     assert resolve_impl("auto", dtype=jnp.float32, head_dim=128, has_segment_ids=True, platform="gpu") == "pallas"
 
 
