@@ -4,6 +4,7 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
     python experiments/bench_delta.py                                   # 32K and 128K, Qwen3.5-9B's heads on 1 GPU
     python experiments/bench_delta.py --seq-lens 32768 --heads 2,4      # one device's heads under sp = 8
     python experiments/bench_delta.py --allow-cpu --quick               # CPU dry run (tiny; fla and cuDNN skipped)
+    python experiments/bench_delta.py --precision bf16                  # ours with bf16 chunk products only
 
 Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
 from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
@@ -12,8 +13,9 @@ from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_
 may carry: experiments/results/gpu_h100_20261127), in a child process (torch) fed the same
 inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both: cuDNN's causal attention
 (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
-is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length, with the
-max abs difference of the outputs (bf16 tolerance: ~1e-2 of the outputs' scale). Results: markdown + CSV in --out-dir.
+is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length and our
+`precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk products on bf16 operands with
+float32 results, as fla computes them), with the max abs difference of the outputs (bf16 tolerance: ~1e-2 of the outputs' scale). Results: markdown + CSV in --out-dir.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16, 32),
                    help="key heads, value heads (Qwen3.5-9B: 16,32 on one device; 2,4 per device under sp = 8)")
     p.add_argument("--dim", type=int, default=128, help="dk = dv")
+    p.add_argument("--precision", type=lambda s: s.split(","), default=["highest", "bf16"],
+                   help="our kernel's products: highest, bf16, or both (comma-separated)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
@@ -72,8 +76,8 @@ def _time(fn, *args, iters: int, warmup: int):
     return statistics.median(times)
 
 
-def ours(x: dict, args):
-    """``(seconds, output)`` of our forward + backward (bfloat16 inputs)."""
+def ours(x: dict, args, precision: str = "highest"):
+    """``(seconds, output, gates)`` of our forward + backward (bfloat16 inputs) at ``precision``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -84,7 +88,7 @@ def ours(x: dict, args):
     g, beta = gates(jnp.asarray(x["a"]), jnp.asarray(x["b"]), jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]))
 
     def loss(q, k, v, g, beta, do):
-        o = gated_delta_rule(q, k, v, g, beta)
+        o = gated_delta_rule(q, k, v, g, beta, precision=precision)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -178,22 +182,26 @@ def main(argv=None) -> int:
     rows = []
     for seq in args.seq_lens:
         x = inputs(seq, hk, hv, args.dim)
-        t_ours, o_ours, (g, beta) = ours(x, args)
-        t_fla, o_fla, note = fla(x, g, beta, args) if gpu else (None, None, "fla: needs a GPU")
-        t_cudnn = cudnn(seq, hv, args.dim, args) if gpu else None
-        diff = float(np.abs(o_ours - o_fla).max()) if o_fla is not None else None
-        scale = float(np.abs(o_ours).max())
-        rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "ours_s": f"{t_ours:.4f}",
-                     "fla_s": "" if t_fla is None else f"{t_fla:.4f}",
-                     "ours_over_fla": "" if t_fla is None else f"{t_ours / t_fla:.2f}",
-                     "cudnn_attention_s": "" if t_cudnn is None else f"{t_cudnn:.4f}",
-                     "max_abs_diff": "" if diff is None else f"{diff:.3g} (outputs up to {scale:.3g})",
-                     "note": note if not gpu or note else ""})
-        print(rows[-1], flush=True)
+        peers = None  # fla and cuDNN, timed once per length beside the first of our precisions
+        for precision in args.precision:
+            t_ours, o_ours, (g, beta) = ours(x, args, precision)
+            if peers is None:
+                t_fla, o_fla, note = fla(x, g, beta, args) if gpu else (None, None, "fla: needs a GPU")
+                peers = (t_fla, o_fla, note, cudnn(seq, hv, args.dim, args) if gpu else None)
+            t_fla, o_fla, note, t_cudnn = peers
+            diff = float(np.abs(o_ours - o_fla).max()) if o_fla is not None else None
+            scale = float(np.abs(o_ours).max())
+            rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "precision": precision,
+                         "ours_s": f"{t_ours:.4f}", "fla_s": "" if t_fla is None else f"{t_fla:.4f}",
+                         "ours_over_fla": "" if t_fla is None else f"{t_ours / t_fla:.2f}",
+                         "cudnn_attention_s": "" if t_cudnn is None else f"{t_cudnn:.4f}",
+                         "max_abs_diff": "" if diff is None else f"{diff:.3g} (outputs up to {scale:.3g})",
+                         "note": note if not gpu or note else ""})
+            print(rows[-1], flush=True)
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
     meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
-    cols = ["seq_len", "heads", "dim", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s", "max_abs_diff", "note"]
+    cols = ["seq_len", "heads", "dim", "precision", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s", "max_abs_diff", "note"]
     print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
     return 0
 

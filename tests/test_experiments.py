@@ -26,6 +26,18 @@ def test_benchmark_smoke(script, tmp_path):
     assert ours and all(r[header.index("note")].strip() == "" for r in ours)  # our rows ran (cuDNN needs a GPU)
 
 
+def test_bench_delta_times_both_precisions(tmp_path):
+    """experiments/bench_delta.py --allow-cpu --quick: a row per precision of ours (fla and cuDNN need a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_delta.py"), "--allow-cpu", "--quick",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (csv,) = tmp_path.glob("*.csv")
+    lines = csv.read_text().splitlines()
+    rows = [r for r in lines if r.startswith("256,")]
+    assert [r.split(",")[3] for r in rows] == ["highest", "bf16"] and all(float(r.split(",")[4]) > 0 for r in rows)
+
+
 def test_benchmarks_refuse_cpu_without_flag(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     for script in ("bench_attention.py", "bench_train.py"):

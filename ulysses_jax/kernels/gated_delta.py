@@ -60,6 +60,15 @@ CHUNK = 64  # tokens per chunk: the C x C intra-chunk products against the [dk, 
 BLOCK = 64  # chunks per block: the unit of the intra-chunk temporaries (4,096 tokens at the default chunk)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon, inside the square root
 _mm = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
+PRECISIONS = ("highest", "bf16")
+
+
+def _dot(spec: str, a, b, low: bool):
+    """A chunk product: float32 at HIGHEST precision, or (``low``: ``precision="bf16"``) bfloat16 operands with a
+    float32 result, as flash-linear-attention's kernels take them (the triangular inverse stays float32 either way)."""
+    if not low or a.dtype == jnp.float64:
+        return _mm(spec, a, b)
+    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=a.dtype)
 
 
 def compute_dtype(*dtypes):
@@ -113,7 +122,7 @@ def gated_delta_flops(seq: int, dk: int, dv: int, chunk: int = CHUNK, block: int
 # ---------------------------------------------------------------------------------------------------
 
 
-def _intra(q, k, v, g, beta, doc, prev, use_qk_l2norm: bool):
+def _intra(q, k, v, g, beta, doc, prev, use_qk_l2norm: bool, low: bool = False):
     """The per-chunk quantities the scan consumes, for the ``M`` chunks of a block (``C`` tokens each)::
 
         q, k [M, B, Hk, C, dk]   v [M, B, Hk, n, C, dv]   g, beta [M, B, Hk, n, C]   doc [M, B, C]   prev [M, B]
@@ -134,12 +143,12 @@ def _intra(q, k, v, g, beta, doc, prev, use_qk_l2norm: bool):
     decay = jnp.exp(jnp.where(same[:, :, None, None], gc[..., :, None] - gc[..., None, :], -jnp.inf))
     gam = jnp.exp(jnp.where((doc == prev[..., None])[:, :, None, None], gc, -jnp.inf))  # [M, B, Hk, n, C]
     to_end = jnp.exp(jnp.where((doc == doc[..., -1:])[:, :, None, None], gc[..., -1:] - gc, -jnp.inf))
-    kk = _mm("mbhid,mbhjd->mbhij", k, k)[:, :, :, None]  # [M, B, Hk, 1, C, C], shared by the n value heads
-    qk = _mm("mbhid,mbhjd->mbhij", q, k)[:, :, :, None]
+    kk = _dot("mbhid,mbhjd->mbhij", k, k, low)[:, :, :, None]  # [M, B, Hk, 1, C, C], shared by the n value heads
+    qk = _dot("mbhid,mbhjd->mbhij", q, k, low)[:, :, :, None]
     t = unit_lower_inverse(jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), kk * decay * beta[..., :, None], 0))
     k = k[:, :, :, None]  # [M, B, Hk, 1, C, dk], broadcast over the n value heads
-    u = _mm("...ij,...jd->...id", t, beta[..., None] * v)
-    w = _mm("...ij,...jd->...id", t, (beta * gam)[..., None] * k)
+    u = _dot("...ij,...jd->...id", t, beta[..., None] * v, low)
+    w = _dot("...ij,...jd->...id", t, (beta * gam)[..., None] * k, low)
     return u, w, qk * decay, q[:, :, :, None] * gam[..., None], k * to_end[..., None], gam[..., -1]
 
 
@@ -169,15 +178,16 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     return inv.reshape(*batch, p, p)[..., :c, :c]
 
 
-def _step(state, parts):
-    """One chunk: ``state [B, Hk, n, dk, dv]`` in, ``(state after the chunk, o [B, Hk, n, C, dv])`` out."""
+def _step(state, parts, low: bool = False):
+    """One chunk: ``state [B, Hk, n, dk, dv]`` in, ``(state after the chunk, o [B, Hk, n, C, dv])`` out (the state
+    carried in float32 whatever ``low``)."""
     u, w, a, qg, kd, gam_last = parts
-    u = u - _mm("...ck,...kv->...cv", w, state)
-    o = _mm("...ck,...kv->...cv", qg, state) + _mm("...ij,...jv->...iv", a, u)
-    return gam_last[..., None, None] * state + _mm("...ck,...cv->...kv", kd, u), o
+    u = u - _dot("...ck,...kv->...cv", w, state, low)
+    o = _dot("...ck,...kv->...cv", qg, state, low) + _dot("...ij,...jv->...iv", a, u, low)
+    return gam_last[..., None, None] * state + _dot("...ck,...cv->...kv", kd, u, low), o
 
 
-def _block_parts(q, k, v, g, beta, doc, prev, m: int, c: int, use_qk_l2norm: bool):
+def _block_parts(q, k, v, g, beta, doc, prev, m: int, c: int, use_qk_l2norm: bool, low: bool = False):
     """:func:`_intra` of one block of ``M`` chunks given token-major: ``q, k [B, M C, Hk, dk]``, ``v [B, M C, Hk, n,
     dv]``, ``g, beta [B, M C, Hk, n]``, ``doc [B, M C]``, ``prev [B, M]``."""
     def chunked(x, *order):  # [B, M C, ...] -> [M, B, ...] with the token axis at `order`'s place
@@ -185,7 +195,7 @@ def _block_parts(q, k, v, g, beta, doc, prev, m: int, c: int, use_qk_l2norm: boo
 
     q, k = chunked(q, 3, 2, 4), chunked(k, 3, 2, 4)
     g, beta = chunked(g, 3, 4, 2), chunked(beta, 3, 4, 2)
-    return _intra(q, k, chunked(v, 3, 4, 2, 5), g, beta, chunked(doc, 2), prev.T, use_qk_l2norm)
+    return _intra(q, k, chunked(v, 3, 4, 2, 5), g, beta, chunked(doc, 2), prev.T, use_qk_l2norm, low)
 
 
 def _block(x, i, length: int):
@@ -199,7 +209,7 @@ def _blocks(xs, i, length: int):
     return lax.optimization_barrier(tuple(_block(x, i, length) for x in xs))
 
 
-def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: bool):
+def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: bool, low: bool = False):
     """``inputs = (q, k, v, g, beta, doc, prev)`` token-major (:func:`_block_parts`, over the whole padded length
     ``T``; ``prev [B, T / C]``): a scan over blocks, each computing its intra-chunk parts, scanning its chunks and
     writing its rows of ``o [B, T, Hk, n, dv]`` (``q``'s dtype) in place. With ``keep_block_states``, also each
@@ -210,8 +220,8 @@ def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: boo
 
     def body(carry, i):
         state, out = carry
-        parts = _block_parts(*_blocks(inputs[:6], i, length), _block(prev, i, m), m, c, use_qk_l2norm)
-        new, o = lax.scan(_step, state, parts)  # o [M, B, Hk, n, C, dv]
+        parts = _block_parts(*_blocks(inputs[:6], i, length), _block(prev, i, m), m, c, use_qk_l2norm, low)
+        new, o = lax.scan(functools.partial(_step, low=low), state, parts)  # o [M, B, Hk, n, C, dv]
         o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, length, hk, n, v.shape[-1]).astype(out.dtype)
         return (new, lax.dynamic_update_slice_in_dim(out, o, i * length, axis=1)), (state if keep_block_states else
                                                                                       None)
@@ -228,13 +238,19 @@ def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: boo
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                      segment_ids: jax.Array | None = None, chunk: int = CHUNK, block: int = BLOCK,
-                     use_qk_l2norm: bool = True) -> jax.Array:
+                     use_qk_l2norm: bool = True, precision: str = "highest") -> jax.Array:
     """The gated delta rule over whole sequences, chunked (see the module docstring); ``o [B, S, Hv, dv]``.
 
     ``q, k [B, S, Hk, dk]``, ``v [B, S, Hv, dv]`` (``Hv`` a multiple of ``Hk``), ``g, beta [B, S, Hv]`` (from
     :func:`gates`), ``segment_ids [B, S]`` or None. ``chunk`` tokens per chunk, about ``block`` chunks per block.
     ``use_qk_l2norm`` L2-normalises ``q`` and ``k`` here (transformers' ``use_qk_l2norm_in_kernel``, which its layer
-    always sets); ``q`` is scaled by ``dk ** -0.5`` either way. Differentiable in ``q, k, v, g, beta``."""
+    always sets); ``q`` is scaled by ``dk ** -0.5`` either way. Differentiable in ``q, k, v, g, beta``.
+    ``precision``: ``"highest"`` (every product float32 at HIGHEST precision: the default, the one measured on an H100
+    at 6.7 TFLOP/s) or ``"bf16"`` (the chunk products on bfloat16 operands with float32 results, the state and the
+    triangular inverse float32, as flash-linear-attention computes; not yet timed on a GPU:
+    ``experiments/bench_delta.py --precision``)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
     b, s, hk, dk, hv, dv = check_inputs(q, k, v, g, beta, chunk, block)
     n = hv // hk
     _, m, pad = blocking(s, chunk, block)
@@ -248,7 +264,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     last = doc.reshape(b, -1, chunk)[:, :, -1]
     prev = jnp.concatenate([doc[:, :1], last[:, :-1]], axis=1)  # the document each chunk's incoming state is of
     o = _chunked(padded(q), padded(k), padded(v.reshape(b, s, hk, n, dv)), g, beta, doc, prev, m, chunk,
-                 use_qk_l2norm)
+                 use_qk_l2norm, precision == "bf16")
     return o.reshape(b, s + pad, hv, dv)[:, :s] if pad else o.reshape(b, s, hv, dv)
 
 
@@ -277,15 +293,15 @@ def check_inputs(q, k, v, g, beta, chunk=CHUNK, block=BLOCK):
     return b, s, hk, dk, v.shape[2], v.shape[3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _chunked(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _chunked(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
     """Token-major core (:func:`_forward`'s layouts): ``o [B, T, Hk, n, dv]`` in ``q``'s dtype."""
-    return _forward((q, k, v, g, beta, doc, prev), m, c, use_qk_l2norm, keep_block_states=False)[0]
+    return _forward((q, k, v, g, beta, doc, prev), m, c, use_qk_l2norm, keep_block_states=False, low=low)[0]
 
 
-def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm):
+def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
     inputs = (q, k, v, g, beta, doc, prev)
-    o, states = _forward(inputs, m, c, use_qk_l2norm, keep_block_states=True)
+    o, states = _forward(inputs, m, c, use_qk_l2norm, keep_block_states=True, low=low)
     return o, (inputs, states)  # the inputs themselves, and each block's incoming state [NB, B, Hk, n, dk, dv]
 
 
@@ -294,21 +310,22 @@ def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _chunked_bwd(m, c, use_qk_l2norm, res, do):
+def _chunked_bwd(m, c, use_qk_l2norm, low, res, do):
     inputs, states = res
     doc, prev, length = inputs[5], inputs[6], m * c
+    step = functools.partial(_step, low=low)
 
     def chunk_back(d_state, xs):  # d_state: the gradient of the state leaving this chunk
         state, parts, do_chunk = xs
-        _, step_vjp = jax.vjp(_step, state, parts)
+        _, step_vjp = jax.vjp(step, state, parts)
         return step_vjp((d_state, do_chunk))  # (gradient of the incoming state, of this chunk's parts)
 
     def block_back(carry, xs):
         (d_state, grads), (i, state) = carry, xs
         ids = _block(doc, i, length), _block(prev, i, m)
-        parts, parts_vjp = jax.vjp(lambda *x: _block_parts(*x, *ids, m, c, use_qk_l2norm),
+        parts, parts_vjp = jax.vjp(lambda *x: _block_parts(*x, *ids, m, c, use_qk_l2norm, low),
                                    *_blocks(inputs[:5], i, length))
-        _, chunk_states = lax.scan(lambda st, p: (_step(st, p)[0], st), state, parts)  # each chunk's incoming
+        _, chunk_states = lax.scan(lambda st, p: (step(st, p)[0], st), state, parts)  # each chunk's incoming
         do_block = _blocks((do,), i, length)[0]
         do_block = do_block.reshape(do.shape[0], m, c, *do.shape[2:]).transpose(1, 0, 3, 4, 2, 5)
         d_state, d_parts = lax.scan(chunk_back, d_state, (chunk_states, parts, do_block.astype(state.dtype)),
