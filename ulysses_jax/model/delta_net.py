@@ -106,70 +106,49 @@ class DeltaNet(nnx.Module):
         """The sublayer's output ``[B, S, D]`` for the normed input (module doc). ``adapters``: LoRA's ``{target: (A,
         B)}`` (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        if cfg.delta_head_chunk and len(group_heads(cfg, mesh.shape[SP])[1]) > 1:
-            return self._grouped(x_BSD, segment_ids_BS, adapters, drop)
-
-        def proj(w, target=None, term=None):  # x W (+ LoRA's term: the target's, or a given share of a fused one's)
-            out = jnp.einsum("bsd,d...->bs...", x_BSD, use(w, mesh, dt))
-            out = out + (lora.low_rank(x_BSD, adapters, target, cfg.lora, drop) if term is None else term)
-            return constrain(out, mesh, ("batch", "seq") + (None,) * (out.ndim - 2))
-
-        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
-        terms = [0] * 3 if isinstance(qkv, int) else lora.split_fused(
-            qkv, [w.get_value().shape[-2:] for w in (self.wq_DJQ, self.wk_DJQ, self.wv_DUW)])
-        q, k, v = (proj(w, term=t) for w, t in zip((self.wq_DJQ, self.wk_DJQ, self.wv_DUW), terms))
-        z, b, a = proj(self.wz_DUW, "in_proj_z"), proj(self.wb_DU, "in_proj_b"), proj(self.wa_DU, "in_proj_a")
-        conv = [use(w, mesh, dt) for w in (self.conv_q_JQC, self.conv_k_JQC, self.conv_v_UWC)]
-        o = ulysses_gated_delta(q, k, v, a, b, *conv, use(self.a_log_U, mesh, jnp.float32),
-                                use(self.dt_bias_U, mesh, jnp.float32), mesh=mesh, axis_name=SP, ring_axis=RING,
-                                segment_ids=segment_ids_BS)
-        y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, use(self.norm_W, mesh, jnp.float32),
-                           cfg.rms_eps)
-        out = jnp.einsum("bsuw,uwd->bsd", y, use(self.wo_UWD, mesh, dt)) + lora.low_rank(y, adapters, "out_proj",
-                                                                                          cfg.lora, drop)
-        return constrain(out, mesh, ("batch", "seq", "embed"))
-
-    def _grouped(self, x_BSD, segment_ids_BS, adapters, drop):
-        """``__call__`` in head groups (module doc)."""
-        cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        keys, values = group_heads(cfg, mesh.shape[SP])
         w = {name: use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
              for name in shapes(cfg)}
-        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)
+        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
         terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
             qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
         for name, target in (("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a")):
             term = lora.low_rank(x_BSD, adapters, target, cfg.lora, drop)
             terms[name] = None if isinstance(term, int) else term
-        out_ad = None if not adapters or "out_proj" not in adapters else adapters["out_proj"]
+        out_ad = adapters.get("out_proj") if adapters else None
 
-        def group(x, idx):
-            key, val = idx
+        def mix(x, heads=None):
+            """The sublayer over the key and value heads ``heads`` (global indices, ``group_heads``), or all."""
+            key, val = (None, None) if heads is None else heads
 
-            def proj(name, heads, term):
-                out = jnp.einsum("bsd,d...->bs...", x, jnp.take(w[name], heads, axis=1))
+            def cut(a, axis, idx):  # a head group's slice of a weight (or LoRA term); the whole of it without groups
+                return a if idx is None else jnp.take(a, idx, axis=axis)
+
+            def proj(name, idx, term):  # x W (+ LoRA's term)
+                out = jnp.einsum("bsd,d...->bs...", x, cut(w[name], 1, idx))
                 if term is not None:
-                    out = out + jnp.take(term, heads, axis=2)
+                    out = out + cut(term, 2, idx)
                 return constrain(out, mesh, ("batch", "seq") + (None,) * (out.ndim - 2))
 
             q, k = proj("wq_DJQ", key, terms["q"]), proj("wk_DJQ", key, terms["k"])
             v, z = proj("wv_DUW", val, terms["v"]), proj("wz_DUW", val, terms["z"])
             b, a = proj("wb_DU", val, terms["b"]), proj("wa_DU", val, terms["a"])
-            conv = [jnp.take(w[n], h, axis=0) for n, h in (("conv_q_JQC", key), ("conv_k_JQC", key),
-                                                          ("conv_v_UWC", val))]
-            o = ulysses_gated_delta(q, k, v, a, b, *conv, jnp.take(w["a_log_U"], val), jnp.take(w["dt_bias_U"], val),
+            conv = [cut(w[n], 0, idx) for n, idx in (("conv_q_JQC", key), ("conv_k_JQC", key), ("conv_v_UWC", val))]
+            o = ulysses_gated_delta(q, k, v, a, b, *conv, cut(w["a_log_U"], 0, val), cut(w["dt_bias_U"], 0, val),
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
-            out = jnp.einsum("bsuw,uwd->bsd", y, jnp.take(w["wo_UWD"], val, axis=0))
-            if out_ad is not None:  # the adapter's rows of this group's heads
-                cut = {"out_proj": (jnp.take(out_ad[0], val, axis=0), out_ad[1])}
-                out = out + lora.low_rank(y, cut, "out_proj", cfg.lora, drop)
+            out = jnp.einsum("bsuw,uwd->bsd", y, cut(w["wo_UWD"], 0, val))
+            if out_ad is not None:  # the adapter's rows of these heads
+                out = out + lora.low_rank(y, {"out_proj": (cut(out_ad[0], 0, val), out_ad[1])}, "out_proj",
+                                          cfg.lora, drop)
             return constrain(out, mesh, ("batch", "seq", "embed"))
 
-        body = jax.checkpoint(group)  # each group's forward again in its backward: one group's buffers at a time
+        keys, values = group_heads(cfg, mesh.shape[SP])
+        if len(keys) == 1:
+            return mix(x_BSD)
+        body = jax.checkpoint(mix)  # each group's forward again in its backward: one group's buffers at a time
 
-        def step(acc, idx):  # summed in the compute dtype, as a tensor-parallel all-reduce sums its partial outputs
-            return acc + body(x_BSD, idx), None
+        def step(acc, heads):  # summed in the compute dtype, as a tensor-parallel all-reduce sums its partial outputs
+            return acc + body(x_BSD, heads), None
 
         acc = constrain(jnp.zeros(x_BSD.shape, x_BSD.dtype), mesh, ("batch", "seq", "embed"))
         return jax.lax.scan(step, acc, (jnp.asarray(keys), jnp.asarray(values)))[0]

@@ -101,8 +101,7 @@ def fill_out(out_proj, n: int, sp: int, o, x, wo, post=None, gate=None):
     o6 = o.reshape(b, sp, n, c, *o.shape[2:])
 
     def body(i, y):
-        o_c = heads_to_seq(_exchanged(o6, i), SP)
-        y_c = out_proj(o_c, wo) if gate is None else out_proj(o_c, wo, gate(i))
+        y_c = out_proj(heads_to_seq(_exchanged(o6, i), SP), wo, None if gate is None else gate(i))
         return put(y, chunk(x, i, c) + (y_c if post is None else post(y_c)).astype(x.dtype), i, c)
 
     return jax.lax.fori_loop(0, n, body, fresh(x.shape, x.dtype, o))

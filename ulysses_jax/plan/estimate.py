@@ -36,6 +36,7 @@ import dataclasses
 from ulysses_jax.kernels import flash_estimate
 from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.model import flops
+from ulysses_jax.model.delta_net import group_heads
 from ulysses_jax.model.layer_kinds import layer_windows
 from ulysses_jax.parallel.head_layout import plan_heads
 from ulysses_jax.plan import reruns
@@ -198,8 +199,7 @@ def step_estimate(p, model, kernel: str) -> dict:
     sp = getattr(p, "mesh", {}).get("sp", 1)
     # --delta-head-chunk: each group's body is rematerialised, one more forward of the rule (a key head shared by
     # groups also projects and exchanges again per group: not counted)
-    grouped_delta = bool(model.linear_layers and model.delta_head_chunk
-                         and model.linear_num_value_heads // max(sp, 1) > model.delta_head_chunk)
+    grouped_delta = bool(model.linear_layers and model.delta_head_chunk and len(group_heads(model, sp)[0]) > 1)
     delta_fwd = flops.delta_rule_flops(model, p.seq_len, p.batch_size, backward=False)
     delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + (redo_mm + grouped_delta) * delta_fwd) / n
     delta_s = delta / DELTA_RATE
