@@ -276,3 +276,25 @@ def test_the_ring_takes_any_number_of_documents_on_gpus():
     assert documents_limit(model, make_mesh(sp=8, devices=devices), 524288) == 1
     ring = make_mesh(ring=2, sp=4, devices=devices)
     assert documents_limit(model, ring, 32768) is None and documents_limit(model, ring, 524288) is None
+
+
+def test_around_packed_masks_the_gradients_at_padding_not_the_inputs():
+    """The kernel gets Q, K, V as they are (no masked copies); the output is zero at padding, and the gradients of
+    Q, K, V are exactly zero there and the kernel's own elsewhere."""
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 8, 2, 4)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 0, 0]], jnp.int32)
+    seen = []
+
+    def call(q, k, v):
+        seen.append(q)
+        return jnp.tanh(q) * k + v  # elementwise: each token's gradient its own
+
+    around_packed(call, q, k, v, seg, 2)
+    assert bool(jnp.all(seen[0] == q)) and bool(jnp.any(q[:, 6:] != 0))  # padding not zeroed: no masked copy
+    out, vjp = jax.vjp(lambda q, k, v: around_packed(call, q, k, v, seg, 2), q, k, v)
+    assert bool(jnp.all(out[:, 6:] == 0)) and bool(jnp.all(out[:, :6] == call(q, k, v)[:, :6]))
+    dout = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    want = jax.vjp(call, q, k, v)[1](dout)
+    for got, full in zip(vjp(dout), want):
+        assert bool(jnp.all(got[:, 6:] == 0)) and bool(jnp.all(got[:, :6] == full[:, :6]))

@@ -203,3 +203,58 @@ def test_head_groups_with_lora_adapters_equal_the_whole_sublayer():
     for name in adapters:
         for i in range(2):
             close(ga1[name][i], ga0[name][i], 1e-5, f"{name}'s {'AB'[i]} gradient")
+
+
+def test_gated_norm_backward_equals_autodiff_of_its_formula():
+    """``gated_rms_norm``'s own backward (float32 inside, its gradients rounded where made) against autodiff of
+    ``rms_norm(o) * w * silu(z)`` written out, both in float32 on fresh inputs; and in bfloat16 against the float32
+    formula within bfloat16's rounding."""
+    rng = np.random.default_rng(7)
+    o, z, dy = (rng.normal(size=(2, 16, 3, 8)) for _ in range(3))
+    w = rng.normal(size=8) + 1.0
+
+    def formula(o, z, w):
+        n = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6)
+        return n * w * jax.nn.silu(z)
+
+    def grads(fn, dtype):
+        args = [jnp.asarray(a, dtype) for a in (o, z)] + [jnp.asarray(w, jnp.float32)]
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(jnp.asarray(dy, dtype))
+
+    want_out, want = grads(formula, jnp.float32)
+    got_out, got = grads(lambda o, z, w: gated_rms_norm(o, z, w, 1e-6), jnp.float32)
+    close(got_out, want_out, 1e-6, "output")
+    for name, g, h in zip(("o", "z", "w"), got, want):
+        close(g, h, 1e-5, f"d{name}")
+    got_out, got = grads(lambda o, z, w: gated_rms_norm(o, z, w, 1e-6), jnp.bfloat16)
+    assert got[0].dtype == got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
+    for name, g, h in zip(("o", "z", "w"), got, want):
+        close(np.asarray(g, np.float32), h, 2e-2, f"bf16 d{name}")
+
+
+def test_the_input_gradient_is_one_gemm_in_the_compiled_h100_program():
+    """``project``'s backward, compiled for a compile-only H100: one GEMM makes the gradient of the sublayer's input
+    ``[S, D]`` from all six projections' gradients (autodiff made six, one per projection, and summed them: six
+    ``[S/sp, D]`` arrays at once, what filled a device at Qwen3.5-9B's 8M tokens)."""
+    import re
+
+    from ulysses_jax.plan.targets import target_devices
+
+    mesh = uj.make_mesh(fsdp=1, sp=1, devices=target_devices("h100", devices=1))
+    cfg = dataclasses.replace(config(2, 4), hidden=192, linear_key_head_dim=64, linear_value_head_dim=64,
+                              compute_dtype="bfloat16")
+    with nnx.use_eager_sharding(False):
+        net = nnx.eval_shape(lambda: DeltaNet(ParamMaker(cfg, mesh, nnx.Rngs(0))))
+    graph, state = nnx.split(net)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graph, state)(x, None).astype(jnp.float32))
+
+    x = jax.ShapeDtypeStruct((1, 2048, 192), jnp.bfloat16,
+                             sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(state, x).lower().compile().as_text()
+    made = re.compile(r"= bf16\[(1,)?2048,192\]\{[\d,]+\} (fusion|custom-call)")  # an [S, D] array from a kernel
+    gemms = [line for line in text.splitlines()
+             if made.search(line) and ("gemm" in line or "cublas" in line) and "transpose(" in line]
+    assert len(gemms) == 1, gemms

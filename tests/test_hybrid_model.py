@@ -30,6 +30,13 @@ def hybrid_moe(**overrides):
                                           "shared_expert_dim": 48, "dense_layers": (1,), **overrides})
 
 
+# The delta-net's decay parameters: each gradient a sum over every token of terms of both signs that nearly cancel,
+# so the sharded model's other order of float32 sums moves it most: 4.9e-5 (relative to its largest entry) measured on
+# data 2 x fsdp 2 x sp 2 before the delta-net's own backwards (the projections' one input-gradient GEMM, the gated
+# norm's), 5.7e-5 after, 1.02e-4 with the tiled attention on fsdp 2 x sp 4. A wrong gradient is off by O(1).
+GATES = {"a_log_U": 3e-4, "dt_bias_U": 3e-4}
+
+
 @pytest.fixture(scope="module")
 def plain():
     """The plain single-device results of each model, computed once when first asked for."""
@@ -60,7 +67,7 @@ def test_sharded_and_memory_tools_equal_plain(plain, model, mesh_name, tools):
     batch, of = plain
     cfg = (hybrid if model == "dense" else hybrid_moe)(shard_params_over_data=MESHES[mesh_name][3], **tools)
     result = run_model(build(cfg, mesh_name, 0), batch)
-    assert_same(result, of(model))
+    assert_same(result, of(model), GATES)
     grads = dict(nnx.to_flat_state(result[2]))
     for path, g in grads.items():  # each layer's own mixer trains; the other kind's zeros get no gradient
         value = np.asarray(g.get_value())

@@ -120,7 +120,8 @@ def rel_err(x, ref):
 TOL_LOGITS, TOL_GRAD, TOL_LOSS = 1e-5, 1e-4, 1e-6
 
 
-def assert_same(result, ref):
+def assert_same(result, ref, tol_grad: dict | None = None):
+    """``tol_grad``: a looser gradient tolerance for the parameters it names (the last part of their path)."""
     logits, out, grads = result
     ref_logits, ref_out, ref_grads = ref
     assert logits.dtype == jnp.float32 and logits.shape == ref_logits.shape
@@ -130,7 +131,7 @@ def assert_same(result, ref):
     flat, ref_flat = nnx.to_flat_state(grads), dict(nnx.to_flat_state(ref_grads))
     assert len(flat) == len(ref_flat)
     for path, g in flat:
-        assert rel_err(g.get_value(), ref_flat[path].get_value()) < TOL_GRAD, path
+        assert rel_err(g.get_value(), ref_flat[path].get_value()) < (tol_grad or {}).get(path[-1], TOL_GRAD), path
 
 
 # Each mesh against the single-device model; the three variants rotate over the meshes.

@@ -4,6 +4,7 @@ H100s (``ulysses_jax.plan.targets``). Marked aot: they need the CUDA plugin (the
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -441,3 +442,25 @@ def test_the_nearest_measured_row_is_of_the_same_gpu_and_model():
 
     root = pathlib.Path(__file__).parents[1]
     assert all((root / r.source).is_file() for r in ROWS)  # each row is a committed result
+
+
+def test_peak_names_the_values_alive_where_device_memory_peaks(tmp_path):
+    """``plan/peak.py`` on a program compiled for a compile-only H100 whose peak is known: three arrays made together
+    (64, 32 and 16 MiB) and alive at once, each with the JAX op that made it; the input (a parameter: the state) left
+    out."""
+    from ulysses_jax.plan.peak import peak
+
+    def f(x):
+        a, b, c = jax.lax.optimization_barrier((jnp.sin(x), jnp.cos(x[:, :2048]), jnp.exp(x[:1024])))
+        return jnp.sum(a) * jnp.sum(b) + jnp.sum(c)
+
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32,
+                             sharding=jax.sharding.SingleDeviceSharding(target_devices("h100", devices=1)[0]))
+    jax.jit(f).trace(x).lower().compile(compiler_options=dump_options(tmp_path))
+    found = peak(tmp_path)
+    assert found is not None and 0 <= found.position < found.length
+    shapes = [v.shape.split("{")[0] for v in found.values[:3]]
+    assert shapes == ["f32[4096,4096]", "f32[4096,2048]", "f32[1024,4096]"], found.values
+    assert all(v.op.startswith("jit(f)/") for v in found.values[:3]), found.values
+    assert found.live_bytes >= 112 * 2**20 and found.heap_bytes >= found.live_bytes
+    assert peak(tmp_path / "nothing") is None

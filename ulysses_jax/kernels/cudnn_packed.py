@@ -165,12 +165,38 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
 
 
 def around_packed(call, q, k, v, segment_ids, max_segments: int | None) -> jax.Array:
-    """``call(q, k, v)`` on packed rows as every cuDNN path needs it: Q, K, V zeroed at padding (their gradients
-    there exactly zero), the output zeroed there, all NaN when a row is beyond the bound (``rows_not_described``)."""
+    """``call(q, k, v)`` on packed rows as every cuDNN path needs it: the gradients of Q, K, V exactly zero at
+    padding, the output zeroed there, all NaN when a row is beyond the bound (``rows_not_described``).
+
+    Q, K and V reach cuDNN as they are: the ragged offsets describe the documents only, so no token of a document
+    reads a padding token, and the output there is zeroed. Only their gradients are masked (``_zero_grad_at``);
+    masking the inputs themselves (as this did) made a copy of each whole-sequence Q, K, V beside the original,
+    4 GiB apiece at Qwen3.5-9B's 8M tokens under sp = 8."""
     mask = ~padding(segment_ids)[:, :, None, None]
-    q, k, v = (jnp.where(mask, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    out = jnp.where(mask, call(q, k, v), jnp.zeros((), q.dtype))
-    return jnp.where(rows_not_described(segment_ids, max_segments), jnp.full((), jnp.nan, out.dtype), out)
+    q, k, v = (_zero_grad_at(x, mask) for x in (q, k, v))
+    # the zero read off Q: a constant here would be hoisted out of a loop that calls this (the tiled attention
+    # sublayer's head groups) and broadcast there to whole-sequence arrays, one of zeros and one of NaN (4 GiB each
+    # at Qwen3.5-9B's 8M tokens under sp = 8)
+    zero = jax.lax.stop_gradient(q.reshape(-1)[0]) * 0
+    out = jnp.where(mask, call(q, k, v), zero)
+    return jnp.where(rows_not_described(segment_ids, max_segments), zero + jnp.nan, out)
+
+
+@jax.custom_vjp
+def _zero_grad_at(x, keep):
+    """``x`` itself; its gradient zero where ``keep`` (broadcast to ``x``) is False."""
+    return x
+
+
+def _zero_grad_fwd(x, keep):
+    return x, keep
+
+
+def _zero_grad_bwd(keep, g):
+    return jnp.where(keep, g, jnp.zeros((), g.dtype)), None
+
+
+_zero_grad_at.defvjp(_zero_grad_fwd, _zero_grad_bwd)
 
 
 # ------------------------------------------------------------------ forward and backward apart (kept attention)

@@ -55,9 +55,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 CHUNK = 64  # tokens per chunk: the C x C intra-chunk products against the [dk, dv] state products per chunk
 BLOCK = 64  # chunks per block: the unit of the intra-chunk temporaries (4,096 tokens at the default chunk)
+BLOCK_STATES = "delta_block_states"  # checkpoint_name of the backward's residual states (``[S / (C * block), dk, dv]``)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon, inside the square root
 _mm = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
 PRECISIONS = ("highest", "bf16")
@@ -302,6 +304,7 @@ def _chunked(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
 def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
     inputs = (q, k, v, g, beta, doc, prev)
     o, states = _forward(inputs, m, c, use_qk_l2norm, keep_block_states=True, low=low)
+    states = checkpoint_name(states, BLOCK_STATES)  # what a remat policy may keep while the inputs are recomputed
     return o, (inputs, states)  # the inputs themselves, and each block's incoming state [NB, B, Hk, n, dk, dv]
 
 
@@ -415,7 +418,10 @@ def _conv_bwd(activation, res, g):
         pre = _taps(x, w, doc)
         sig = jax.nn.sigmoid(pre)
         d = d * sig * (1 + pre * (1 - sig))
-    d = d.astype(x.dtype)  # rounded to x's dtype: the one [B, S, C] array the backward keeps
+    # rounded to x's dtype: the one [B, S, C] array the backward keeps; the barrier makes the rounding happen where
+    # d is made (left free, XLA kept d in float32 and rounded it inside each consumer: a float32 [B, S, C] of 12 GiB
+    # at Qwen3.5-9B's 8M tokens under sp = 8)
+    d = jax.lax.optimization_barrier(d.astype(x.dtype))
     df, wf, k, s = d.astype(f), w.astype(f), w.shape[1], x.shape[1]
     dx, dw = df * wf[:, k - 1], [jnp.sum(df * x.astype(f), axis=(0, 1))]
     for lag in range(1, k):  # tap k - 1 - lag read token t - lag

@@ -4,6 +4,7 @@ the gated RMSNorm and the output projection.
 Per layer, on the normed input ``x [B, S, D]`` (sequence-split over ``sp``, like every activation)::
 
     q, k = x W_q, x W_k  [B, S, Hk, dk]    v, z = x W_v, x W_z  [B, S, Hv, dv]    b, a = x W_b, x W_a  [B, S, Hv]
+                                                   (the backward: one GEMM for x's gradient, ``project``)
     o = ulysses_gated_delta(q, k, v, a, b, ...)        the exchange, conv, gates and rule on whole sequences
     y = rms_norm(o) * w_norm * silu(z)                 per token and head (Qwen3NextRMSNormGated: over dv, plain w)
     out = y W_o                                        [B, S, D]
@@ -20,8 +21,16 @@ the longest contexts. With ``m`` set, the sublayer runs ``vl / m`` groups in a `
 for ``m`` value heads per device (and the key heads they read: ``m / n`` of them, ``n = Hv / Hk``, or, with ``m < n``,
 the one key head, projected and exchanged again for each group that reads it), its body rematerialised: the forward
 and the backward hold one group's whole-sequence buffers at a time, and the output projections add up over the
-groups. ``m`` must divide ``vl`` and be a multiple or a divisor of ``n``. LoRA's terms: the input projections' are
-computed whole and cut per group; ``out_proj``'s adapter is cut by its rows (its dropout draws its mask per group).
+groups. ``m`` must divide ``vl`` and be a multiple or a divisor of ``n``. The layer's input norm runs inside each
+group too (``norm=``), so the backward keeps the raw input only. LoRA's terms: the input projections' are computed
+whole and cut per group; ``out_proj``'s adapter is cut by its rows (its dropout draws its mask per group).
+
+What held a device at the longest contexts (Qwen3.5-9B on 8 compile-only H100s at 8,388,608 tokens, sp = 8, one
+value head per group; XLA's live ranges, ``plan/peak.py``), and what was done (114.5 -> 67.9 GiB in all): the gradient
+of ``x`` was six ``[S/sp, D]`` arrays, one per projection, summed after (``project``: one GEMM); the convolution's
+gradient, the gated norm's gradient of ``z`` and ``silu(z)`` were kept in float32 across the rule's backward (rounded
+where made: ``kernels/gated_delta.py``, ``gated_rms_norm``); the convolution's output was kept for the rule's backward
+(recomputed now: ``parallel/ulysses_delta.py``). ``experiments/results/plan_hybrid_h100.md`` has each step.
 
 ``z`` never crosses the exchange: the gated norm needs, for one token and one head, that head's output and ``z`` of
 the same token and head, both on the sequence-split side once the output has come back. Shapes follow the model's
@@ -41,18 +50,70 @@ from flax import nnx
 from ulysses_jax.model import lora
 from ulysses_jax.model.layers import ParamMaker, use
 from ulysses_jax.parallel.mesh import RING, SP
-from ulysses_jax.parallel.sharding import constrain
+from ulysses_jax.parallel.sharding import constrain, row_major
 from ulysses_jax.parallel.ulysses_delta import plan_delta_heads, ulysses_gated_delta
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gated_rms_norm(o, z, w, eps: float):
     """``rms_norm(o) * w * silu(z)`` over the last axis (a value head's ``dv``), float32 inside, ``o``'s dtype out.
-    Rematerialised: its backward recomputes the float32 intermediates from ``o`` and ``z`` rather than keeping them
-    (each ``[B, S/sp, Hv, dv]`` float32, twice the size of ``o``)."""
+    Its own backward: it keeps ``o`` and ``z`` only, recomputes the float32 intermediates, and returns the gradients
+    of ``o`` and ``z`` in their own dtypes (autodiff kept float32 copies, each ``[B, S/sp, Hv, dv]``, twice the size of
+    ``o``: the gradient of ``z`` in float32 lived from the norm's backward to the projections', across the whole
+    delta rule's backward)."""
+    return _gated_norm_parts(o, z, w, eps)[0]
+
+
+def _gated_norm_parts(o, z, w, eps):
+    """``(y, n, r, gate)``: the output, ``o`` normalised and its ``rsqrt`` (float32), ``silu(z)`` (float32)."""
     o32 = o.astype(jnp.float32)
-    y = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+    r = jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+    n, gate = o32 * r, jax.nn.silu(z.astype(jnp.float32))
+    return (n * w.astype(jnp.float32) * gate).astype(o.dtype), n, r, gate
+
+
+def _gated_norm_fwd(o, z, w, eps):
+    return gated_rms_norm(o, z, w, eps), (o, z, w)
+
+
+def _gated_norm_bwd(eps, res, dy):
+    o, z, w = res
+    _, n, r, gate = _gated_norm_parts(o, z, w, eps)
+    g, w32 = dy.astype(jnp.float32), w.astype(jnp.float32)
+    sig = jax.nn.sigmoid(z.astype(jnp.float32))
+    dz = g * n * w32 * sig * (1 + z.astype(jnp.float32) * (1 - sig))  # silu'(z) = sig (1 + z (1 - sig))
+    dn = g * w32 * gate
+    do = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dw = jnp.sum(g * n * gate, axis=tuple(range(o.ndim - 1)))
+    # all three made before any is used, do and dz rounded to their inputs' dtypes there: left free, XLA kept silu(z)
+    # and sigmoid(z) in float32 for dw's sum, scheduled after the delta rule's backward
+    return jax.lax.optimization_barrier((do.astype(o.dtype), dz.astype(z.dtype), dw.astype(w.dtype)))
+
+
+gated_rms_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
+
+
+@jax.custom_vjp
+def project(x, ws):
+    """``x [B, S, D]`` times each ``w [D, n_i]`` of ``ws``: a tuple of ``[B, S, n_i]``, one GEMM each (as transformers
+    computes them: the same float32 sums). The backward is one GEMM for the input's gradient, on the output
+    gradients and the weights side by side: autodiff formed one ``[B, S/sp, D]`` gradient per projection and summed
+    them after, six such arrays alive at once, what filled a device at the longest contexts (module doc)."""
+    return tuple(jnp.einsum("bsd,dn->bsn", x, w) for w in ws)
+
+
+def _project_fwd(x, ws):
+    return project(x, ws), (x, ws)
+
+
+def _project_bwd(res, ds):
+    x, ws = res
+    d, w = jnp.concatenate(ds, axis=-1), jnp.concatenate(ws, axis=1)
+    dw = jnp.einsum("bsd,bsn->dn", x, d)
+    return jnp.einsum("bsn,dn->bsd", d, w), tuple(jnp.split(dw, np.cumsum([a.shape[1] for a in ws])[:-1], axis=1))
+
+
+project.defvjp(_project_fwd, _project_bwd)
 
 
 def check_mesh(cfg, mesh) -> None:
@@ -102,36 +163,44 @@ class DeltaNet(nnx.Module):
         for name, (shape, names, init) in shapes(self.cfg).items():
             setattr(self, name, make(f"delta.{name.rsplit('_', 1)[0]}", shape, names, init=init))
 
-    def __call__(self, x_BSD, segment_ids_BS, adapters=None, drop=None):
-        """The sublayer's output ``[B, S, D]`` for the normed input (module doc). ``adapters``: LoRA's ``{target: (A,
-        B)}`` (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``."""
+    def __call__(self, x_BSD, segment_ids_BS, adapters=None, drop=None, norm=None):
+        """The sublayer's output ``[B, S, D]`` for its input (module doc). ``adapters``: LoRA's ``{target: (A, B)}``
+        (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``. ``norm``: the layer's
+        input norm, applied here to the raw input ``x_BSD``; in head groups each group norms it again, so that no
+        normed copy of the device's sequence (``[B, S/sp, D]``) outlives the forward (LoRA's terms, computed whole,
+        still take one)."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         w = {name: use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
              for name in shapes(cfg)}
-        qkv = lora.low_rank(x_BSD, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
+        norm = norm or (lambda x: x)
+        x_in = norm(x_BSD) if adapters else x_BSD  # the normed input for LoRA's terms (unused without adapters)
+        qkv = lora.low_rank(x_in, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
         terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
             qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
         for name, target in (("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a")):
-            term = lora.low_rank(x_BSD, adapters, target, cfg.lora, drop)
+            term = lora.low_rank(x_in, adapters, target, cfg.lora, drop)
             terms[name] = None if isinstance(term, int) else term
         out_ad = adapters.get("out_proj") if adapters else None
 
         def mix(x, heads=None):
             """The sublayer over the key and value heads ``heads`` (global indices, ``group_heads``), or all."""
             key, val = (None, None) if heads is None else heads
+            x = row_major(norm(x), mesh)  # (as each layer's input: its weight gradients' GEMMs read it transposed)
 
             def cut(a, axis, idx):  # a head group's slice of a weight (or LoRA term); the whole of it without groups
                 return a if idx is None else jnp.take(a, idx, axis=axis)
 
-            def proj(name, idx, term):  # x W (+ LoRA's term)
-                out = jnp.einsum("bsd,d...->bs...", x, cut(w[name], 1, idx))
-                if term is not None:
-                    out = out + cut(term, 2, idx)
-                return constrain(out, mesh, ("batch", "seq") + (None,) * (out.ndim - 2))
-
-            q, k = proj("wq_DJQ", key, terms["q"]), proj("wk_DJQ", key, terms["k"])
-            v, z = proj("wv_DUW", val, terms["v"]), proj("wz_DUW", val, terms["z"])
-            b, a = proj("wb_DU", val, terms["b"]), proj("wa_DU", val, terms["a"])
+            used = (("q", "wq_DJQ", key), ("k", "wk_DJQ", key), ("v", "wv_DUW", val), ("z", "wz_DUW", val),
+                    ("b", "wb_DU", val), ("a", "wa_DU", val))
+            ws = [cut(w[name], 1, idx) for _, name, idx in used]
+            flat = project(x, tuple(a.reshape(a.shape[0], -1) for a in ws))
+            got = {}
+            for (letter, _, idx), wt, piece in zip(used, ws, flat):
+                piece = piece.reshape(*piece.shape[:2], *wt.shape[1:])
+                if terms[letter] is not None:  # LoRA's term of these heads
+                    piece = piece + cut(terms[letter], 2, idx)
+                got[letter] = constrain(piece, mesh, ("batch", "seq") + (None,) * (piece.ndim - 2))
+            q, k, v, z, b, a = (got[letter] for letter in "qkvzba")
             conv = [cut(w[n], 0, idx) for n, idx in (("conv_q_JQC", key), ("conv_k_JQC", key), ("conv_v_UWC", val))]
             o = ulysses_gated_delta(q, k, v, a, b, *conv, cut(w["a_log_U"], 0, val), cut(w["dt_bias_U"], 0, val),
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS)

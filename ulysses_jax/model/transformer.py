@@ -57,7 +57,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh
 
 from ulysses_jax.model import fp8, host_offload
@@ -71,25 +70,11 @@ from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
 from ulysses_jax.parallel.mesh import MESH_AXES, RING
-from ulysses_jax.parallel.sharding import check_batch, check_seq, compute_spec, constrain
+from ulysses_jax.parallel.sharding import check_batch, check_seq, constrain, row_major
 from ulysses_jax.parallel.ulysses import ring_token_order
 
 RESIDUAL = "residual"  # checkpoint_name of each block's input: what remat="offload" sends to host memory
 GROUP_INPUT = "group_input"  # with remat_every > 1: each group's input, what the policy keeps instead
-
-
-def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
-    """``x_BSD`` unchanged, pinned to the row-major layout on each device.
-
-    Applied to each layer's input under remat: the layer's backward reads its saved input transposed
-    (``[D, S]``, for the weight gradients), and left free XLA gives the whole stack of saved inputs that layout,
-    a second ``[L, S/sp, D]`` copy made between the forward and backward loops. Pinned, each layer's backward
-    transposes its own slice. Inside ``shard_map``: the constraint is per device and keeps the sharding.
-    """
-    spec = compute_spec(("batch", "seq", "embed"))
-    fix = jax.shard_map(lambda x: with_layout_constraint(x, Layout(major_to_minor=(0, 1, 2))), mesh=mesh,
-                        in_specs=spec, out_specs=spec)
-    return fix(x_BSD)
 
 
 class Block(nnx.Module):
@@ -178,8 +163,10 @@ class Block(nnx.Module):
     def _linear(self, x_BSD, positions_BS, segment_ids_BS, *, drop=None):
         """``x + delta_net(norm(x))``: a gated delta-net layer (``model/delta_net.py``; positions unused)."""
         # the norm recomputed in the backward: its float32 intermediates of the device's whole sequence were kept
-        # (six float32 [S/sp, hidden] buffers in Qwen3.5-9B's compiled step at 1M tokens)
-        return x_BSD + self.delta(self.attn_norm(x_BSD, remat=True), segment_ids_BS, lora.pairs(self, "delta"), drop)
+        # (six float32 [S/sp, hidden] buffers in Qwen3.5-9B's compiled step at 1M tokens); the delta-net applies it,
+        # in each head group again
+        return x_BSD + self.delta(x_BSD, segment_ids_BS, lora.pairs(self, "delta"), drop,
+                                  norm=functools.partial(self.attn_norm, remat=True))
 
     def attention_params(self) -> dict:
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype

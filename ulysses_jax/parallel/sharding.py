@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 
 import jax
+from jax.experimental.layout import Layout, with_layout_constraint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -103,6 +104,22 @@ def check_param_shape(path: str, shape: Sequence[int], spec: P, mesh: Mesh) -> N
 def constrain(x: jax.Array, mesh: Mesh, names: Sequence[str | None]) -> jax.Array:
     """``with_sharding_constraint`` of an activation to its compute layout."""
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, compute_spec(names)))
+
+
+def row_major(x_BSD: jax.Array, mesh: Mesh) -> jax.Array:
+    """``x_BSD`` unchanged, pinned to the row-major layout on each device.
+
+    Applied to each layer's input under remat: the layer's backward reads its saved input transposed
+    (``[D, S]``, for the weight gradients), and left free XLA gives the whole stack of saved inputs that layout,
+    a second ``[L, S/sp, D]`` copy made between the forward and backward loops. Pinned, each layer's backward
+    transposes its own slice. The same for the delta-net's normed input in head groups, which XLA otherwise made
+    column-major, and copied, for its weight gradients. Inside ``shard_map``: the constraint is per device and keeps
+    the sharding.
+    """
+    spec = compute_spec(("batch", "seq", "embed"))
+    fix = jax.shard_map(lambda x: with_layout_constraint(x, Layout(major_to_minor=(0, 1, 2))), mesh=mesh,
+                        in_specs=spec, out_specs=spec)
+    return fix(x_BSD)
 
 
 def check_batch(batch: int, mesh: Mesh) -> None:

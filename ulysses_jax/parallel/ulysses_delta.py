@@ -33,6 +33,7 @@ refused: the recurrence would need its state passed around the ring.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.kernels.gated_delta import causal_conv1d, gated_delta_rule, gates
+from ulysses_jax.kernels.gated_delta import BLOCK_STATES, causal_conv1d, gated_delta_rule, gates
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.ulysses import _place, batch_axes, ring_size
 
@@ -84,6 +85,21 @@ def delta_exchange_bytes(layout: DeltaLayout, *, batch: int, seq_len: int, dk: i
     tokens = batch * (seq_len // layout.sp)
     per_device = 2 * layout.kl * dk + layout.vl * dv + 2 * layout.vl
     return {"qkvab": tokens * layout.sp * per_device * itemsize, "out": tokens * layout.value_heads * dv * itemsize}
+
+
+@functools.partial(jax.checkpoint, static_argnums=(7, 8, 9, 10, 11, 12),
+                   policy=jax.checkpoint_policies.save_only_these_names(BLOCK_STATES))
+def _conv_and_rule(qkv, w, a, b, a_log, dt_bias, seq, widths, kl, vl, dk, dv, chunk):
+    """On one device's whole sequences: the convolution of ``qkv [b, S, c]``, the gates and the rule, ``o [b, S, vl,
+    dv]``. Rematerialised but for the rule's block states: the backward runs the convolution again rather than
+    keeping its output (three ``[b, S, heads, d]`` arrays, 6 GiB per device at 8M tokens under sp = 8), and the rule's
+    own backward, which keeps its inputs, then finds them recomputed."""
+    bl, s_full = qkv.shape[:2]
+    qkv = causal_conv1d(qkv, w, seq)
+    ql, kl_, vl_ = jnp.split(qkv, np.cumsum(widths)[:2], axis=2)
+    g, beta = gates(a, b, a_log, dt_bias)
+    return gated_delta_rule(ql.reshape(bl, s_full, kl, dk), kl_.reshape(bl, s_full, kl, dk),
+                            vl_.reshape(bl, s_full, vl, dv), g, beta, segment_ids=seq, chunk=chunk)
 
 
 def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *, mesh: Mesh, axis_name: str = "sp",
@@ -133,12 +149,8 @@ def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *
         k_size = cq.shape[-1]
         w = jnp.concatenate([jnp.take(cq, keys, axis=0).reshape(-1, k_size), jnp.take(ck, keys, axis=0).reshape(
             -1, k_size), jnp.take(cv, values, axis=0).reshape(-1, k_size)], axis=0)  # this device's channels' filters
-        qkv = causal_conv1d(qkv, w, seq)
-        ql, kl_, vl_ = jnp.split(qkv, np.cumsum(widths)[:2], axis=2)
-        s_full = ql.shape[1]
-        g, beta = gates(a, b, jnp.take(a_log, values), jnp.take(dt_bias, values))
-        o = gated_delta_rule(ql.reshape(bl, s_full, kl, dk), kl_.reshape(bl, s_full, kl, dk),
-                             vl_.reshape(bl, s_full, vl, dv), g, beta, segment_ids=seq, chunk=chunk)
+        o = _conv_and_rule(qkv, w, a, b, jnp.take(a_log, values), jnp.take(dt_bias, values), seq, tuple(widths), kl,
+                           vl, dk, dv, chunk)
         return heads_to_seq(o, axis_name)  # [b, S/P, Hv, dv]
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec4, check_vma=False)

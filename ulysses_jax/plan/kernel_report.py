@@ -67,8 +67,9 @@ class KernelInfo:
 
 
 def dump_options(dump_dir: str | pathlib.Path) -> dict[str, object]:
-    """XLA compiler options that dump the optimised HLO, the thunk sequence and the kernels' PTX to ``dump_dir``."""
-    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True}
+    """XLA compiler options that dump the optimised HLO, the thunk sequence, the kernels' PTX and the buffers' live
+    ranges (``plan/peak.py``) to ``dump_dir``."""
+    return {"xla_dump_to": str(dump_dir), "xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True}
 
 
 @functools.lru_cache(maxsize=1)

@@ -44,6 +44,7 @@ from ulysses_jax.plan import hlo, measured
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
 from ulysses_jax.plan.flags import train_args
 from ulysses_jax.plan.kernel_report import KernelInfo, dump_options, kernels
+from ulysses_jax.plan.peak import Peak, peak
 from ulysses_jax.plan.report import GiB
 from ulysses_jax.plan.targets import HOST_SHARE, GpuTarget, get_target, target_devices
 from ulysses_jax.train.config import TrainConfig, model_config
@@ -102,6 +103,7 @@ class Plan:
     kernels: list[KernelInfo]
     compile_seconds: float
     buffers: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # largest device allocations
+    peak: Peak | None = None  # the values alive where device memory peaks (plan/peak.py)
     max_seq_len: int | None = None
     optimizer_on_host: bool = False  # --optim.offload: the optimizer state's shard is in pinned host memory
     memory_flags: str | None = None  # --memory auto: the train flags of the memory tools it chose
@@ -182,6 +184,9 @@ class Plan:
             "optimizer_on_host": self.optimizer_on_host,
             "kernels": [dataclasses.asdict(k) for k in self.kernels],
             "largest_buffers": [{"bytes": n, "shapes": shapes} for n, shapes in self.buffers],
+            "peak_live": None if self.peak is None else {
+                "live_bytes": self.peak.live_bytes, "heap_bytes": self.peak.heap_bytes,
+                "values": [dataclasses.asdict(v) for v in self.peak.values]},
             "compile_seconds": self.compile_seconds,
             "max_seq_len": self.max_seq_len,
             "memory_flags": self.memory_flags,
@@ -285,6 +290,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         compiled = lowered.compile(compiler_options=dump_options(dump) if detail else None)
         found = kernels(dump, prefix=("flash_attention", "grouped_matmul")) if detail and with_kernels else []
         buffers = largest_buffers(dump) if detail else []
+        at_peak = peak(dump) if detail else None
     seconds = time.perf_counter() - t0
     fraction, budget, host_budget, host_note = budgets(cfg, target)
     mem = compiled.memory_analysis()
@@ -325,7 +331,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,
         flops_per_step=flops.training_flops(model, batch=batch_size, seq_len=seq_len), kernels=found,
-        compile_seconds=seconds, buffers=buffers, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
+        compile_seconds=seconds, buffers=buffers, peak=at_peak, optimizer_on_host=cfg.optim.offload, memory_fraction=fraction,
         host_budget_note=host_note, host_budget_assumed=cfg.host_memory_gib is None,
         hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),

@@ -88,6 +88,11 @@ def format_plan(p) -> str:
     if p.buffers:
         lines += ["", "Largest device buffers (GiB; XLA's memory-usage report: what fills the device)"]
         lines += [f"  {gib(n):>8}  {shapes[:110]}" for n, shapes in p.buffers[:8]]
+    if p.peak is not None and p.peak.values:
+        lines += ["", f"Alive where device memory peaks (GiB; XLA's live ranges: {gib(p.peak.live_bytes)} alive at "
+                      f"once, in a layout of {gib(p.peak.heap_bytes)}): what to remove to go longer"]
+        lines += [f"  {gib(v.bytes):>8}  {v.shape.split('{')[0]:<28} {v.where(80) or '(made by XLA)'}"
+                  for v in p.peak.values[:8]]
     if p.max_seq_len is not None:
         lines += ["", f"Longest sequence that fits: {p.max_seq_len:,} tokens"]
     if p.memory_flags is not None:
