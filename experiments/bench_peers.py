@@ -63,10 +63,15 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
     Row("8b-lora-32k", "llama3.1-8b", "lora16", 32768, (KEEP, KEEP + " --fp8")),
     Row("8b-lora-64k", "llama3.1-8b", "lora16", 65536, (KEEP,)),
     Row("qwen3-8b-32k", "qwen3-8b", "full", 32768, (HOST_OPTIM,)),
+    # issue 39: a hybrid (gated delta-net layers) beside transformers' Qwen3_5ForCausalLM, whose delta rule is
+    # flash-linear-attention's kernel where fla imports and its own torch loop where not (the note says which)
+    Row("qwen3.5-9b-lora-8k", "qwen3.5-9b", "lora16", 8192, (KEEP,)),
+    Row("qwen3.5-9b-lora-32k", "qwen3.5-9b", "lora16", 32768, (KEEP,)),
 )
 QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",
                                             "--remat full --loss-chunk 64 --mlp-chunk 64 --attn-keep")),
-         Row("quick-lora", "tiny", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)))
+         Row("quick-lora", "tiny", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)),
+         Row("quick-hybrid", "tiny-hybrid", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)))
 PEERS = ("transformers", "transformers+liger")
 
 
@@ -121,6 +126,16 @@ def _hf_config(preset: str):
     return kind(**{k: v for k, v in raw.items() if k != "architectures"}), raw["architectures"][0]
 
 
+def _lora_targets(preset: str) -> list[str]:
+    """peft's module names of the projections ``--lora-rank`` adapts by default on ``preset`` (train's rule: the
+    seven projections, and on a hybrid the delta-net's in_proj_qkv, in_proj_z and out_proj)."""
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.model.lora_config import DELTA_DEFAULT, HF_NAMES, TARGETS
+
+    hybrid = bool(ModelConfig.from_preset(preset).linear_layers)
+    return [HF_NAMES[t] for t in TARGETS + (DELTA_DEFAULT if hybrid else ())]
+
+
 def peer(spec: dict) -> dict:
     """The peer's step (module doc): the same tokens as ours (bench_train's random batch, one document)."""
     import numpy as np
@@ -139,8 +154,12 @@ def peer(spec: dict) -> dict:
         import liger_kernel.transformers as liger  # noqa: F401 - raises where it is not installed
 
         family = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
-                  "MistralForCausalLM": "mistral"}[arch]
-        getattr(liger, f"apply_liger_kernel_to_{family}")()
+                  "MistralForCausalLM": "mistral", "Qwen3_5ForCausalLM": "qwen3_5",
+                  "Qwen3NextForCausalLM": "qwen3_next"}.get(arch, arch)
+        patch = getattr(liger, f"apply_liger_kernel_to_{family}", None)
+        if patch is None:
+            raise RuntimeError(f"liger-kernel has no apply_liger_kernel_to_{family} for {arch}")
+        patch()
     lora = spec["mode"] == "lora16"
     config._attn_implementation = "sdpa"
     with torch.device(device):
@@ -152,8 +171,7 @@ def peer(spec: dict) -> dict:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+            r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=_lora_targets(spec["preset"])))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)

@@ -40,16 +40,17 @@ def test_presets_have_the_published_parameter_count(name):
 def test_preset_features():
     # gemma3-4b: the text model of a vision-language one; the mixtures of experts: tests/test_moe.py
     assert set(PRESETS) == {"tiny", "gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "tiny-moe", "gpt-oss-20b",
-                            "gpt-oss-120b", *PUBLISHED}
+                            "gpt-oss-120b", "tiny-hybrid", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
-    hybrids = {"qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"}
+    hybrids = {"qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-hybrid"}
     assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
                                                             "tiny-moe", *gemma, *hybrids}
     assert {n for n, c in PRESETS.items() if c.linear_layers} == hybrids
     for name in hybrids:  # three delta-net layers to one gated, partially rotated full-attention layer
         c = PRESETS[name]
-        assert c.linear_layers == tuple(i for i in range(c.num_layers) if i % 4 != 3) and c.rotary_dim == 64
+        assert c.linear_layers == tuple(i for i in range(c.num_layers) if i % 4 != 3)
+        assert c.rotary_dim == c.head_dim // 4 and c.attn_output_gate
         assert c.attn_output_gate and c.norm_plus_one and (c.shared_expert_dim == 512) == bool(c.num_experts)
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b", "gpt-oss-20b",
                                                              "gpt-oss-120b"}

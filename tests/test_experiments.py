@@ -79,7 +79,8 @@ def test_bench_peers_dry_run(tmp_path):
     assert list(rows[0]) == ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s",
                              "speedup", "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
     plain = [r for r in rows if r["peer"] == "transformers"]
-    assert {r["mode"] for r in plain} == {"full", "lora16"} and len(plain) == 3
+    assert {r["mode"] for r in plain} == {"full", "lora16"} and len(plain) == 4
+    assert {r["model"] for r in plain} == {"tiny", "tiny-hybrid"}  # the hybrid beside transformers' Qwen3_5
     assert all(float(r["ours_step_s"]) > 0 and float(r["peer_step_s"]) > 0 for r in plain)
     assert all(abs(float(r["speedup"]) - float(r["peer_step_s"]) / float(r["ours_step_s"])) < 0.01 for r in plain)
     md = table.with_suffix(".md").read_text()

@@ -17,8 +17,10 @@ module (``model/families/``) holds its own and tabulates them in its docstring:
 | Qwen3.5-MoE| qwen3.5-35b-a3b (256 experts, top-8, a shared expert)     | ``families/qwen3_5_moe.py``  |
 | Qwen3-Next | qwen3-next-80b-a3b (512 experts, top-10, a shared expert) | ``families/qwen3_next.py``   |
 
-Two CPU-sized models for smoke runs live here: ``tiny``, a GQA model of 5.2M parameters, and ``tiny-moe``, eight
-experts (top-2, renormalised, qk-norm) with one dense layer among three sparse ones. Variations:
+Three CPU-sized models for smoke runs live here: ``tiny``, a GQA model of 5.2M parameters; ``tiny-moe``, eight
+experts (top-2, renormalised, qk-norm) with one dense layer among three sparse ones; ``tiny-hybrid``, Qwen3.5's layer
+(three gated delta-net layers, 4 key / 8 value heads of 32, to one output-gated full-attention layer) at ``tiny``'s
+width. Variations:
 ``dataclasses.replace(cfg, ...)``, which re-runs the validation, so an invalid combination raises ``ValueError`` at
 once.
 
@@ -415,8 +417,10 @@ TINY = dict(vocab_size=4096, num_layers=4, hidden=256, num_heads=8, num_kv_heads
             rope_theta=10_000.0, max_seq_len=4096, compute_dtype="float32")
 TINY_MOE = dict(TINY, qk_norm=True, num_experts=8, experts_per_token=2, moe_mlp_dim=128, router_renormalize=True,
                 dense_layers=(0,), router_aux_loss_coef=0.001)
+TINY_HYBRID = dict(TINY, **{**qwen3_5.HYBRID, "head_dim": 32, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+                              "linear_key_head_dim": 32, "linear_value_head_dim": 32, "max_seq_len": 4096})
 # in the order --preset and the unknown-preset message list them: the smoke models beside the families'
 PRESETS: dict[str, ModelConfig] = {name: _preset(name, fields) for name, fields in {
     "tiny": TINY, **llama.PRESETS, **qwen2.PRESETS, **qwen3.PRESETS, **mistral.PRESETS, **qwen3_moe.PRESETS,
     **mixtral.PRESETS, **gpt_oss.PRESETS, "tiny-moe": TINY_MOE, **gemma3.PRESETS, **qwen3_5.PRESETS,
-    **qwen3_5_moe.PRESETS, **qwen3_next.PRESETS}.items()}
+    "tiny-hybrid": TINY_HYBRID, **qwen3_5_moe.PRESETS, **qwen3_next.PRESETS}.items()}
