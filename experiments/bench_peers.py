@@ -65,8 +65,8 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
     Row("qwen3-8b-32k", "qwen3-8b", "full", 32768, (HOST_OPTIM,)),
     # issue 39: a hybrid (gated delta-net layers) beside transformers' Qwen3_5ForCausalLM, whose delta rule is
     # flash-linear-attention's kernel where fla imports and its own torch loop where not (the note says which)
-    Row("qwen3.5-9b-lora-8k", "qwen3.5-9b", "lora16", 8192, (KEEP,)),
-    Row("qwen3.5-9b-lora-32k", "qwen3.5-9b", "lora16", 32768, (KEEP,)),
+    Row("qwen3.5-9b-lora-8k", "qwen3.5-9b", "lora16", 8192, (KEEP, KEEP + " --delta-precision bf16")),
+    Row("qwen3.5-9b-lora-32k", "qwen3.5-9b", "lora16", 32768, (KEEP, KEEP + " --delta-precision bf16")),
 )
 QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",
                                             "--remat full --loss-chunk 64 --mlp-chunk 64 --attn-keep")),
@@ -127,13 +127,11 @@ def _hf_config(preset: str):
 
 
 def _lora_targets(preset: str) -> list[str]:
-    """peft's module names of the projections ``--lora-rank`` adapts by default on ``preset`` (train's rule: the
-    seven projections, and on a hybrid the delta-net's in_proj_qkv, in_proj_z and out_proj)."""
+    """peft's module names of the projections ours adapts on ``preset`` (``lora_config.default_targets``, train's)."""
     from ulysses_jax.model.config import ModelConfig
-    from ulysses_jax.model.lora_config import DELTA_DEFAULT, HF_NAMES, TARGETS
+    from ulysses_jax.model.lora_config import HF_NAMES, default_targets
 
-    hybrid = bool(ModelConfig.from_preset(preset).linear_layers)
-    return [HF_NAMES[t] for t in TARGETS + (DELTA_DEFAULT if hybrid else ())]
+    return [HF_NAMES[t] for t in default_targets(ModelConfig.from_preset(preset))]
 
 
 def peer(spec: dict) -> dict:

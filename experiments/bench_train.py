@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--fp8", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                    help="float8 projections (--fp8 of train); both: a row without and one with each")
     p.add_argument("--fp8-recipe", default="current", choices=("current", "delayed"))
+    p.add_argument("--delta-precision", default="highest", choices=("highest", "bf16"),
+                   help="hybrids: the delta rule's chunk products (train's --delta-precision)")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -82,7 +84,7 @@ def build(args, seq_len: int):
 
     from ulysses_jax.data.pipeline import to_global
     from ulysses_jax.model.config import ModelConfig
-    from ulysses_jax.model.lora_config import LoraConfig
+    from ulysses_jax.model.lora_config import LoraConfig, default_targets
     from ulysses_jax.parallel.mesh import make_mesh
     from ulysses_jax.train.devices import check_parallel
     from ulysses_jax.train.step import (
@@ -99,12 +101,13 @@ def build(args, seq_len: int):
     mesh = make_mesh(fsdp=args.fsdp, sp=sp)
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
-                                  attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk)
+                                  attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
+                                  delta_precision=getattr(args, "delta_precision", "highest"))
     if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
         cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:
-        cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank),
-                                  param_dtype="bfloat16")
+        cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank,
+                                                       targets=default_targets(cfg)), param_dtype="bfloat16")
     optim = OptimConfig(offload=True, master_weights=True) if args.optim_offload else OptimConfig()
     if args.optim_offload:
         cfg = dataclasses.replace(cfg, param_dtype="bfloat16")

@@ -258,3 +258,22 @@ def test_the_input_gradient_is_one_gemm_in_the_compiled_h100_program():
     gemms = [line for line in text.splitlines()
              if made.search(line) and ("gemm" in line or "cublas" in line) and "transpose(" in line]
     assert len(gemms) == 1, gemms
+
+
+def test_delta_precision_reaches_the_rule_and_bad_values_are_refused():
+    """``delta_precision='bf16'`` (``--delta-precision``) runs the sublayer's rule on bf16 products: its output moves
+    off the float32 one (so the setting reaches the kernel) by less than 2% of its largest value; a value other than
+    the two, or 'bf16' on a model without delta-net layers, is refused in one line."""
+    mesh = uj.make_mesh(fsdp=1, sp=1, devices=jax.devices()[:1])
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(B, S, D)), jnp.float32)
+    outs = {}
+    for precision in ("highest", "bf16"):
+        net = make(dataclasses.replace(config(4, 8), delta_precision=precision), mesh)
+        outs[precision] = np.asarray(net(x, None))
+    err = np.abs(outs["bf16"] - outs["highest"]).max() / np.abs(outs["highest"]).max()
+    assert 1e-6 < err < 2e-2, err
+    with pytest.raises(ValueError, match=r"delta_precision 'fp16' is not one of highest, bf16"):
+        dataclasses.replace(config(4, 8), delta_precision="fp16")
+    with pytest.raises(ValueError, match=r"delta_precision \('bf16'\) sets the delta rule of delta-net layers, but "
+                                         r".* has none; leave it at 'highest'"):
+        uj.ModelConfig(delta_precision="bf16")

@@ -174,10 +174,11 @@ def around_packed(call, q, k, v, segment_ids, max_segments: int | None) -> jax.A
     4 GiB apiece at Qwen3.5-9B's 8M tokens under sp = 8."""
     mask = ~padding(segment_ids)[:, :, None, None]
     q, k, v = (_zero_grad_at(x, mask) for x in (q, k, v))
-    # the zero read off Q: a constant here would be hoisted out of a loop that calls this (the tiled attention
-    # sublayer's head groups) and broadcast there to whole-sequence arrays, one of zeros and one of NaN (4 GiB each
-    # at Qwen3.5-9B's 8M tokens under sp = 8)
-    zero = jax.lax.stop_gradient(q.reshape(-1)[0]) * 0
+    # the zero read off Q (0 even where Q's first value is not finite): a constant here would be hoisted out of a
+    # loop that calls this (the tiled attention sublayer's head groups) and broadcast there to whole-sequence arrays,
+    # one of zeros and one of NaN (4 GiB each at Qwen3.5-9B's 8M tokens under sp = 8)
+    first = jax.lax.stop_gradient(q.reshape(-1)[0])
+    zero = jnp.where(jnp.isfinite(first), first * 0, jnp.zeros((), q.dtype))
     out = jnp.where(mask, call(q, k, v), zero)
     return jnp.where(rows_not_described(segment_ids, max_segments), zero + jnp.nan, out)
 

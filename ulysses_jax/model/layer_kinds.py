@@ -13,6 +13,8 @@ reads a config's attributes and imports nothing of the package (``model/config.p
 
 from __future__ import annotations
 
+from ulysses_jax.kernels.gated_delta import PRECISIONS
+
 LAYER_TYPES = ("global", "local", "linear")
 LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 
@@ -52,6 +54,9 @@ def check_linear(cfg) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{field} ({value!r}) must be a positive integer (0: no delta-net layers)")
     linear = "linear" in cfg.layer_pattern
+    if cfg.delta_precision not in PRECISIONS:
+        raise ValueError(f"delta_precision {cfg.delta_precision!r} is not one of {', '.join(PRECISIONS)}: the delta "
+                         f"rule's chunk products in float32 at HIGHEST precision, or on bfloat16 operands")
     if not linear:
         if any(sizes.values()):
             raise ValueError(f"{', '.join(f for f, v in sizes.items() if v)} describe delta-net layers, but "
@@ -59,6 +64,9 @@ def check_linear(cfg) -> None:
         if cfg.delta_head_chunk:
             raise ValueError(f"delta_head_chunk ({cfg.delta_head_chunk}) groups the heads of delta-net layers, but "
                              f"{cfg.name} has none; set it to 0")
+        if cfg.delta_precision != "highest":
+            raise ValueError(f"delta_precision ({cfg.delta_precision!r}) sets the delta rule of delta-net layers, but "
+                             f"{cfg.name} has none; leave it at 'highest'")
         return
     if missing := [f for f, v in sizes.items() if not v]:
         raise ValueError(f"layer_pattern has 'linear' (delta-net) layers; set {', '.join(missing)}")

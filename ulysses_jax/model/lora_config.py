@@ -19,6 +19,12 @@ HF_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": 
             "down": "down_proj", **{t: t for t in DELTA_TARGETS}}  # the Hugging Face module names (peft's)
 
 
+def default_targets(model) -> tuple[str, ...]:
+    """The projections ``--lora-rank`` adapts when ``--lora-targets`` is not given: the seven (the attention's alone
+    with experts, whose LoRA is not supported), and on a hybrid the delta-net's ``DELTA_DEFAULT`` too."""
+    return (ATTENTION_TARGETS if model.num_experts else TARGETS) + (DELTA_DEFAULT if model.linear_layers else ())
+
+
 def parse_targets(text: str | tuple | list) -> tuple[str, ...]:
     """``"q,k,v"`` (or peft's ``q_proj``, ...) -> ``("q", "k", "v")`` in the order of ``TARGETS``; unknown names are
     kept for ``LoraConfig.check`` to refuse with the ones the model has."""

@@ -16,7 +16,7 @@ import tyro
 
 from ulysses_jax.data.documents import DataConfig, DataFormat
 from ulysses_jax.model.config import PRESETS, ModelConfig, RopeScaling
-from ulysses_jax.model.lora_config import ATTENTION_TARGETS, DELTA_DEFAULT, TARGETS, LoraConfig
+from ulysses_jax.model.lora_config import LoraConfig, default_targets
 from ulysses_jax.train import runconfig
 from ulysses_jax.train.cluster import DEFAULT_PEER_TIMEOUT
 from ulysses_jax.train.devices import MeshConfig, build_mesh, check_parallel, resolve_batch  # noqa: F401 (re-exported)
@@ -63,6 +63,9 @@ class TrainConfig:
     delta_head_chunk: int | None = None
     """hybrids (Qwen3.5, Qwen3-Next): the delta-net layers in head groups of this many value heads per device, one
     group's whole-sequence buffers on the device at a time (0: all of a device's heads at once; None: the preset's)"""
+    delta_precision: Literal["highest", "bf16"] | None = None
+    """hybrids: the delta rule's chunk products in float32 at HIGHEST precision (highest) or on bfloat16 operands with
+    float32 results (bf16, as flash-linear-attention computes; not yet timed on a GPU); None: the preset's (highest)"""
     sliding_window: int | None = None
     """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
     has none); None: the model's own"""
@@ -192,6 +195,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
     return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every,
                 remat_nested=cfg.remat_nested, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
+                delta_precision=cfg.delta_precision,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl, fp8=cfg.fp8,
                 fp8_recipe=cfg.fp8_recipe)
@@ -226,7 +230,7 @@ def lora_settings(cfg: TrainConfig, model: ModelConfig) -> dict:
     if cfg.lora_alpha is None:
         out["lora_alpha"] = (2.0 * cfg.lora_rank, "2 x --lora-rank")
     if cfg.lora_targets is None:
-        targets = (ATTENTION_TARGETS if model.num_experts else TARGETS) + (DELTA_DEFAULT if model.linear_layers else ())
+        targets = default_targets(model)
         why = "attention only: LoRA on experts is not supported" if model.num_experts else (
             "the attention and MLP projections")
         out["lora_targets"] = (",".join(targets), why + (", and the delta-net's" if model.linear_layers else ""))
