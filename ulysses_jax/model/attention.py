@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ulysses_jax.model import fp8, lora
-from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, rope_factor, rope_frequencies, use
+from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, rope_factor, rope_frequencies, use, use_parts
 from ulysses_jax.parallel.mesh import RING, SP
 from ulysses_jax.parallel.sharding import constrain
 from ulysses_jax.parallel.ulysses import ulysses_attention
@@ -58,8 +58,9 @@ class Attention(nnx.Module):
         adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
         hist = fp8.value(self)  # delayed float8 scaling: the amax histories of q, k, v, o
 
-        def proj(spec, x, w, i):  # x @ w, in float8 with --fp8 (weights gathered in the compute dtype, then cast)
-            return fp8.einsum(spec, x, use(w, mesh, dt), on=cfg.fp8, history=fp8.row(hist, i))
+        def proj(spec, x, w, i):  # x @ w, in float8 with --fp8 (the weight quantised at rest, gathered in float8)
+            w, gather = use_parts(w, mesh, dt)
+            return fp8.einsum(spec, x, w, on=cfg.fp8, history=fp8.row(hist, i), gather=gather)
 
         q_BSNH = proj("bsd,dnh->bsnh", x_BSD, self.wq_DNH, 0) + adapted(x_BSD, target="q")
         k_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wk_DKH, 1) + adapted(x_BSD, target="k")

@@ -23,6 +23,10 @@ all-zero tensor takes scale 1. A NaN anywhere in a tensor makes its amax NaN, so
 NaN; an inf makes the amax inf and the product NaN: a non-finite input never yields a finite output, and the trainer's
 non-finite check stops the run.
 
+FSDP (the plain attention and MLP sublayers): each weight is quantised where it rests, its per-tensor amax a max over
+the devices (a scalar all-reduce), and gathered in float8: half of bf16's bytes, and the same values as quantising after
+the gather (one scale, an elementwise cast). The tiled sublayers gather in the compute dtype and cast after.
+
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
 and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a
 max, ``chunked.sum_f32`` takes the max of a weights dict's ``HISTORY_KEY`` entry. The tiled sublayers scale each chunk
@@ -99,11 +103,13 @@ def rolled(history: jax.Array, amaxes) -> jax.Array:
     return jnp.roll(history, 1, axis=-1).at[:, 0].set(jnp.stack(amaxes).astype(_F32))
 
 
-def quantized(x, w, history=None) -> tuple:
-    """The residuals of a float8 projection: ``x`` and ``w`` in e4m3 with their scales and amaxes (module doc)."""
+def quantized(x, w, history=None, gather=None) -> tuple:
+    """The residuals of a float8 projection: ``x`` and ``w`` in e4m3 with their scales and amaxes (module doc).
+    ``gather``: ``w`` is at rest (FSDP-split), gathered here once quantised (module doc)."""
     ax, aw = amax(x), amax(w)
     sx, sw = scale_of(_used(history, 0, ax), E4M3), scale_of(_used(history, 1, aw), E4M3)
-    return quantize(x, E4M3, sx), quantize(w, E4M3, sw), sx, sw, ax, aw, history
+    wq = quantize(w, E4M3, sw)
+    return quantize(x, E4M3, sx), wq if gather is None else gather(wq), sx, sw, ax, aw, history
 
 
 def backward_f32(spec, res, dy):
@@ -123,21 +129,22 @@ def grads(spec, x, w, dy, history=None):
     return backward_f32(spec, quantized(x, w, history), dy)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, history: jax.Array | None = None, gather=None) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` (``spec`` of two operands, every index of each in the other or the output) with both
-    GEMMs of the backward and the forward's in float8; ``history [3, HISTORY]``: delayed scaling (module doc)."""
-    return _fwd(spec, x, w, history)[0]
+    GEMMs of the backward and the forward's in float8; ``history [3, HISTORY]``: delayed scaling; ``gather``
+    (``layers.Gather``): ``w`` at rest, gathered in float8 (module doc)."""
+    return _fwd(spec, x, w, history, gather)[0]
 
 
-def _fwd(spec, x, w, history):
-    res = quantized(x, w, history)
+def _fwd(spec, x, w, history, gather=None):
+    res = quantized(x, w, history, gather)
     xq, wq, sx, sw = res[:4]
     y = _dot(spec, xq, wq, sx, sw).astype(jnp.result_type(x, w))
     return y, (res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
-def _bwd(spec, res, dy):
+def _bwd(spec, gather, res, dy):
     res, x0, w0 = res
     dx, dw, new = backward_f32(spec, res, dy)
     return dx.astype(x0.dtype), dw.astype(w0.dtype), new
@@ -146,9 +153,12 @@ def _bwd(spec, res, dy):
 fp8_einsum.defvjp(_fwd, _bwd)
 
 
-def einsum(spec: str, x, w, *, on: bool, history=None, **kw):
-    """``fp8_einsum`` when ``on`` (``ModelConfig.fp8``), else ``jnp.einsum(spec, x, w, **kw)``."""
-    return fp8_einsum(spec, x, w, history) if on else jnp.einsum(spec, x, w, **kw)
+def einsum(spec: str, x, w, *, on: bool, history=None, gather=None, **kw):
+    """``fp8_einsum`` when ``on`` (``ModelConfig.fp8``), else ``jnp.einsum(spec, x, w, **kw)``. ``gather``
+    (``layers.use_parts``): ``w`` is at rest and gathered here, in float8 when ``on``."""
+    if on:
+        return fp8_einsum(spec, x, w, history, gather)
+    return jnp.einsum(spec, x, w if gather is None else gather(w), **kw)
 
 
 def row(history, i: int):

@@ -66,10 +66,27 @@ def use(param: nnx.Param, mesh: Mesh, dtype) -> jax.Array:
 
     Inside the layer scan a stacked parameter arrives as one layer's slice: its ``"layers"`` name is dropped.
     """
+    value, gather = use_parts(param, mesh, dtype)
+    return gather(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """``use``'s FSDP gather alone: an array shaped like the parameter constrained to its compute layout."""
+    sharding: NamedSharding
+
+    def __call__(self, t: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(t, self.sharding)
+
+
+def use_parts(param: nnx.Param, mesh: Mesh, dtype) -> tuple[jax.Array, Gather]:
+    """``use`` in two steps: the parameter cast to ``dtype`` in its at-rest layout, and its gather, for a caller that
+    changes the weight before gathering it (float8: quantised first, so that the gather moves float8;
+    ``fp8.einsum``'s ``gather``)."""
     value, names = param.get_value(), param.get_metadata()["logical_axes"]
     if len(names) == value.ndim + 1 and names[0] == "layers":
         names = names[1:]
-    return jax.lax.with_sharding_constraint(value.astype(dtype), NamedSharding(mesh, compute_spec(names)))
+    return value.astype(dtype), Gather(NamedSharding(mesh, compute_spec(names)))
 
 
 # ----------------------------------------------------------------------------------------------

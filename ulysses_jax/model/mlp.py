@@ -18,21 +18,23 @@ from jax.sharding import PartitionSpec as P
 from ulysses_jax.model import fp8, lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
-from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use
+from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use_parts
 from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
 from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param, param_spec
 
 
 def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None,
-           fp8_on: bool = False, history=None):
+           fp8_on: bool = False, history=None, gathers=None):
     """The gated MLP: SwiGLU with ``act = silu``, GeGLU with a GELU (Gemma 3). ``adapters``: LoRA's ``{target: (A, B)}``
     on gate, up, down (``lora.low_rank`` with ``lora_cfg`` and dropout's ``drop``). ``fp8_on``: the three products in
     float8 (``fp8.einsum``; ``history [3, 3, HISTORY]``: gate, up, down's with delayed scaling); adapters stay as they
-    are."""
+    are. ``gathers``: the three weights are at rest and gathered here (``layers.use_parts``; in float8 with
+    ``fp8_on``)."""
     adapted = functools.partial(lora.low_rank, adapters=adapters, lora=lora_cfg, drop=drop)  # LoRA's terms, or 0
 
     def mm(x, w, i):
-        return fp8.einsum("bsd,df->bsf", x, w, on=fp8_on, history=fp8.row(history, i))
+        return fp8.einsum("bsd,df->bsf", x, w, on=fp8_on, history=fp8.row(history, i),
+                          gather=None if gathers is None else gathers[i])
 
     h_BSF = act(mm(x_BSD, w_gate_DF, 0) + adapted(x_BSD, target="gate")) * (mm(x_BSD, w_up_DF, 1) + adapted(
         x_BSD, target="up"))
@@ -148,6 +150,7 @@ class MLP(nnx.Module):
             return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
                                 over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
                                 fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
-        ws = (use(self.w_gate_DF, mesh, dt), use(self.w_up_DF, mesh, dt), use(self.w_down_FD, mesh, dt))
+        ws, gathers = zip(*(use_parts(w, mesh, dt) for w in (self.w_gate_DF, self.w_up_DF, self.w_down_FD)))
         return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop,
-                                fp8_on=cfg.fp8, history=fp8.value(self)), mesh, ("batch", "seq", "embed"))
+                                fp8_on=cfg.fp8, history=fp8.value(self), gathers=gathers), mesh,
+                         ("batch", "seq", "embed"))
