@@ -393,9 +393,10 @@ def test_fsdp_gathers_the_projection_weights_in_float8():
         step, b = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=2, seq_len=1024)
         text = step.trace(state, b).lower().compile().as_text()
         out = dict.fromkeys(size, 0)
+        shape = re.compile(r"(f8e4m3fn|bf16|f32)\[([\d,]*)\]")
         for line in text.splitlines():
             if "all-gather-start" in line and " = " in line:
-                for dtype, dims in re.findall(r"(f8e4m3fn|bf16|f32)\[([\d,]*)\]", line.split(" = ")[1].split(" all-")[0]):
+                for dtype, dims in shape.findall(line.split(" = ")[1].split(" all-")[0]):  # the op's types
                     out[dtype] += size[dtype] * math.prod(int(d) for d in dims.split(",") if d)
         return out
 

@@ -260,5 +260,6 @@ def describe(cfg) -> str:
     how = ("current scaling (this step's amax per tensor)" if cfg.fp8_recipe == "current" else
            f"delayed scaling (the max of a {HISTORY}-step amax history per tensor, kept in the checkpoints)")
     return (f"float8 GEMMs for q, k, v, o, gate, up, down (forward e4m3 x e4m3, backward e5m2 gradients x e4m3), "
-            f"{how}; weights gathered in {cfg.compute_dtype} and cast after the gather; master weights, optimizer, "
+            f"{how}; weights quantised where they rest and gathered in float8 (the tiled sublayers: gathered in "
+            f"{cfg.compute_dtype}, cast after); master weights, optimizer, "
             f"norms, attention, loss and unembedding as without --fp8")

@@ -43,7 +43,8 @@ local sequence inside ``shard_map`` (so chunking never moves activations between
 projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
 
 Float8 (``fp8``): the q, k, v, o, gate, up and down GEMMs run on float8 operands, forward and backward
-(``model/fp8.py``); the weights are gathered in the compute dtype and cast after the gather. With the delayed recipe,
+(``model/fp8.py``); the weights are quantised where they rest and gathered in float8 (the tiled sublayers: gathered
+in the compute dtype, cast after). With the delayed recipe,
 ``Attention`` and ``MLP`` hold their projections' amax histories (``fp8.History``), stacked like the parameters.
 """
 
