@@ -15,7 +15,8 @@ inputs from .npy files, its L2 norm in the kernel as transformers asks for it. B
 (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
 is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length and our
 `precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk products on bf16 operands with
-float32 results, as fla computes them), with the max abs difference of the outputs (bf16 tolerance: ~1e-2 of the outputs' scale). Results: markdown + CSV in --out-dir.
+float32 results, as fla computes them), with the max abs difference of the outputs (bf16 tolerance: ~1e-2 of the
+outputs' scale). Results: markdown + CSV in --out-dir.
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ def main(argv=None) -> int:
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
     meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
-    cols = ["seq_len", "heads", "dim", "precision", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s", "max_abs_diff", "note"]
+    cols = ["seq_len", "heads", "dim", "precision", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s",
+            "max_abs_diff", "note"]
     print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
     return 0
 

@@ -43,8 +43,9 @@ VARIANTS = {
     "gqa-llama3": lambda: shrink("llama3.2-1b", num_kv_heads=2),  # GQA 4:1, llama3 rope scaling, tied
     "gqa-qknorm": lambda: shrink("qwen3-8b", num_kv_heads=4, head_dim=16),  # qk-norm, N*H != D, untied
     # Qwen3.5's full-attention layers alone: the output gate, a quarter of each head rotated, qk-norm with (1 + w)
-    "gated": lambda: shrink("qwen3.5-9b", layer_pattern=("global",), num_kv_heads=2, head_dim=16, linear_num_key_heads=0,
-                            linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0),
+    "gated": lambda: shrink("qwen3.5-9b", layer_pattern=("global",), num_kv_heads=2, head_dim=16,
+                            linear_num_key_heads=0, linear_num_value_heads=0, linear_key_head_dim=0,
+                            linear_value_head_dim=0),
 }
 
 

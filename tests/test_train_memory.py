@@ -78,7 +78,8 @@ def test_no_memory_flag_on_a_gpu_takes_the_fastest_set_that_fits_and_says_why(mo
     assert lines[1] == (
         f"memory: --remat full --attn-keep --loss-chunk 4000 --mlp-chunk 4000 (--memory auto, no memory flag given: "
         f"the shortest estimated step, 1.250 s, of the {fits} sets that fit 71.2 GiB per H100 and 100.0 GiB of host "
-        f"memory per GPU; the next fastest 1.300 s; {len(planned)} compiled in 0 s; --memory manual keeps the preset's)")
+        f"memory per GPU; the next fastest 1.300 s; {len(planned)} compiled in 0 s; --memory manual keeps the "
+        f"preset's)")
 
 
 def test_a_smaller_memory_pool_lowers_the_device_budget(monkeypatch):

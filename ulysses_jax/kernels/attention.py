@@ -24,7 +24,8 @@ Implementations (``impl=``):
     half the reference's time), memory linear in the sequence length.
   * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only,
     float16/bfloat16 only, head_dim a multiple of 8 up to 256 on Hopper and later (compute capability 9.0: forward
-    and backward, packed rows included, cuDNN's support matrix and jax's own check), up to 128 before. With ``segment_ids`` (packed documents), cuDNN's
+    and backward, packed rows included, cuDNN's support matrix and jax's own check), up to 128 before. With
+    ``segment_ids`` (packed documents), cuDNN's
     packed layout instead (``kernels/cudnn_packed.py``: segment ids turned into per-row document lengths and
     offsets inside the program; Hopper or later; at most ``max_documents`` documents a row).
   * ``"auto"``: resolved per call by ``resolve_impl`` (rule in its docstring).
@@ -65,7 +66,8 @@ def resolve_impl(impl: str, *, dtype, head_dim: int, has_segment_ids: bool, plat
     ``"auto"``: on CPU (and any non-GPU platform) ``"blockwise"`` (exact, and faster there than the ``"xla"``
     reference and than Pallas' interpret mode; measured in ``experiments/results/make_train_cpu.md``). On GPU
     ``"cudnn"`` when cuDNN can take the request (packed rows included: float16/bfloat16, head_dim a multiple of 8 and
-    at most ``cudnn_max_head_dim()``: 256 on Hopper, 128 before), otherwise ``"pallas"``. Measured on an H100 (``experiments/results/gpu_h100_20261126``): cuDNN runs
+    at most ``cudnn_max_head_dim()``: 256 on Hopper, 128 before), otherwise ``"pallas"``. Measured on an H100
+    (``experiments/results/gpu_h100_20261126``): cuDNN runs
     causal attention at 609 / 527 TFLOP/s forward / backward against our kernel's 398 / 338 (S = 32K, head_dim 128),
     and llama3.2-1b trains 1.76x faster at 32K tokens on cuDNN's packed path than on our kernel. ``sinks``: the call
     has attention sinks, which cuDNN has not: ``"auto"`` picks ``"pallas"`` on GPU, ``"cudnn"`` is refused.

@@ -367,22 +367,15 @@ def causal_conv1d(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = No
     return _conv(x, w, doc, activation)
 
 
-def _past(a, lag: int, doc):
-    """``a[t - lag]`` at each token ``t`` (``[B, S, C]``): zero before the sequence and across a document start."""
+def _shift(a, lag: int, doc, ahead: bool = False):
+    """``a[t - lag]`` at each token ``t`` (``[B, S, C]``), zero before the sequence and across a document start; with
+    ``ahead``, its transpose: ``a[t + lag]`` where that token is in ``t``'s document, else zero."""
     s = a.shape[1]
-    past = jnp.pad(a[:, : s - lag], ((0, 0), (lag, 0), (0, 0)))
+    side = (0, lag) if ahead else (lag, 0)
+    out = jnp.pad(a[:, lag:] if ahead else a[:, : s - lag], ((0, 0), side, (0, 0)))
     if doc is None:
-        return past
-    return jnp.where(jnp.pad(doc[:, lag:] == doc[:, : s - lag], ((0, 0), (lag, 0)))[..., None], past, 0)
-
-
-def _ahead(a, lag: int, doc):
-    """``a[t + lag]`` at each token ``t`` where that token is in ``t``'s document, else zero: ``_past``'s transpose."""
-    s = a.shape[1]
-    ahead = jnp.pad(a[:, lag:], ((0, 0), (0, lag), (0, 0)))
-    if doc is None:
-        return ahead
-    return jnp.where(jnp.pad(doc[:, lag:] == doc[:, : s - lag], ((0, 0), (0, lag)))[..., None], ahead, 0)
+        return out
+    return jnp.where(jnp.pad(doc[:, lag:] == doc[:, : s - lag], ((0, 0), side))[..., None], out, 0)
 
 
 def _taps(x, w, doc):
@@ -392,7 +385,7 @@ def _taps(x, w, doc):
     wf, k = w.astype(f), w.shape[1]
     out = x.astype(f) * wf[:, k - 1]
     for lag in range(1, min(k, x.shape[1])):  # the tap reading token t - lag
-        out = out + _past(x, lag, doc).astype(f) * wf[:, k - 1 - lag]
+        out = out + _shift(x, lag, doc).astype(f) * wf[:, k - 1 - lag]
     return out
 
 
@@ -426,8 +419,8 @@ def _conv_bwd(activation, res, g):
     dx, dw = df * wf[:, k - 1], [jnp.sum(df * x.astype(f), axis=(0, 1))]
     for lag in range(1, k):  # tap k - 1 - lag read token t - lag
         if lag < s:
-            dx = dx + _ahead(d, lag, doc).astype(f) * wf[:, k - 1 - lag]
-            dw.append(jnp.sum(df * _past(x, lag, doc).astype(f), axis=(0, 1)))
+            dx = dx + _shift(d, lag, doc, ahead=True).astype(f) * wf[:, k - 1 - lag]
+            dw.append(jnp.sum(df * _shift(x, lag, doc).astype(f), axis=(0, 1)))
         else:  # fewer tokens than taps: the tap read nothing
             dw.append(jnp.zeros(w.shape[:1], f))
     return dx.astype(x.dtype), jnp.stack(dw[::-1], axis=1).astype(w.dtype), None

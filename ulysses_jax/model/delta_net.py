@@ -174,7 +174,10 @@ class DeltaNet(nnx.Module):
         w = {name: use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
              for name in shapes(cfg)}
         norm = norm or (lambda x: x)
-        x_in = norm(x_BSD) if adapters else x_BSD  # the normed input for LoRA's terms (unused without adapters)
+        keys, values = group_heads(cfg, mesh.shape[SP])
+        grouped = len(keys) > 1
+        # the normed input, once: for the whole sublayer, and for LoRA's terms (in groups each group norms again)
+        x_in = norm(x_BSD) if adapters or not grouped else x_BSD
         qkv = lora.low_rank(x_in, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
         terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
             qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
@@ -184,9 +187,10 @@ class DeltaNet(nnx.Module):
         out_ad = adapters.get("out_proj") if adapters else None
 
         def mix(x, heads=None):
-            """The sublayer over the key and value heads ``heads`` (global indices, ``group_heads``), or all."""
+            """The sublayer on the normed input over the key and value heads ``heads`` (global indices,
+            ``group_heads``), or all."""
             key, val = (None, None) if heads is None else heads
-            x = row_major(norm(x), mesh)  # (as each layer's input: its weight gradients' GEMMs read it transposed)
+            x = row_major(x, mesh)  # (as each layer's input: its weight gradients' GEMMs read it transposed)
 
             def cut(a, axis, idx):  # a head group's slice of a weight (or LoRA term); the whole of it without groups
                 return a if idx is None else jnp.take(a, idx, axis=axis)
@@ -213,10 +217,10 @@ class DeltaNet(nnx.Module):
                                           cfg.lora, drop)
             return constrain(out, mesh, ("batch", "seq", "embed"))
 
-        keys, values = group_heads(cfg, mesh.shape[SP])
-        if len(keys) == 1:
-            return mix(x_BSD)
-        body = jax.checkpoint(mix)  # each group's forward again in its backward: one group's buffers at a time
+        if not grouped:
+            return mix(x_in)
+        # each group's forward (its norm included) again in its backward: one group's buffers at a time
+        body = jax.checkpoint(lambda x, heads: mix(norm(x), heads))
 
         def step(acc, heads):  # summed in the compute dtype, as a tensor-parallel all-reduce sums its partial outputs
             return acc + body(x_BSD, heads), None
