@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 import ulysses_jax as uj
-from ulysses_jax.kernels.gated_delta import causal_conv1d, gates
+from ulysses_jax.kernels.gated_delta import gates
+from ulysses_jax.kernels.short_conv import causal_conv1d
 from ulysses_jax.kernels.gated_delta_reference import gated_delta_recurrent
 from ulysses_jax.model.delta_net import DeltaNet, check_mesh, gated_rms_norm
 from ulysses_jax.model.layers import ParamMaker

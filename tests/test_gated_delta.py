@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ulysses_jax.kernels.gated_delta import (causal_conv1d, document_index, gated_delta_flops, gated_delta_rule,
-                                             gates)
+from ulysses_jax.kernels.gated_delta import document_index, gated_delta_flops, gated_delta_rule, gates
 from ulysses_jax.kernels.gated_delta_reference import gated_delta_recurrent
+from ulysses_jax.kernels.short_conv import causal_conv1d
 
 B, S, HK, HV, DK, DV = 2, 200, 2, 4, 16, 32
 # two blocks of two chunks of 64 at S = 200 (the default block, 64 chunks, would hold all four)

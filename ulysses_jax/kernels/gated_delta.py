@@ -1,4 +1,4 @@
-"""The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) in chunks, and its short causal convolution.
+"""The gated delta rule (Qwen3-Next / Qwen3.5 linear attention) in chunks (its short convolution: ``short_conv.py``).
 
 Per value head, a state ``S [dk, dv]`` starts at zero and each token ``t`` of a document updates it and reads it::
 
@@ -50,6 +50,7 @@ part and the chunk states recomputed). Measured on a loaded 2-core CPU (float32,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -57,20 +58,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from ulysses_jax.kernels import gated_delta_scan
+
 CHUNK = 64  # tokens per chunk: the C x C intra-chunk products against the [dk, dv] state products per chunk
 BLOCK = 64  # chunks per block: the unit of the intra-chunk temporaries (4,096 tokens at the default chunk)
 BLOCK_STATES = "delta_block_states"  # checkpoint_name of the backward's residual states (``[S / (C * block), dk, dv]``)
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon, inside the square root
 _mm = functools.partial(jnp.einsum, precision=lax.Precision.HIGHEST)
 PRECISIONS = ("highest", "bf16")
+IMPLS = ("xla", "pallas")  # the walk over a block's chunks: a lax.scan, or gated_delta_scan's two Pallas kernels
 
 
-def _dot(spec: str, a, b, low: bool):
-    """A chunk product: float32 at HIGHEST precision, or (``low``: ``precision="bf16"``) bfloat16 operands with a
-    float32 result, as flash-linear-attention's kernels take them (the triangular inverse stays float32 either way)."""
-    if not low or a.dtype == jnp.float64:
-        return _mm(spec, a, b)
-    return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=a.dtype)
+_dot = gated_delta_scan.chunk_product  # a chunk product at HIGHEST precision, or bf16 operands (``low``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """The Pallas walk over chunks (``impl="pallas"``): its blocks and whether it runs in interpret mode."""
+
+    blocks: gated_delta_scan.ScanBlocks = gated_delta_scan.ScanBlocks()
+    interpret: bool = True
 
 
 def compute_dtype(*dtypes):
@@ -211,11 +218,27 @@ def _blocks(xs, i, length: int):
     return lax.optimization_barrier(tuple(_block(x, i, length) for x in xs))
 
 
-def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: bool, low: bool = False):
+def _walk(state, parts, low: bool, scan: Scan | None):
+    """A block's chunks in order (``lax.scan`` of :func:`_step`, or with ``scan`` the Pallas kernel): ``(state after
+    the block, o [M, B, Hk, n, C, dv])``."""
+    if scan is None:
+        return lax.scan(functools.partial(_step, low=low), state, parts)
+    new, o, _ = gated_delta_scan.scan_forward(_heads(state, 0), tuple(_heads(x, 1) for x in parts), low=low,
+                                              blocks=scan.blocks, interpret=scan.interpret)
+    return new.reshape(state.shape), o.reshape(parts[0].shape)
+
+
+def _heads(x, axis: int):
+    """``[.., B, Hk, n, ..]`` (batch at ``axis``) -> ``[.., B Hk n, ..]``: the Pallas scan's flat head axis."""
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 3:])
+
+
+def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: bool, low: bool = False,
+             scan: Scan | None = None):
     """``inputs = (q, k, v, g, beta, doc, prev)`` token-major (:func:`_block_parts`, over the whole padded length
-    ``T``; ``prev [B, T / C]``): a scan over blocks, each computing its intra-chunk parts, scanning its chunks and
-    writing its rows of ``o [B, T, Hk, n, dv]`` (``q``'s dtype) in place. With ``keep_block_states``, also each
-    block's incoming state ``[NB, B, Hk, n, dk, dv]``."""
+    ``T``; ``prev [B, T / C]``): a scan over blocks, each computing its intra-chunk parts, walking its chunks
+    (:func:`_walk`) and writing its rows of ``o [B, T, Hk, n, dv]`` (``q``'s dtype) in place. With
+    ``keep_block_states``, also each block's incoming state ``[NB, B, Hk, n, dk, dv]``."""
     q, v, g, prev = inputs[0], inputs[2], inputs[3], inputs[6]
     (b, t, hk, n), length = g.shape, m * c
     f = compute_dtype(*(x.dtype for x in inputs[:5]))
@@ -223,7 +246,7 @@ def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: boo
     def body(carry, i):
         state, out = carry
         parts = _block_parts(*_blocks(inputs[:6], i, length), _block(prev, i, m), m, c, use_qk_l2norm, low)
-        new, o = lax.scan(functools.partial(_step, low=low), state, parts)  # o [M, B, Hk, n, C, dv]
+        new, o = _walk(state, parts, low, scan)  # o [M, B, Hk, n, C, dv]
         o = o.transpose(1, 0, 4, 2, 3, 5).reshape(b, length, hk, n, v.shape[-1]).astype(out.dtype)
         return (new, lax.dynamic_update_slice_in_dim(out, o, i * length, axis=1)), (state if keep_block_states else
                                                                                       None)
@@ -240,7 +263,9 @@ def _forward(inputs, m: int, c: int, use_qk_l2norm: bool, keep_block_states: boo
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                      segment_ids: jax.Array | None = None, chunk: int = CHUNK, block: int = BLOCK,
-                     use_qk_l2norm: bool = True, precision: str = "highest") -> jax.Array:
+                     use_qk_l2norm: bool = True, precision: str = "highest", impl: str = "xla",
+                     interpret: bool | None = None, scan_blocks: gated_delta_scan.ScanBlocks | None = None
+                     ) -> jax.Array:
     """The gated delta rule over whole sequences, chunked (see the module docstring); ``o [B, S, Hv, dv]``.
 
     ``q, k [B, S, Hk, dk]``, ``v [B, S, Hv, dv]`` (``Hv`` a multiple of ``Hk``), ``g, beta [B, S, Hv]`` (from
@@ -250,10 +275,25 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     ``precision``: ``"highest"`` (every product float32 at HIGHEST precision: the default, the one measured on an H100
     at 6.7 TFLOP/s) or ``"bf16"`` (the chunk products on bfloat16 operands with float32 results, the state and the
     triangular inverse float32, as flash-linear-attention computes; not yet timed on a GPU:
-    ``experiments/bench_delta.py --precision``)."""
+    ``experiments/bench_delta.py --precision``).
+    ``impl``: how each block's chunks are walked: ``"xla"`` (a ``lax.scan``, the default: the one measured) or
+    ``"pallas"`` (:mod:`gated_delta_scan`'s kernels, the state on chip; their float32 products are tf32x3 on a GPU;
+    not yet timed: ``experiments/bench_delta.py --impl pallas``). ``interpret``: Pallas' interpret mode (None: unless
+    the default device is a GPU; pass False to build for a GPU from elsewhere). ``scan_blocks``: the kernels' tiles
+    (:class:`gated_delta_scan.ScanBlocks`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl {impl!r} is not one of {', '.join(map(repr, IMPLS))}")
     b, s, hk, dk, hv, dv = check_inputs(q, k, v, g, beta, chunk, block)
+    scan = None
+    if impl == "pallas":
+        interpret = jax.devices()[0].platform != "gpu" if interpret is None else bool(interpret)
+        gated_delta_scan.check_shapes(chunk, dk, dv)
+        if not interpret and compute_dtype(q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype) == jnp.float64:
+            raise ValueError("impl='pallas' on a GPU computes in float32; float64 inputs need impl='xla' (or "
+                             "interpret=True)")
+        scan = Scan(scan_blocks or gated_delta_scan.ScanBlocks(), interpret)
     n = hv // hk
     _, m, pad = blocking(s, chunk, block)
     doc = document_index(segment_ids, b, s)
@@ -266,7 +306,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     last = doc.reshape(b, -1, chunk)[:, :, -1]
     prev = jnp.concatenate([doc[:, :1], last[:, :-1]], axis=1)  # the document each chunk's incoming state is of
     o = _chunked(padded(q), padded(k), padded(v.reshape(b, s, hk, n, dv)), g, beta, doc, prev, m, chunk,
-                 use_qk_l2norm, precision == "bf16")
+                 use_qk_l2norm, precision == "bf16", scan)
     return o.reshape(b, s + pad, hv, dv)[:, :s] if pad else o.reshape(b, s, hv, dv)
 
 
@@ -295,15 +335,16 @@ def check_inputs(q, k, v, g, beta, chunk=CHUNK, block=BLOCK):
     return b, s, hk, dk, v.shape[2], v.shape[3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _chunked(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _chunked(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low, scan):
     """Token-major core (:func:`_forward`'s layouts): ``o [B, T, Hk, n, dv]`` in ``q``'s dtype."""
-    return _forward((q, k, v, g, beta, doc, prev), m, c, use_qk_l2norm, keep_block_states=False, low=low)[0]
+    return _forward((q, k, v, g, beta, doc, prev), m, c, use_qk_l2norm, keep_block_states=False, low=low,
+                    scan=scan)[0]
 
 
-def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
+def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low, scan):
     inputs = (q, k, v, g, beta, doc, prev)
-    o, states = _forward(inputs, m, c, use_qk_l2norm, keep_block_states=True, low=low)
+    o, states = _forward(inputs, m, c, use_qk_l2norm, keep_block_states=True, low=low, scan=scan)
     states = checkpoint_name(states, BLOCK_STATES)  # what a remat policy may keep while the inputs are recomputed
     return o, (inputs, states)  # the inputs themselves, and each block's incoming state [NB, B, Hk, n, dk, dv]
 
@@ -313,26 +354,40 @@ def _chunked_fwd(q, k, v, g, beta, doc, prev, m, c, use_qk_l2norm, low):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _chunked_bwd(m, c, use_qk_l2norm, low, res, do):
+def _walk_back(state, parts, do_block, d_state, low: bool, scan: Scan | None):
+    """A block's chunks in reverse: ``(gradient of the block's incoming state, of its parts)`` from the incoming
+    state, the parts, ``do [M, B, Hk, n, C, dv]`` and the gradient of the state leaving the block. Each chunk's
+    incoming state is recomputed first (one more forward walk); then a reverse ``lax.scan`` of each step's
+    ``jax.vjp``, or with ``scan`` the Pallas backward."""
+    step = functools.partial(_step, low=low)
+    if scan is None:
+        _, chunk_states = lax.scan(lambda st, p: (step(st, p)[0], st), state, parts)  # each chunk's incoming
+
+        def chunk_back(d_out, xs):  # d_out: the gradient of the state leaving this chunk
+            st, p, do_chunk = xs
+            return jax.vjp(step, st, p)[1]((d_out, do_chunk))  # (gradient of the incoming state, of the parts)
+
+        return lax.scan(chunk_back, d_state, (chunk_states, parts, do_block), reverse=True)
+    flat = tuple(_heads(x, 1) for x in parts)
+    _, _, chunk_states = gated_delta_scan.scan_forward(_heads(state, 0), flat, low=low, keep_states=True,
+                                                       output=False, blocks=scan.blocks, interpret=scan.interpret)
+    d_in, d_flat = gated_delta_scan.scan_backward(chunk_states, flat, _heads(do_block, 1), _heads(d_state, 0),
+                                                  low=low, blocks=scan.blocks, interpret=scan.interpret)
+    return d_in.reshape(state.shape), tuple(d.reshape(p.shape) for d, p in zip(d_flat, parts))
+
+
+def _chunked_bwd(m, c, use_qk_l2norm, low, scan, res, do):
     inputs, states = res
     doc, prev, length = inputs[5], inputs[6], m * c
-    step = functools.partial(_step, low=low)
-
-    def chunk_back(d_state, xs):  # d_state: the gradient of the state leaving this chunk
-        state, parts, do_chunk = xs
-        _, step_vjp = jax.vjp(step, state, parts)
-        return step_vjp((d_state, do_chunk))  # (gradient of the incoming state, of this chunk's parts)
 
     def block_back(carry, xs):
         (d_state, grads), (i, state) = carry, xs
         ids = _block(doc, i, length), _block(prev, i, m)
         parts, parts_vjp = jax.vjp(lambda *x: _block_parts(*x, *ids, m, c, use_qk_l2norm, low),
                                    *_blocks(inputs[:5], i, length))
-        _, chunk_states = lax.scan(lambda st, p: (step(st, p)[0], st), state, parts)  # each chunk's incoming
         do_block = _blocks((do,), i, length)[0]
         do_block = do_block.reshape(do.shape[0], m, c, *do.shape[2:]).transpose(1, 0, 3, 4, 2, 5)
-        d_state, d_parts = lax.scan(chunk_back, d_state, (chunk_states, parts, do_block.astype(state.dtype)),
-                                    reverse=True)
+        d_state, d_parts = _walk_back(state, parts, do_block.astype(state.dtype), d_state, low, scan)
         d_block = parts_vjp(d_parts)
         grads = tuple(lax.dynamic_update_slice_in_dim(x, d, i * length, axis=1) for x, d in zip(grads, d_block))
         return (d_state, grads), None
@@ -343,87 +398,3 @@ def _chunked_bwd(m, c, use_qk_l2norm, low, res, do):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The short causal depthwise convolution before the gated delta rule (q, k, v channels)
-# ---------------------------------------------------------------------------------------------------
-
-
-def causal_conv1d(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None, *,
-                  activation: str | None = "silu") -> jax.Array:
-    """Depthwise causal convolution ``x [B, S, C]`` by ``w [C, K]``, then SiLU (``activation=None``: none).
-
-    ``out[t, c] = sum_i w[c, i] * x[t - (K - 1) + i, c]``: ``w[:, -1]`` weighs the token itself, as transformers'
-    ``nn.Conv1d`` weight ``[C, 1, K]`` squeezed to ``[C, K]``. Taps before the sequence, or (with ``segment_ids``)
-    in an earlier document, read zero: a document never sees the previous one. float32 (float64) inside, output in
-    ``x``'s dtype."""
-    b, s, c = x.shape
-    if w.ndim != 2 or w.shape[0] != c:
-        raise ValueError(f"w {w.shape} must be [channels, kernel size] with the {c} channels of x {x.shape}")
-    if activation not in ("silu", None):
-        raise ValueError(f"activation {activation!r}: 'silu' (the Qwen3-Next layer's) or None")
-    doc = document_index(segment_ids, b, s) if segment_ids is not None else None
-    return _conv(x, w, doc, activation)
-
-
-def _shift(a, lag: int, doc, ahead: bool = False):
-    """``a[t - lag]`` at each token ``t`` (``[B, S, C]``), zero before the sequence and across a document start; with
-    ``ahead``, its transpose: ``a[t + lag]`` where that token is in ``t``'s document, else zero."""
-    s = a.shape[1]
-    side = (0, lag) if ahead else (lag, 0)
-    out = jnp.pad(a[:, lag:] if ahead else a[:, : s - lag], ((0, 0), side, (0, 0)))
-    if doc is None:
-        return out
-    return jnp.where(jnp.pad(doc[:, lag:] == doc[:, : s - lag], ((0, 0), side))[..., None], out, 0)
-
-
-def _taps(x, w, doc):
-    """The convolution before its activation, in the compute dtype (float32 / float64). Each tap shifts ``x`` in its
-    own dtype and converts after: converted first, XLA kept one float32 copy of the whole input for all the taps."""
-    f = compute_dtype(x.dtype, w.dtype)
-    wf, k = w.astype(f), w.shape[1]
-    out = x.astype(f) * wf[:, k - 1]
-    for lag in range(1, min(k, x.shape[1])):  # the tap reading token t - lag
-        out = out + _shift(x, lag, doc).astype(f) * wf[:, k - 1 - lag]
-    return out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _conv(x, w, doc, activation):
-    """:func:`causal_conv1d`'s body. Its backward keeps only ``x`` (in its own dtype), runs the taps again, and holds
-    the pre-activation's gradient in ``x``'s dtype: no float32 ``[B, S, C]`` array outlives a fusion. At Qwen3.5-9B's
-    longest contexts under sp = 8 (one value head per group, 5.7M tokens) those float32 arrays were 8.2 GiB each, two
-    at the backward's peak (the compiled H100 plan); at 1M tokens without groups the forward's were 4 GiB each."""
-    pre = _taps(x, w, doc)
-    return (jax.nn.silu(pre) if activation == "silu" else pre).astype(x.dtype)
-
-
-def _conv_fwd(x, w, doc, activation):
-    return _conv(x, w, doc, activation), (x, w, doc)
-
-
-def _conv_bwd(activation, res, g):
-    x, w, doc = res
-    f = compute_dtype(x.dtype, w.dtype)
-    d = g.astype(f)
-    if activation == "silu":  # silu'(p) = sigmoid(p) (1 + p (1 - sigmoid(p)))
-        pre = _taps(x, w, doc)
-        sig = jax.nn.sigmoid(pre)
-        d = d * sig * (1 + pre * (1 - sig))
-    # rounded to x's dtype: the one [B, S, C] array the backward keeps; the barrier makes the rounding happen where
-    # d is made (left free, XLA kept d in float32 and rounded it inside each consumer: a float32 [B, S, C] of 12 GiB
-    # at Qwen3.5-9B's 8M tokens under sp = 8)
-    d = jax.lax.optimization_barrier(d.astype(x.dtype))
-    df, wf, k, s = d.astype(f), w.astype(f), w.shape[1], x.shape[1]
-    dx, dw = df * wf[:, k - 1], [jnp.sum(df * x.astype(f), axis=(0, 1))]
-    for lag in range(1, k):  # tap k - 1 - lag read token t - lag
-        if lag < s:
-            dx = dx + _shift(d, lag, doc, ahead=True).astype(f) * wf[:, k - 1 - lag]
-            dw.append(jnp.sum(df * _shift(x, lag, doc).astype(f), axis=(0, 1)))
-        else:  # fewer tokens than taps: the tap read nothing
-            dw.append(jnp.zeros(w.shape[:1], f))
-    return dx.astype(x.dtype), jnp.stack(dw[::-1], axis=1).astype(w.dtype), None
-
-
-_conv.defvjp(_conv_fwd, _conv_bwd)

@@ -29,7 +29,7 @@ What held a device at the longest contexts (Qwen3.5-9B on 8 compile-only H100s a
 value head per group; XLA's live ranges, ``plan/peak.py``), and what was done (114.5 -> 67.9 GiB in all): the gradient
 of ``x`` was six ``[S/sp, D]`` arrays, one per projection, summed after (``project``: one GEMM); the convolution's
 gradient, the gated norm's gradient of ``z`` and ``silu(z)`` were kept in float32 across the rule's backward (rounded
-where made: ``kernels/gated_delta.py``, ``gated_rms_norm``); the convolution's output was kept for the rule's backward
+where made: ``kernels/short_conv.py``, ``gated_rms_norm``); the convolution's output was kept for the rule's backward
 (recomputed now: ``parallel/ulysses_delta.py``). ``experiments/results/plan_hybrid_h100.md`` has each step.
 
 ``z`` never crosses the exchange: the gated norm needs, for one token and one head, that head's output and ``z`` of

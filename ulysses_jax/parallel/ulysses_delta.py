@@ -41,7 +41,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.kernels.gated_delta import BLOCK_STATES, causal_conv1d, gated_delta_rule, gates
+from ulysses_jax.kernels.gated_delta import BLOCK_STATES, gated_delta_rule, gates
+from ulysses_jax.kernels.short_conv import causal_conv1d
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
 from ulysses_jax.parallel.ulysses import _place, batch_axes, ring_size
 
