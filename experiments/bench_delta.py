@@ -5,6 +5,7 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
     python experiments/bench_delta.py --seq-lens 32768 --heads 2,4      # one device's heads under sp = 8
     python experiments/bench_delta.py --allow-cpu --quick               # CPU dry run (tiny; fla and cuDNN skipped)
     python experiments/bench_delta.py --precision bf16                  # ours with bf16 chunk products only
+    python experiments/bench_delta.py --impl pallas                     # ours with the Pallas walk only
 
 Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
 from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
@@ -15,8 +16,10 @@ inputs from .npy files, its L2 norm in the kernel as transformers asks for it. B
 (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
 is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length and our
 `precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk products on bf16 operands with
-float32 results, as fla computes them), with the max abs difference of the outputs (bf16 tolerance: ~1e-2 of the
-outputs' scale). Results: markdown + CSV in --out-dir.
+float32 results, as fla computes them) and `impl` (`xla`: the walk over chunks a lax.scan; `pallas`: the two Pallas
+kernels of `kernels/gated_delta_scan.py`), with the max abs difference of the outputs from fla's (bf16 tolerance:
+~1e-2 of the outputs' scale) and, for the Pallas rows, from the XLA walk's at the same precision. Results: markdown +
+CSV in --out-dir.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=128, help="dk = dv")
     p.add_argument("--precision", type=lambda s: s.split(","), default=["highest", "bf16"],
                    help="our kernel's products: highest, bf16, or both (comma-separated)")
+    p.add_argument("--impl", type=lambda s: s.split(","), default=["xla", "pallas"],
+                   help="our walk over chunks: xla, pallas, or both (comma-separated)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
@@ -77,8 +82,8 @@ def _time(fn, *args, iters: int, warmup: int):
     return statistics.median(times)
 
 
-def ours(x: dict, args, precision: str = "highest"):
-    """``(seconds, output, gates)`` of our forward + backward (bfloat16 inputs) at ``precision``."""
+def ours(x: dict, args, precision: str = "highest", impl: str = "xla"):
+    """``(seconds, output, gates)`` of our forward + backward (bfloat16 inputs) at ``precision`` with ``impl``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,7 +94,7 @@ def ours(x: dict, args, precision: str = "highest"):
     g, beta = gates(jnp.asarray(x["a"]), jnp.asarray(x["b"]), jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]))
 
     def loss(q, k, v, g, beta, do):
-        o = gated_delta_rule(q, k, v, g, beta, precision=precision)
+        o = gated_delta_rule(q, k, v, g, beta, precision=precision, impl=impl)
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
@@ -183,27 +188,33 @@ def main(argv=None) -> int:
     rows = []
     for seq in args.seq_lens:
         x = inputs(seq, hk, hv, args.dim)
-        peers = None  # fla and cuDNN, timed once per length beside the first of our precisions
-        for precision in args.precision:
-            t_ours, o_ours, (g, beta) = ours(x, args, precision)
+        peers = None  # fla and cuDNN, timed once per length beside the first of our rows
+        xla_out = {}  # the XLA walk's output per precision, what the Pallas rows are compared with
+        for precision, impl in ((p, i) for p in args.precision for i in args.impl):
+            t_ours, o_ours, (g, beta) = ours(x, args, precision, impl)
+            if impl == "xla":
+                xla_out[precision] = o_ours
+            vs_xla = (f"{float(np.abs(o_ours - xla_out[precision]).max()):.3g}"
+                      if impl != "xla" and precision in xla_out else "")
             if peers is None:
                 t_fla, o_fla, note = fla(x, g, beta, args) if gpu else (None, None, "fla: needs a GPU")
                 peers = (t_fla, o_fla, note, cudnn(seq, hv, args.dim, args) if gpu else None)
             t_fla, o_fla, note, t_cudnn = peers
             diff = float(np.abs(o_ours - o_fla).max()) if o_fla is not None else None
             scale = float(np.abs(o_ours).max())
-            rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "precision": precision,
+            rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "precision": precision, "impl": impl,
                          "ours_s": f"{t_ours:.4f}", "fla_s": "" if t_fla is None else f"{t_fla:.4f}",
                          "ours_over_fla": "" if t_fla is None else f"{t_ours / t_fla:.2f}",
                          "cudnn_attention_s": "" if t_cudnn is None else f"{t_cudnn:.4f}",
                          "max_abs_diff": "" if diff is None else f"{diff:.3g} (outputs up to {scale:.3g})",
+                         "max_abs_diff_vs_xla": vs_xla,
                          "note": note if not gpu or note else ""})
             print(rows[-1], flush=True)
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
     meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
-    cols = ["seq_len", "heads", "dim", "precision", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s",
-            "max_abs_diff", "note"]
+    cols = ["seq_len", "heads", "dim", "precision", "impl", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s",
+            "max_abs_diff", "max_abs_diff_vs_xla", "note"]
     print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
     return 0
 

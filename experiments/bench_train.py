@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--fp8-recipe", default="current", choices=("current", "delayed"))
     p.add_argument("--delta-precision", default="highest", choices=("highest", "bf16"),
                    help="hybrids: the delta rule's chunk products (train's --delta-precision)")
+    p.add_argument("--delta-impl", default="xla", choices=("xla", "pallas"),
+                   help="hybrids: the delta rule's walk over chunks (train's --delta-impl)")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -102,7 +104,8 @@ def build(args, seq_len: int):
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
                                   attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
-                                  delta_precision=getattr(args, "delta_precision", "highest"))
+                                  delta_precision=getattr(args, "delta_precision", "highest"),
+                                  delta_impl=getattr(args, "delta_impl", "xla"))
     if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
         cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:

@@ -24,14 +24,17 @@ from ulysses_jax.parallel.ulysses_delta import delta_exchange_bytes, plan_delta_
 B, S, D = 2, 64, 32
 # (key heads, value heads[, delta_head_chunk]): key heads split over sp = 4, fewer key heads than sp (each copied to 2
 # devices); in head groups: two groups of one key head and its two value heads each, and two groups of one value head
-# each sharing a key head (projected and exchanged once per group)
-HEADS = {"split": (4, 8), "copied": (2, 4), "groups": (8, 16, 2), "groups-shared-key": (4, 8, 1)}
+# each sharing a key head (projected and exchanged once per group); key heads copied, the rule's walk over chunks in
+# the Pallas kernels (interpret mode here; head dims 16, the smallest their products take)
+HEADS = {"split": (4, 8), "copied": (2, 4), "groups": (8, 16, 2), "groups-shared-key": (4, 8, 1),
+         "pallas": (2, 4, 0, "pallas")}
 
 
-def config(hk, hv, m=0):
+def config(hk, hv, m=0, impl="xla"):
+    d = 16 if impl == "pallas" else 8
     return uj.ModelConfig(hidden=D, num_layers=1, layer_pattern=("linear",), linear_num_key_heads=hk,
-                          linear_num_value_heads=hv, linear_key_head_dim=8, linear_value_head_dim=8,
-                          compute_dtype="float32", init_std=0.3, delta_head_chunk=m)
+                          linear_num_value_heads=hv, linear_key_head_dim=d, linear_value_head_dim=d,
+                          compute_dtype="float32", init_std=0.3, delta_head_chunk=m, delta_impl=impl)
 
 
 def make(cfg, mesh, seed=0):
@@ -81,7 +84,8 @@ def packed_ids():
 
 @pytest.fixture(scope="module", params=[pytest.param("copied"), pytest.param("split", marks=pytest.mark.slow),
                                         pytest.param("groups"), pytest.param("groups-shared-key",
-                                                                             marks=pytest.mark.slow)])
+                                                                             marks=pytest.mark.slow),
+                                        pytest.param("pallas")])
 def sharded(request):
     """The sublayer on fsdp 2 x sp 4 over packed rows: its parameters, input, output and gradients of
     ``sum(out * cot)`` (one compiled program, shared by the tests below)."""
@@ -273,6 +277,11 @@ def test_delta_precision_reaches_the_rule_and_bad_values_are_refused():
         outs[precision] = np.asarray(net(x, None))
     err = np.abs(outs["bf16"] - outs["highest"]).max() / np.abs(outs["highest"]).max()
     assert 1e-6 < err < 2e-2, err
+    with pytest.raises(ValueError, match=r"delta_impl 'triton' is not one of xla, pallas"):
+        dataclasses.replace(config(4, 8), delta_impl="triton")
+    with pytest.raises(ValueError, match=r"delta_impl \('pallas'\) sets the delta rule of delta-net layers, but "
+                                         r".* has none; leave it at 'xla'"):
+        uj.ModelConfig(delta_impl="pallas")
     with pytest.raises(ValueError, match=r"delta_precision 'fp16' is not one of highest, bf16"):
         dataclasses.replace(config(4, 8), delta_precision="fp16")
     with pytest.raises(ValueError, match=r"delta_precision \('bf16'\) sets the delta rule of delta-net layers, but "

@@ -95,7 +95,8 @@ step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir 
 # issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list)
 step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" \
   "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_ARGS:-}
-# issue 39: the delta rule at both precisions of ours (highest, bf16 products) beside fla and cuDNN (DELTA_ARGS: more)
+# issue 39: the delta rule, ours at both precisions (highest, bf16 products) and both walks (xla, pallas)
+# beside fla and cuDNN (DELTA_ARGS: more)
 step delta "${DELTA_LIMIT:-240}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
   ${DELTA_ARGS:-}
 step profile 120 "$PY" experiments/profile_step.py --out-dir "$RES" --sp 1 --fsdp 1 --batch-size 1 "${CPU_FLAG[@]}" \

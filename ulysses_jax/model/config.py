@@ -190,6 +190,7 @@ class ModelConfig:
     linear_conv_kernel: int = 4
     delta_head_chunk: int = 0  # the delta-net in head groups: value heads per device in each group (0: all at once)
     delta_precision: str = "highest"  # the delta rule's chunk products: highest (float32) or bf16 (gated_delta)
+    delta_impl: str = "xla"  # the walk over each block's chunks: xla (a lax.scan) or pallas (gated_delta_scan)
     lora: LoraConfig | None = None  # LoRA adapters (model/lora.py): only they train; None: every parameter
     fp8: bool = False  # the seven projections' GEMMs in float8, forward and backward (model/fp8.py)
     fp8_recipe: str = "current"  # float8 scales: current (this step's amax) or delayed (an amax history)

@@ -131,7 +131,8 @@ def describe(cfg, mesh) -> str:
     copies = f", key heads copied to {layout.sp // cfg.linear_num_key_heads} devices" if layout.copies_keys else ""
     return (f"{len(cfg.linear_layers)} gated delta-net layers (linear attention: {cfg.linear_num_key_heads} key / "
             f"{cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
-            f"{layout.kl} / {layout.vl} per device on sp={layout.sp}{copies}; the chunked delta rule in XLA ops, "
+            f"{layout.kl} / {layout.vl} per device on sp={layout.sp}{copies}; the chunked delta rule in XLA ops, its "
+            f"walk over chunks {'in Pallas kernels' if cfg.delta_impl == 'pallas' else 'a lax.scan'}, "
             f"{'bf16 products' if cfg.delta_precision == 'bf16' else 'float32 products'}) and "
             f"{len(cfg.attention_layers)} full-attention layers (output-gated, RoPE on {cfg.rotary_dim} of "
             f"{cfg.head_dim} dims); every layer stores both kinds' parameters")
@@ -209,7 +210,7 @@ class DeltaNet(nnx.Module):
             conv = [cut(w[n], 0, idx) for n, idx in (("conv_q_JQC", key), ("conv_k_JQC", key), ("conv_v_UWC", val))]
             o = ulysses_gated_delta(q, k, v, a, b, *conv, cut(w["a_log_U"], 0, val), cut(w["dt_bias_U"], 0, val),
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS,
-                                    precision=cfg.delta_precision)
+                                    precision=cfg.delta_precision, impl=cfg.delta_impl)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
             out = jnp.einsum("bsuw,uwd->bsd", y, cut(w["wo_UWD"], 0, val))
             if out_ad is not None:  # the adapter's rows of these heads

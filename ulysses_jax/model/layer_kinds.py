@@ -13,7 +13,7 @@ reads a config's attributes and imports nothing of the package (``model/config.p
 
 from __future__ import annotations
 
-from ulysses_jax.kernels.gated_delta import PRECISIONS
+from ulysses_jax.kernels.gated_delta import IMPLS, PRECISIONS
 
 LAYER_TYPES = ("global", "local", "linear")
 LINEAR_SIZES = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
@@ -57,7 +57,13 @@ def check_linear(cfg) -> None:
     if cfg.delta_precision not in PRECISIONS:
         raise ValueError(f"delta_precision {cfg.delta_precision!r} is not one of {', '.join(PRECISIONS)}: the delta "
                          f"rule's chunk products in float32 at HIGHEST precision, or on bfloat16 operands")
+    if cfg.delta_impl not in IMPLS:
+        raise ValueError(f"delta_impl {cfg.delta_impl!r} is not one of {', '.join(IMPLS)}: the delta rule's walk over "
+                         f"chunks as a lax.scan of XLA ops, or as Pallas kernels")
     if not linear:
+        if cfg.delta_impl != "xla":
+            raise ValueError(f"delta_impl ({cfg.delta_impl!r}) sets the delta rule of delta-net layers, but "
+                             f"{cfg.name} has none; leave it at 'xla'")
         if any(sizes.values()):
             raise ValueError(f"{', '.join(f for f, v in sizes.items() if v)} describe delta-net layers, but "
                              f"layer_pattern {list(cfg.layer_pattern)} has no 'linear' layer; add one or set them to 0")

@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES, gated_delta_rule, gates
 from ulysses_jax.kernels.short_conv import causal_conv1d
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
@@ -88,9 +89,9 @@ def delta_exchange_bytes(layout: DeltaLayout, *, batch: int, seq_len: int, dk: i
     return {"qkvab": tokens * layout.sp * per_device * itemsize, "out": tokens * layout.value_heads * dv * itemsize}
 
 
-@functools.partial(jax.checkpoint, static_argnums=(7, 8, 9, 10, 11, 12, 13),
+@functools.partial(jax.checkpoint, static_argnums=(7, 8, 9, 10, 11, 12, 13, 14, 15),
                    policy=jax.checkpoint_policies.save_only_these_names(BLOCK_STATES))
-def _conv_and_rule(qkv, w, a, b, a_log, dt_bias, seq, widths, kl, vl, dk, dv, chunk, precision):
+def _conv_and_rule(qkv, w, a, b, a_log, dt_bias, seq, widths, kl, vl, dk, dv, chunk, precision, impl, interpret):
     """On one device's whole sequences: the convolution of ``qkv [b, S, c]``, the gates and the rule, ``o [b, S, vl,
     dv]``. Rematerialised but for the rule's block states: the backward runs the convolution again rather than
     keeping its output (three ``[b, S, heads, d]`` arrays, 6 GiB per device at 8M tokens under sp = 8), and the rule's
@@ -101,19 +102,20 @@ def _conv_and_rule(qkv, w, a, b, a_log, dt_bias, seq, widths, kl, vl, dk, dv, ch
     g, beta = gates(a, b, a_log, dt_bias)
     return gated_delta_rule(ql.reshape(bl, s_full, kl, dk), kl_.reshape(bl, s_full, kl, dk),
                             vl_.reshape(bl, s_full, vl, dv), g, beta, segment_ids=seq, chunk=chunk,
-                            precision=precision)
+                            precision=precision, impl=impl, interpret=interpret)
 
 
 def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *, mesh: Mesh, axis_name: str = "sp",
                         ring_axis: str = "ring", segment_ids=None, chunk: int = 64,
-                        precision: str = "highest") -> jax.Array:
+                        precision: str = "highest", impl: str = "xla") -> jax.Array:
     """The delta-net's token mixing on global, sequence-split arrays: ``o [B, S, Hv, dv]`` (module doc).
 
     ``q, k [B, S, Hk, dk]``, ``v [B, S, Hv, dv]``, ``a, b [B, S, Hv]``: the projections before the convolution;
     ``conv_q, conv_k [Hk, dk, K]``, ``conv_v [Hv, dv, K]``: its filters (``w[..., -1]`` weighs the token itself);
     ``a_log, dt_bias [Hv]``; ``segment_ids [B, S]`` or None. The batch is split over the mesh's other non-trivial
     axes, as ``ulysses_attention`` splits it; the output comes back sequence-split like the inputs. ``precision``: the
-    rule's chunk products (``gated_delta_rule``'s)."""
+    rule's chunk products and ``impl`` its walk over chunks (``gated_delta_rule``'s: ``"xla"`` or ``"pallas"``,
+    built for the mesh's devices: Triton on GPUs, interpret mode elsewhere)."""
     if ring_size(mesh, ring_axis) > 1:
         raise ValueError(f"the gated delta-net (a 'linear' layer) does not run with a ring ({ring_axis}="
                          f"{mesh.shape[ring_axis]}): its recurrence would pass state around the ring; use "
@@ -124,6 +126,7 @@ def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *
     if s % sp:
         raise ValueError(f"sequence length ({s}) must be divisible by {axis_name} ({sp}); pad the sequence")
     layout = plan_delta_heads(hk, hv, sp)
+    interpret = device_platform(mesh) != "gpu"  # what the program is built for, not the machine tracing it
     axes = batch_axes(mesh, axis_name)
     kl, vl = layout.kl, layout.vl
     key_slots = np.asarray(layout.key_slots, np.int32)
@@ -154,7 +157,7 @@ def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *
         w = jnp.concatenate([jnp.take(cq, keys, axis=0).reshape(-1, k_size), jnp.take(ck, keys, axis=0).reshape(
             -1, k_size), jnp.take(cv, values, axis=0).reshape(-1, k_size)], axis=0)  # this device's channels' filters
         o = _conv_and_rule(qkv, w, a, b, jnp.take(a_log, values), jnp.take(dt_bias, values), seq, tuple(widths), kl,
-                           vl, dk, dv, chunk, precision)
+                           vl, dk, dv, chunk, precision, impl, interpret)
         return heads_to_seq(o, axis_name)  # [b, S/P, Hv, dv]
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec4, check_vma=False)

@@ -288,7 +288,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     lowered = step.trace(state, batch).lower()
     with tempfile.TemporaryDirectory(prefix="ulysses-plan-") as dump:
         compiled = lowered.compile(compiler_options=dump_options(dump) if detail else None)
-        found = kernels(dump, prefix=("flash_attention", "grouped_matmul")) if detail and with_kernels else []
+        pallas = ("flash_attention", "grouped_matmul", "gated_delta_scan")
+        found = kernels(dump, prefix=pallas) if detail and with_kernels else []
         buffers = largest_buffers(dump) if detail else []
         at_peak = peak(dump) if detail else None
     seconds = time.perf_counter() - t0

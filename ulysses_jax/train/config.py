@@ -67,6 +67,9 @@ class TrainConfig:
     delta_precision: Literal["highest", "bf16"] | None = None
     """hybrids: the delta rule's chunk products in float32 at HIGHEST precision (highest) or on bfloat16 operands with
     float32 results (bf16, as flash-linear-attention computes; not yet timed on a GPU); None: the preset's (highest)"""
+    delta_impl: Literal["xla", "pallas"] | None = None
+    """hybrids: the delta rule's walk over chunks as a lax.scan of XLA ops (xla, the one timed) or as two Pallas
+    kernels holding the state on chip (pallas: Triton on GPUs; not yet timed); None: the preset's (xla)"""
     sliding_window: int | None = None
     """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
     has none); None: the model's own"""
@@ -196,7 +199,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
     return dict(attention_impl=cfg.attention, remat=cfg.remat, remat_every=cfg.remat_every,
                 remat_nested=cfg.remat_nested, loss_chunk=cfg.loss_chunk, mlp_chunk=cfg.mlp_chunk,
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
-                delta_precision=cfg.delta_precision,
+                delta_precision=cfg.delta_precision, delta_impl=cfg.delta_impl,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
                 param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl, fp8=cfg.fp8,
                 fp8_recipe=cfg.fp8_recipe)

@@ -32,7 +32,7 @@ from typing import Literal
 RECORD = "run.json"
 # Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
 COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
-                "delta_head_chunk", "delta_precision",
+                "delta_head_chunk", "delta_precision", "delta_impl",
                 "attn_recompute", "attn_keep", "attn_max_documents", "moe_impl",
                 "compute_dtype")
 CONFIG = "config.yaml"
