@@ -1,4 +1,5 @@
-"""The gated delta rule's Pallas walk over chunks (``kernels/gated_delta_scan.py``, ``gated_delta_rule(impl="pallas")``).
+"""The gated delta rule's Pallas walk over chunks (``kernels/gated_delta_scan.py``; ``gated_delta_rule(impl="pallas")``
+in the kernels and the model).
 
 On the CPU the kernels run in Pallas' interpret mode: their forward and backward against the ``lax.scan`` of
 ``gated_delta._step`` and its autodiff vjp (fresh random parts, float32 and float64), the whole rule against the

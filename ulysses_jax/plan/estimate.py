@@ -246,13 +246,14 @@ def step_estimate(p, model, kernel: str) -> dict:
     ]
     if model.linear_layers:
         bf16 = model.delta_precision == "bf16"
-        untimed = [x for x, on in (("--delta-precision bf16", bf16), ("--delta-impl pallas",
-                                                                       model.delta_impl == "pallas")) if on]
+        pallas = model.delta_impl == "pallas"
+        untimed = [x for x, on in (("--delta-precision bf16", bf16), ("--delta-impl pallas", pallas)) if on]
         assumptions.insert(2, f"the gated delta rule of the {len(model.linear_layers)} linear layers: "
                               f"{delta * n / 1e12:,.1f} TFLOP per step (its chunked kernel's forward and backward) at "
                               f"{DELTA_RATE / 1e12:.1f} TFLOP/s, the rate measured for our plain-XLA kernel on one H100 "
                               f"at 32K, 32 value heads (its matmul FLOPs only; fewer heads per device untimed"
-                              f"{'; ' + ' and '.join(untimed) + ' at that rate too: untimed' if untimed else ''})")
+                              f"{'; ' + ' and '.join(untimed) + ' at that rate too: untimed' if untimed else ''}"
+                              f")")
     parts = {"attention_s": attention_s, "matmul_s": matmul_s, "matmul_fp8_s": fp8_s, "delta_rule_s": delta_s, "elementwise_s": elementwise_s,
              "update_s": update_s,
              "collectives_hidden_s": hidden_comm, "collectives_exposed_s": exposed_comm,
