@@ -370,6 +370,52 @@ def test_the_h100_program_runs_every_projection_gemm_in_float8():
 
 
 @pytest.mark.aot
+def test_lora_frozen_mlp_weights_are_quantised_once_per_layer_whatever_the_chunks():
+    """LoRA + --fp8 + the tiled MLP on 2 compile-only H100s (fsdp 2): the frozen gate, up and down weights become
+    float8 in as many fusions per step at 4 chunks as at 8 (quantised where they rest, gathered in float8, once per
+    layer forward and once in its backward: ``fp8.prequantize``), and none of the gathers is bf16 at their size. (Before,
+    each chunk quantised each whole weight again, forward and backward: 384 such fusions per step for Llama-3.1-8B's
+    LoRA at 8K with chunks of 4096, 1,536 with chunks of 1024; now 192 for both; equal values, tested in
+    test_eight_devices_equal_one's lora-mlp_chunk case.)"""
+    import re
+
+    from ulysses_jax.model.lora_config import LoraConfig
+    from ulysses_jax.plan import hlo
+    from ulysses_jax.plan.targets import target_devices
+    from ulysses_jax.train.program import step_program
+
+    d, f = 256, 768
+
+    def weight_quantisations(chunk):
+        cfg = dataclasses.replace(BASE, hidden=d, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=f,
+                                  attention_impl="cudnn", fp8=True, mlp_chunk=chunk, remat="full",
+                                  param_dtype="bfloat16", lora=LoraConfig(rank=4, alpha=8.0, targets="q,v"))
+        mesh = make_mesh(fsdp=2, sp=1, devices=target_devices("h100", devices=2))
+        optim = OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0)
+        tx = make_optimizer(optim, 10)
+        graphdef, state = abstract_state(cfg, mesh, tx)
+        step, b = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=2, seq_len=512)
+        text = step.trace(state, b).lower().compile().as_text()
+        comps, entry = hlo.parse(text)
+        mult = hlo.multiplicities(comps, entry)
+        fused = {c for ins in comps.values() for i in ins if i.opcode == "fusion"
+                 for c in re.findall(r"calls=%([\w.\-]+)", i.attrs)}
+        count, bf16_gathers = 0, 0
+        for name, ins in comps.items():
+            for i in ins if name not in fused else ():
+                for dtype, dims in re.findall(r"(f8e4m3fn|bf16)\[([\d,]*)\]", i.type):
+                    whole = sorted(int(x) for x in dims.split(",") if x and int(x) > 1) == sorted((d, f))
+                    count += mult.get(name, 0) * (whole and dtype == "f8e4m3fn" and i.opcode == "fusion")
+                    bf16_gathers += whole and dtype == "bf16" and i.opcode.startswith("all-gather")
+        return count, bf16_gathers
+
+    (four, g4), (eight, g8) = weight_quantisations(128), weight_quantisations(64)
+    assert four == eight > 0, (four, eight)
+    assert four <= 2 * 3 * BASE.num_layers * 2, four  # gate, up, down; forward and backward; a transposed copy each
+    assert g4 == g8 == 0, (g4, g8)
+
+
+@pytest.mark.aot
 def test_fsdp_gathers_the_projection_weights_in_float8():
     """Two compile-only H100s, fsdp 2, a model whose gathered bytes are the projections' weights but for the norms and
     the embeddings: with --fp8 its bf16 all-gathers become float8 ones, under 0.55 of their bytes (the weights

@@ -25,7 +25,10 @@ non-finite check stops the run.
 
 FSDP (the plain attention and MLP sublayers): each weight is quantised where it rests, its per-tensor amax a max over
 the devices (a scalar all-reduce), and gathered in float8: half of bf16's bytes, and the same values as quantising after
-the gather (one scale, an elementwise cast). The tiled sublayers gather in the compute dtype and cast after.
+the gather (one scale, an elementwise cast). The tiled sublayers gather in the compute dtype and cast after, but for
+a frozen weight (LoRA's base under the tiled MLP): ``prequantize`` quantises it where it rests, gathers it in float8
+once per layer, and every chunk's product takes it as it is (``Quantized``: no amax and cast of the whole weight per
+chunk, forward and backward; no weight gradient formed, ``frozen_einsum``).
 
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
 and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a
@@ -35,6 +38,7 @@ max, ``chunked.sum_f32`` takes the max of a weights dict's ``HISTORY_KEY`` entry
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -153,9 +157,61 @@ def _bwd(spec, gather, res, dy):
 fp8_einsum.defvjp(_fwd, _bwd)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "amax"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A frozen weight already in e4m3 (``q``, gathered), with its ``scale`` and ``amax`` (float32 scalars) and the
+    dtype it had (``prequantize``)."""
+
+    q: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+    dtype: object
+
+
+def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gather=None) -> Quantized:
+    """A frozen weight's float8 form for ``frozen_einsum``: inside ``shard_map``, ``w`` is this device's at-rest shard,
+    its amax a max over ``axes`` (those it is split on), quantised here and then ``gather``-ed in float8; the values
+    those of quantising the whole weight (one scale). ``history``: the projection's ``[3, HISTORY]`` (delayed)."""
+    aw = amax(w)
+    if axes:
+        aw = jax.lax.pmax(aw, axes)
+    sw = scale_of(_used(history, 1, aw), E4M3)
+    wq = quantize(w, E4M3, sw)
+    return Quantized(wq if gather is None else gather(wq), sw, aw, w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def frozen_einsum(spec: str, x: jax.Array, w: Quantized, history: jax.Array | None = None) -> jax.Array:
+    """``fp8_einsum`` of a frozen, pre-quantised weight: the forward GEMM and the backward's ``dx`` only (no weight
+    gradient is formed: the weight is frozen); ``history`` as ``fp8_einsum``'s, its ``w`` row from ``w.amax``."""
+    return _frozen_fwd(spec, x, w, history)[0]
+
+
+def _frozen_fwd(spec, x, w, history):
+    ax = amax(x)
+    sx = scale_of(_used(history, 0, ax), E4M3)
+    y = _dot(spec, quantize(x, E4M3, sx), w.q, sx, w.scale).astype(jnp.promote_types(x.dtype, w.dtype))
+    return y, (w.q, w.scale, ax, w.amax, history, jnp.zeros((), x.dtype))
+
+
+def _frozen_bwd(spec, res, dy):
+    wq, sw, ax, aw, history, x0 = res
+    ady = amax(dy)
+    sdy = scale_of(_used(history, 2, ady), E5M2)
+    dx = _dot(_grad_specs(spec)[0], quantize(dy, E5M2, sdy), wq, sdy, sw).astype(x0.dtype)
+    return dx, None, None if history is None else rolled(history, (ax, aw, ady))
+
+
+frozen_einsum.defvjp(_frozen_fwd, _frozen_bwd)
+
+
 def einsum(spec: str, x, w, *, on: bool, history=None, gather=None, **kw):
     """``fp8_einsum`` when ``on`` (``ModelConfig.fp8``), else ``jnp.einsum(spec, x, w, **kw)``. ``gather``
-    (``layers.use_parts``): ``w`` is at rest and gathered here, in float8 when ``on``."""
+    (``layers.use_parts``): ``w`` is at rest and gathered here, in float8 when ``on``. A ``Quantized`` ``w``
+    (``prequantize``, frozen): ``frozen_einsum``."""
+    if isinstance(w, Quantized):
+        return frozen_einsum(spec, x, w, history)
     if on:
         return fp8_einsum(spec, x, w, history, gather)
     return jnp.einsum(spec, x, w if gather is None else gather(w), **kw)
@@ -261,5 +317,6 @@ def describe(cfg) -> str:
            f"delayed scaling (the max of a {HISTORY}-step amax history per tensor, kept in the checkpoints)")
     return (f"float8 GEMMs for q, k, v, o, gate, up, down (forward e4m3 x e4m3, backward e5m2 gradients x e4m3), "
             f"{how}; weights quantised where they rest and gathered in float8 (the tiled sublayers: gathered in "
-            f"{cfg.compute_dtype}, cast after); master weights, optimizer, "
+            f"{cfg.compute_dtype}, cast after, but LoRA's frozen base in the tiled MLP: float8, once per layer); "
+            f"master weights, optimizer, "
             f"norms, attention, loss and unembedding as without --fp8")

@@ -62,7 +62,9 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     norm scales are the frozen base), and ``drop`` (``(key, token ids [B, S])``) is LoRA's dropout while training.
 
     ``fp8_on``: the products in float8, each chunk's activations scaled on their own; ``history`` (delayed scaling,
-    ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``).
+    ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``). With LoRA the
+    frozen weights are quantised where they rest and gathered in float8, once per call (``fp8.prequantize``): the
+    chunks, forward and backward, take them as they are; the values are those of quantising each gathered weight.
     """
     if post_norm is not None and norm is None:
         raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
@@ -93,7 +95,14 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         return xc + (rms_norm(y, ws["post"], norm[1]) if post_norm is not None else y)
 
     def local(x_bsD, ids_bs, key, base, adapters, hist):
-        base = {k: gather(w, base_specs[k]) for k, w in base.items()}
+        if fp8_on and lora_mode:  # the frozen weights: float8 once, gathered in float8 (fp8.prequantize)
+            rows = {"g": 0, "u": 1, "d": 2}
+            base = {k: fp8.prequantize(w, fp8.row(None if hist is None else hist[0], rows[k]), axes=wa,
+                                       gather=functools.partial(gather, spec=base_specs[k])) if k in rows else w
+                    for k, w in base.items()}
+            base = {k: w if isinstance(w, fp8.Quantized) else gather(w, base_specs[k]) for k, w in base.items()}
+        else:
+            base = {k: gather(w, base_specs[k]) for k, w in base.items()}
         adapters = {t: tuple(gather(m, sp) for m, sp in zip(pair, ad_specs[t])) for t, pair in adapters.items()}
         if hist is not None:  # this device's copy, beside the differentiated weights
             (adapters if lora_mode else base)[fp8.HISTORY_KEY] = hist[0]
