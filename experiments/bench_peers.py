@@ -1,5 +1,6 @@
 """Our training step beside the peer's, on the same GPU in one invocation: same model shapes, same tokens, one document
-per row; the step times, their ratio, the peaks, and `plan`'s estimate for our flags, in one CSV and its table.
+per row or packed rows; the step times, their ratio, the peaks, and `plan`'s estimate for our flags, in one CSV and its
+table.
 
     python experiments/bench_peers.py                                  # every row (minutes per row on one GPU)
     python experiments/bench_peers.py --rows 1b-32k,8b-lora-32k        # a selection (names: --list)
@@ -15,7 +16,12 @@ flags. The peers, in the way a user would pick them:
   `peft.get_peft_model` with r 16, alpha 32 on the seven projections (ours: the same adapters, `--lora-rank 16`);
 - `transformers+liger`: the same after `liger_kernel.transformers.apply_liger_kernel_to_<family>()` (fused linear
   cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel).
-Packed rows for the peer (flex attention with packed position ids) are not timed: every row here is one document.
+Packed rows (`documents` > 1, the `-packed4` rows: 4 documents of random lengths in each row, the same cuts for both):
+ours takes the segment ids (cuDNN's packed attention); the peer takes position ids that restart at each document, from
+which transformers builds a per-document causal mask, with `flex_attention` (block-sparse; SDPA would get a dense
+`[S, S]` mask and lose its flash kernels; the CPU dry run takes it, flex attention having no backward on a CPU); if
+flex attention fails on the image, the note says so. `plan`'s estimate
+counts one document a row, so packed rows leave `estimate_s` empty.
 Both step times are the median of --steps timed steps after --warmup; `speedup` = peer / ours. `estimate_s` is
 `ulysses-jax plan`'s estimate for our flags on one compile-only GPU of the matching kind; a GPU run leaves it empty
 and `--fill-estimates` fills it on any machine with the aot extra (compiling takes minutes, not GPU time).
@@ -49,6 +55,7 @@ class Row:
     mode: str  # "full" or "lora16"
     seq_len: int
     flag_sets: tuple[str, ...]  # our flags (bench_train's, which are train's names), one timing each
+    documents: int = 1  # per row (> 1: packed; the peer on flex attention with per-document position ids)
 
 
 KEEP = BASE + " --attn-keep"
@@ -59,9 +66,11 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
     Row("1b-8k", "llama3.2-1b", "full", 8192, (BASE, KEEP, KEEP + " --fp8")),
     Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, KEEP, SAVE, KEEP + " --fp8")),
     Row("1b-128k", "llama3.2-1b", "full", 131072, (KEEP,)),
+    Row("1b-32k-packed4", "llama3.2-1b", "full", 32768, (KEEP, SAVE), documents=4),
     Row("8b-lora-8k", "llama3.1-8b", "lora16", 8192, (KEEP, KEEP + " --fp8")),
     Row("8b-lora-32k", "llama3.1-8b", "lora16", 32768, (KEEP, KEEP + " --fp8")),
     Row("8b-lora-64k", "llama3.1-8b", "lora16", 65536, (KEEP,)),
+    Row("8b-lora-32k-packed4", "llama3.1-8b", "lora16", 32768, (KEEP,), documents=4),
     Row("qwen3-8b-32k", "qwen3-8b", "full", 32768, (HOST_OPTIM,)),
     # issue 39: a hybrid (gated delta-net layers) beside transformers' Qwen3_5ForCausalLM, whose delta rule is
     # flash-linear-attention's kernel where fla imports and its own torch loop where not (the note says which)
@@ -71,7 +80,8 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
 QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",
                                             "--remat full --loss-chunk 64 --mlp-chunk 64 --attn-keep")),
          Row("quick-lora", "tiny", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)),
-         Row("quick-hybrid", "tiny-hybrid", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)))
+         Row("quick-hybrid", "tiny-hybrid", "lora16", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",)),
+         Row("quick-packed", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",), documents=4))
 PEERS = ("transformers", "transformers+liger")
 
 
@@ -135,7 +145,8 @@ def _lora_targets(preset: str) -> list[str]:
 
 
 def peer(spec: dict) -> dict:
-    """The peer's step (module doc): the same tokens as ours (bench_train's random batch, one document)."""
+    """The peer's step (module doc): the same tokens as ours (bench_train's random batch: one document a row, or
+    packed rows with the same cuts, given to the peer as position ids that restart at each document)."""
     import numpy as np
     import torch
     import transformers
@@ -159,7 +170,9 @@ def peer(spec: dict) -> dict:
             raise RuntimeError(f"liger-kernel has no apply_liger_kernel_to_{family} for {arch}")
         patch()
     lora = spec["mode"] == "lora16"
-    config._attn_implementation = "sdpa"
+    packed = spec["documents"] > 1
+    # flex attention has no backward on a CPU (torch 2.13): the CPU dry run takes SDPA with the dense packed mask
+    config._attn_implementation = "flex_attention" if packed and cuda else "sdpa"
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16 if lora else
                                                               torch.float32)
@@ -175,6 +188,13 @@ def peer(spec: dict) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
     batch = random_batch(1, spec["seq_len"], config.vocab_size, documents=spec["documents"])
     ids = torch.as_tensor(batch["tokens"].astype(np.int64), device=device)
+    extra = {}
+    if packed:  # each document's positions from 0: transformers' packed-sequence mask (masking_utils)
+        seg = batch["segment_ids"]
+        starts = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        idx = np.broadcast_to(np.arange(seg.shape[1]), seg.shape)
+        pos = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+        extra["position_ids"] = torch.as_tensor(pos.astype(np.int64), device=device)
     times, loss = [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -182,7 +202,7 @@ def peer(spec: dict) -> dict:
         t0 = time.perf_counter()
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not lora):
             # transformers shifts the labels itself: the tokens as labels, as its users pass them (ours' targets)
-            out = model(input_ids=ids, labels=ids)
+            out = model(input_ids=ids, labels=ids, **extra)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -232,7 +252,7 @@ def _gib(x):
 
 
 def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[dict]:
-    common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=1, steps=args.steps,
+    common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=row.documents, steps=args.steps,
                   warmup=args.warmup, allow_cpu=args.allow_cpu)
     theirs = {p: measure({**common, "who": "peer", "peer": p}, args.timeout) for p in peers}
     out = []
@@ -244,7 +264,8 @@ def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[di
             notes = [f"ours: {mine['error']}" if "error" in mine else "",
                      f"{p}: {t['error']}" if "error" in t else ""]
             out.append({
-                "model": row.preset, "mode": row.mode, "seq_len": row.seq_len, "documents": 1, "flags": flags,
+                "model": row.preset, "mode": row.mode, "seq_len": row.seq_len, "documents": row.documents,
+                "flags": flags,
                 "peer": p, "ours_step_s": "" if ours_s is None else f"{ours_s:.3f}",
                 "peer_step_s": "" if peer_s is None else f"{peer_s:.3f}",
                 "speedup": f"{peer_s / ours_s:.2f}" if ours_s and peer_s else "", "estimate_s": "",
@@ -292,6 +313,8 @@ def fill_estimates(path: pathlib.Path, target: str | None) -> int:
     rows = list(csv.DictReader(open(path)))
     cache = {}
     for r in rows:
+        if int(r.get("documents") or 1) > 1:  # plan counts one document a row: no estimate for packed rows
+            continue
         kind = target or gpu_kind(r["gpu"])
         key = (r["model"], r["mode"], r["seq_len"], r["flags"], kind)
         if key not in cache:
@@ -315,7 +338,8 @@ def main(argv=None) -> int:
     table = QUICK if args.quick else ROWS
     if args.list:
         for r in table:
-            print(f"{r.name}: {r.preset} {r.mode} {r.seq_len:,} tokens; ours: {' | '.join(r.flag_sets)}")
+            docs = f", {r.documents} documents a row" if r.documents > 1 else ""
+            print(f"{r.name}: {r.preset} {r.mode} {r.seq_len:,} tokens{docs}; ours: {' | '.join(r.flag_sets)}")
         return 0
     chosen = [r for r in table if args.rows is None or r.name in args.rows.split(",")]
     unknown = set(args.rows.split(",")) - {r.name for r in table} if args.rows else set()
