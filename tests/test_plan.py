@@ -15,7 +15,7 @@ import pytest
 from ulysses_jax import ModelConfig, exchange_bytes, make_mesh, plan_heads, ulysses_attention
 from ulysses_jax.kernels.attention import device_platform, resolve_impl
 from ulysses_jax.model.transformer import remat_policy
-from ulysses_jax.plan import hlo
+from ulysses_jax.plan import hlo, reruns
 from ulysses_jax.plan.kernel_report import dump_options, kernels
 from ulysses_jax.plan.planner import PlanConfig, plan
 from ulysses_jax.plan.targets import TARGETS, target_devices
@@ -152,6 +152,61 @@ ENTRY %main (p: f32[8,16], o: f32[8,16], a: s32[4], b: s32[4], c: s32[4], d: s32
 def test_ragged_all_to_all_counts_the_data_not_its_output_buffer():
     """A ragged all-to-all takes (data, output buffer, offsets, sizes): 512 bytes move, not 1,024 and the offsets."""
     assert hlo.collectives(RAGGED_HLO, devices_per_host=4, num_devices=4)["ragged-all-to-all"].bytes == 512
+
+
+SWITCH_HLO = """HloModule m
+
+%attn (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  ROOT %g = f32[8,16]{1,0} all-to-all(%a), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%linear (b: f32[8,16]) -> f32[8,16] {
+  %b = f32[8,16]{1,0} parameter(0)
+  %x = f32[8,16]{1,0} all-to-all(%b), replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %y = f32[8,16]{1,0} all-to-all(%x), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%body (t: (s32[], f32[8,16], s32[32])) -> (s32[], f32[8,16], s32[32]) {
+  %t = (s32[], f32[8,16]{1,0}, s32[32]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %h = f32[8,16]{1,0} get-tuple-element(%t), index=1
+  %kinds = s32[32]{0} get-tuple-element(%t), index=2
+  %k = s32[1]{0} dynamic-slice(%kinds, %i), dynamic_slice_sizes={1}
+  %kind = s32[] reshape(%k)
+  %out = f32[8,16]{1,0} conditional(%kind, %h, %h), branch_computations={%attn, %linear}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[8,16]{1,0}, s32[32]{0}) tuple(%next, %out, %kinds)
+}
+
+%cond (t: (s32[], f32[8,16], s32[32])) -> pred[] {
+  %t = (s32[], f32[8,16]{1,0}, s32[32]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(32)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p: f32[8,16], kinds: s32[32]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %kinds = s32[32]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, s32[32]{0}) tuple(%zero, %p, %kinds)
+  %w = (s32[], f32[8,16]{1,0}, s32[32]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"32"}}
+  ROOT %res = f32[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_each_branch_of_a_layer_switch_counts_for_its_layers():
+    """A layer scan of 32 trips whose switch runs attention (one all-to-all) in 8 layers and the delta-net (two) in 24:
+    56 all-to-alls per step with the kinds' shares; 48 with no shares (each branch half the time). (Once only the
+    first branch of a conditional was counted: 32 here, and a hybrid's delta-net exchanges went missing.)"""
+    shares = {2: (8 / 32, 24 / 32)}
+    assert hlo.collectives(SWITCH_HLO, branch_shares=shares)["all-to-all"].count == 8 + 2 * 24
+    assert hlo.collectives(SWITCH_HLO)["all-to-all"].count == 16 + 2 * 16
+    model = ModelConfig.from_preset("qwen3.5-9b")
+    assert reruns.branch_shares(model) == {2: (8 / 32, 24 / 32)}
 
 
 def _cli(*args, env=None):

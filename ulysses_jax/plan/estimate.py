@@ -152,7 +152,7 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
         return None
     if model.linear_layers:  # the layer's switch holds both mixers: the program's counts cannot tell which one ran
         return None
-    work = reruns.program_work(text)
+    work = reruns.program_work(text, reruns.branch_shares(model))
     mesh = p.mesh
     rows = p.batch_size / (mesh.get("data", 1) * mesh.get("fsdp", 1))
     heads = plan_heads(model.num_heads, model.num_kv_heads, mesh.get("sp", 1)).heads_per_device

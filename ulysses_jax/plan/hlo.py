@@ -3,7 +3,9 @@
 ``collectives(hlo_text)`` lists every collective the program runs per step: all-gather, all-reduce,
 reduce-scatter, all-to-all, collective-permute (synchronous or as ``*-start`` / ``*-done`` pairs, or wrapped in
 ``async-start``). Operations inside a loop body (the layer scan, gradient accumulation) count once per trip: a
-``while`` whose trip count XLA knows multiplies everything it calls. Bytes are per device: the larger of what an
+``while`` whose trip count XLA knows multiplies everything it calls. A ``conditional`` runs one of its branches: each
+branch counts for its share of the runs, given by the caller where it knows them (``branch_shares``: the planner's
+layer kinds, e.g. a hybrid's 8 attention and 24 delta-net layers), else each branch equally often. Bytes are per device: the larger of what an
 operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's full input), the buffer
 that crosses the links at most.
 
@@ -31,7 +33,9 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|async_execution_thread|branch_computations)=\{?([^}]*?)\}?(?:,\s|$)")
+# a called computation, or a {list} of them (every branch of a conditional: once only the first was read)
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition|async_execution_thread|branch_computations)="
+                    r"(\{[^}]*\}|%[\w.\-]+)")
 _COMPUTE = ("fusion", "custom-call", "dot", "convolution")
 
 
@@ -151,18 +155,25 @@ def _trip_count(instr: _Instr) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def multiplicities(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
-    """How many times each computation runs per execution of ``entry`` (while bodies times their trip count)."""
-    mult: dict[str, int] = defaultdict(int)
+def multiplicities(comps: dict[str, list[_Instr]], entry: str,
+                   branch_shares: dict[int, tuple[float, ...]] | None = None) -> dict[str, float]:
+    """How many times each computation runs per execution of ``entry``: while bodies (and conditions) times their trip
+    count, a conditional's branch ``i`` of ``n`` its ``branch_shares[n][i]`` share of the conditional's runs (each
+    ``1 / n`` when ``branch_shares`` has no entry for ``n``; module doc). Floats: a share of runs need not be whole."""
+    mult: dict[str, float] = defaultdict(float)
     mult[entry] = 1
     # computations form a DAG; visit callers before callees by repeated relaxation (the graphs are small)
-    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    edges: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for name, instrs in comps.items():
         for ins in instrs:
-            factor = _trip_count(ins) or 1 if ins.opcode == "while" else 1
-            for group in _CALLS.findall(ins.attrs):
-                for callee in re.findall(r"%([\w.\-]+)", group):
-                    edges[name].append((callee, factor if ins.opcode == "while" else 1))
+            factor = (_trip_count(ins) or 1) if ins.opcode == "while" else 1
+            for key, group in _CALLS.findall(ins.attrs):
+                callees = re.findall(r"%([\w.\-]+)", group)
+                if key == "branch_computations":
+                    shares = (branch_shares or {}).get(len(callees)) or (1 / len(callees),) * len(callees)
+                    edges[name] += [(c, s) for c, s in zip(callees, shares)]
+                else:
+                    edges[name] += [(c, factor) for c in callees]
     indeg: dict[str, int] = defaultdict(int)
     for name in comps:
         for callee, _ in edges[name]:
@@ -226,13 +237,15 @@ def _off_host_fraction(attrs: str, devices_per_host: int | None, num_devices: in
 
 
 def collectives(
-    hlo_text: str, *, devices_per_host: int | None = None, num_devices: int | None = None
+    hlo_text: str, *, devices_per_host: int | None = None, num_devices: int | None = None,
+    branch_shares: dict[int, tuple[float, ...]] | None = None,
 ) -> dict[str, Collective]:
-    """``{kind: Collective}`` per step of the program (see the module doc); kinds absent from it are left out."""
+    """``{kind: Collective}`` per step of the program (see the module doc); kinds absent from it are left out.
+    ``branch_shares``: how often each branch of a conditional runs (``multiplicities``)."""
     comps, entry = parse(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text; pass compiled.as_text() of a compiled program")
-    mult = multiplicities(comps, entry)
+    mult = multiplicities(comps, entry, branch_shares)
     out: dict[str, Collective] = {}
     for name, instrs in comps.items():
         n = mult.get(name, 0)
@@ -271,6 +284,10 @@ def collectives(
                 if any(d.opcode in _COMPUTE for d in between):
                     c.overlapped += n
                     c.overlapped_bytes += n * size
+    for c in out.values():  # shares of a conditional's runs are fractions: whole operations and bytes per step
+        for f in ("count", "bytes", "intra_host_bytes", "inter_host_bytes", "async_pairs", "overlapped",
+                  "overlapped_bytes"):
+            setattr(c, f, int(round(getattr(c, f))))
     return out
 
 

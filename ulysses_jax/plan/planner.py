@@ -40,7 +40,7 @@ from ulysses_jax.data.tokenizers import make_tokenizer
 from ulysses_jax.kernels.cudnn_packed import packed_workspace_bytes, resolve_max_documents
 from ulysses_jax.model import flops, fp8, lora
 from ulysses_jax.parallel.head_layout import plan_heads
-from ulysses_jax.plan import hlo, measured
+from ulysses_jax.plan import hlo, measured, reruns
 from ulysses_jax.plan.estimate import attention_kernel, step_estimate
 from ulysses_jax.plan.flags import train_args
 from ulysses_jax.plan.kernel_report import KernelInfo, dump_options, kernels
@@ -327,7 +327,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     }
     per_host = cfg.devices // cfg.hosts
     text = compiled.as_text()
-    colls = hlo.collectives(text, devices_per_host=per_host, num_devices=cfg.devices)
+    colls = hlo.collectives(text, devices_per_host=per_host, num_devices=cfg.devices,
+                            branch_shares=reruns.branch_shares(model))
     p = Plan(
         target=target, num_devices=cfg.devices, hosts=cfg.hosts, mesh=dict(mesh.shape), model=model.name,
         seq_len=seq_len, batch_size=batch_size, memory=memory, breakdown=breakdown, collectives=colls,

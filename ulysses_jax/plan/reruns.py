@@ -53,10 +53,35 @@ def _forward_kernel(ins) -> str | None:
     return None
 
 
-def program_work(hlo_text: str) -> ProgramWork:
-    """Count the matmul FLOPs and the attention forward work of an optimised HLO module (module doc)."""
+def branch_shares(model) -> dict[int, tuple[float, ...]]:
+    """How often each branch of the model's conditionals runs per layer (``hlo.multiplicities``): the layer-kind switch
+    (attention kinds, then the delta-net: ``layer_kinds.kind_index``) and, with dense and sparse layers mixed, the MLP's
+    ``cond`` (branch 0 dense, 1 experts). Two conditionals of the same arity with other shares: neither is given (each
+    branch counted equally often)."""
+    shares: dict[int, tuple[float, ...]] = {}
+    clash = set()
+    n = model.num_layers
+
+    def give(counts):
+        key, value = len(counts), tuple(c / n for c in counts)
+        if shares.get(key, value) != value:
+            clash.add(key)
+        shares[key] = value
+
+    kinds = list(model.kind_of_layer) if model.mixed_layer_kinds else []
+    if kinds:
+        give([kinds.count(i) for i in range(max(kinds) + 1)])
+    if model.num_experts and model.has_dense_mlp:
+        sparse = len(model.sparse_layers)
+        give([n - sparse, sparse])
+    return {k: v for k, v in shares.items() if k not in clash}
+
+
+def program_work(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | None = None) -> ProgramWork:
+    """Count the matmul FLOPs and the attention forward work of an optimised HLO module (module doc); a conditional's
+    branches by ``branch_shares`` (``hlo.multiplicities``)."""
     comps, entry = hlo.parse(hlo_text)
-    mult = hlo.multiplicities(comps, entry) if entry else {}
+    mult = hlo.multiplicities(comps, entry, branch_shares) if entry else {}
     flops = work = grouped = 0.0
     calls, kernel = 0, None
     for name, instrs in comps.items():
