@@ -74,7 +74,9 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
     Row("qwen3-8b-32k", "qwen3-8b", "full", 32768, (HOST_OPTIM,)),
     # issue 39: a hybrid (gated delta-net layers) beside transformers' Qwen3_5ForCausalLM, whose delta rule is
     # flash-linear-attention's kernel where fla imports and its own torch loop where not (the note says which)
-    Row("qwen3.5-9b-lora-8k", "qwen3.5-9b", "lora16", 8192, (KEEP, KEEP + " --delta-precision bf16")),
+    Row("qwen3.5-9b-lora-8k", "qwen3.5-9b", "lora16", 8192, (KEEP, KEEP + " --delta-precision bf16",
+                                                              KEEP + " --delta-impl pallas",
+                                                              KEEP + " --delta-impl pallas --delta-precision bf16")),
     Row("qwen3.5-9b-lora-32k", "qwen3.5-9b", "lora16", 32768, (KEEP, KEEP + " --delta-precision bf16")),
 )
 QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",

@@ -151,6 +151,24 @@ def test_a_few_training_steps(tmp_path):
     assert summary["steps"] == 5 and np.isfinite(summary["last_loss"]) and summary["last_loss"] < summary["first_loss"]
 
 
+def test_a_hybrid_trains_with_either_delta_walk(tmp_path):
+    """tiny-hybrid (3 delta-net layers, 1 attention layer) for 5 steps of 8K with the XLA walk and the Pallas walk
+    (Triton here): both learn, and their losses agree step by step (float32 products; the Pallas walk's are tf32x3)."""
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import train
+
+    losses = {}
+    for impl in ("xla", "pallas"):
+        cfg = TrainConfig(preset="tiny-hybrid", seq_len=8192, batch_size=jax.device_count(), steps=5,
+                          checkpoint_every=5, progress=False, mesh=MeshConfig(fsdp=-1, sp=1), delta_impl=impl,
+                          run_dir=str(tmp_path / impl))
+        summary = train(cfg)
+        assert summary["steps"] == 5 and summary["last_loss"] < summary["first_loss"]
+        losses[impl] = (summary["first_loss"], summary["last_loss"])
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=2e-3)
+
+
 def test_offload_params_puts_layers_and_their_gradients_in_host_memory():
     """--offload-params on a real GPU (the compile-only H100 target has no memory kinds, so plan cannot show it):
     the stacked layers' parameters are a host argument, and the device temporaries shrink by at least their size

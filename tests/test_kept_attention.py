@@ -1,6 +1,7 @@
 """Attention's forward run once under remat (``ModelConfig.attn_keep``, ``parallel/kept.py``): the same loss and
 gradients as without it, on CPU with every kernel that has a CPU path; and in the program compiled for H100s, one
-attention forward per layer where plain remat runs two (three with --remat-every 2)."""
+attention forward per layer where plain remat runs two (three with --remat-every 2). A hybrid keeps its delta-net's
+output and rule states too: the same gradients, and the rule's forward once per layer in the compiled program."""
 
 import dataclasses
 
@@ -38,6 +39,33 @@ def test_kept_attention_gives_the_same_loss_and_gradients(impl, remat, every, se
     assert abs(float(kept_loss) - float(plain_loss)) <= 1e-5 * abs(float(plain_loss))
     for g, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
         assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmuls"])  # offload with --attn-keep: refused for mixed kinds
+def test_a_hybrid_keeps_both_mixers_outputs_with_the_same_loss_and_gradients(remat, seed):
+    """A hybrid (tiny-hybrid's delta-net and attention layers, fsdp 2 x sp 4, packed rows): with ``attn_keep`` the
+    delta-net's output and its rule's block states are kept too (``keep_output``, ``BLOCK_STATES``): the same loss and
+    gradients as plain remat, and one Pallas walk fewer in the traced gradient (the rule's forward is not run again)."""
+    mesh = make_mesh(fsdp=2, sp=4)
+    base = ModelConfig.from_preset("tiny-hybrid", num_layers=2, hidden=64, vocab_size=97, mlp_dim=128,
+                                   compute_dtype="float32", attention_impl="blockwise", remat=remat,
+                                   layer_pattern=("linear", "global"), delta_impl="pallas")
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 97, (2, 128), dtype=np.int32))
+    seg = jnp.asarray(np.sort(rng.integers(1, 4, (2, 128)), axis=1), jnp.int32)
+    batch = dict(tokens=tokens, labels=shift_labels(tokens, seg), segment_ids=seg)
+    plain_loss, plain = _loss_and_grads(base, mesh, batch, seed)
+    kept_cfg = dataclasses.replace(base, attn_keep=True)
+    kept_loss, kept = _loss_and_grads(kept_cfg, mesh, batch, seed)
+    assert abs(float(kept_loss) - float(plain_loss)) <= 1e-5 * abs(float(plain_loss))
+    for g, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
+        assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
+    loops = {}
+    for cfg in (base, kept_cfg):
+        graphdef, state = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
+        jaxpr = jax.make_jaxpr(jax.grad(lambda st: next_token_loss(nnx.merge(graphdef, st), batch).loss))(state)
+        loops[cfg.attn_keep] = _count(jaxpr.jaxpr, "pallas_call")  # the Pallas walks (interpret mode here)
+    assert loops == {False: 4, True: 3}, loops  # the forward, its re-run by remat (not with keep), the backward's two
 
 
 def _count(jaxpr, name: str) -> int:
@@ -85,6 +113,36 @@ def test_attn_keep_needs_remat_and_the_whole_sublayer():
     with pytest.raises(ValueError, match=r"^--attn-keep keeps the attention output of Ulysses alone; with --mesh.ring 2"):
         check_parallel(ModelConfig.from_preset("tiny", attn_keep=True, remat="full", attention_impl="blockwise"),
                        make_mesh(ring=2, sp=4), seq_len=256, batch_size=1)
+
+
+@pytest.mark.aot
+def test_the_compiled_hybrid_step_runs_the_delta_rule_forward_once_per_layer():
+    """tiny-hybrid (3 delta-net layers of 4) at 8K on one compile-only H100, the Pallas walk: plain --remat full walks
+    each block of 4,096 tokens forward twice (the forward, and again by remat), with --attn-keep once, as without remat;
+    the backward's walks stay one each; device memory about the same (the output kept shares attention's slot)."""
+    from ulysses_jax.model.config import ModelConfig as Model
+    from ulysses_jax.plan import hlo, reruns
+    from ulysses_jax.plan.planner import PlanConfig, plan
+
+    walks, memory = {}, {}
+    for keep in (False, True):
+        cfg = PlanConfig(preset="tiny-hybrid", seq_len=8192, batch_size=1, devices=1, mesh=MeshConfig(fsdp=1, sp=1),
+                         remat="full", attn_keep=keep, delta_impl="pallas", loss_chunk=4096, mlp_chunk=4096,
+                         kernels=False)
+        p = plan(cfg, detail=False)
+        comps, entry = hlo.parse(p.hlo_text)
+        mult = hlo.multiplicities(comps, entry, reruns.branch_shares(Model.from_preset("tiny-hybrid")))
+        count = {}
+        for name, instrs in comps.items():
+            for i in instrs:
+                for kernel in ("gated_delta_scan_fwd", "gated_delta_scan_bwd"):
+                    if i.opcode == "custom-call" and kernel in i.attrs:
+                        count[kernel] = count.get(kernel, 0) + mult.get(name, 0)
+        walks[keep], memory[keep] = count, p.memory["total_bytes"]
+    blocks = 3 * 2  # linear layers x blocks of 4,096 tokens
+    assert walks[False] == {"gated_delta_scan_fwd": 2 * blocks, "gated_delta_scan_bwd": blocks}, walks
+    assert walks[True] == {"gated_delta_scan_fwd": blocks, "gated_delta_scan_bwd": blocks}, walks
+    assert memory[True] < 1.2 * memory[False], memory
 
 
 @pytest.mark.aot

@@ -8,7 +8,7 @@
 #   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed; in STEPS by name only)
 # STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
 # experiments/bench_peers.py with PEER_ROWS, PEER_ARGS (more of its arguments) and PEERS_LIMIT (its seconds, default
-# 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 240), experiments/profile_step.py with
+# 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300), experiments/profile_step.py with
 # PROFILE_ARGS); PYTEST_K narrows the GPU tests (pytest -k);
 # TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
 # Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
@@ -97,7 +97,7 @@ step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RE
   "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_ARGS:-}
 # issue 39: the delta rule, ours at both precisions (highest, bf16 products) and both walks (xla, pallas)
 # beside fla and cuDNN (DELTA_ARGS: more)
-step delta "${DELTA_LIMIT:-240}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
+step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
   ${DELTA_ARGS:-}
 step profile 120 "$PY" experiments/profile_step.py --out-dir "$RES" --sp 1 --fsdp 1 --batch-size 1 "${CPU_FLAG[@]}" \
   "${QUICK[@]}" ${PROFILE_ARGS:---seq-lens 32768 --attn-keep}

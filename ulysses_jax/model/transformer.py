@@ -69,6 +69,7 @@ from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
+from ulysses_jax.kernels.gated_delta import BLOCK_STATES
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
 from ulysses_jax.parallel.mesh import MESH_AXES, RING
 from ulysses_jax.parallel.sharding import check_batch, check_seq, constrain, row_major
@@ -195,8 +196,10 @@ class Block(nnx.Module):
 def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL, keep_attention: bool = False):
     """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs).
     ``keep_attention`` (``ModelConfig.attn_keep``): attention's output and log-sum-exp (``parallel/kept.py``'s names)
-    are saved too: on the device, or offloaded to pinned host memory with ``offload``."""
-    kept = [ATTN_OUT, ATTN_LSE] if keep_attention else []
+    are saved too, and a delta-net's output with its rule's block states (``gated_delta.BLOCK_STATES``), so that
+    neither token mixer's forward runs again in the backward: on the device, or offloaded to pinned host memory with
+    ``offload``."""
+    kept = [ATTN_OUT, ATTN_LSE, BLOCK_STATES] if keep_attention else []
     if name == "full":
         return jax.checkpoint_policies.save_only_these_names(*kept) if kept else None
     if name == "save_matmuls":  # keep projection / MLP matmul outputs, recompute attention and elementwise

@@ -32,6 +32,14 @@ ATTN_LSE = "attn_lse"  # ... and of its log-sum-exp
 _F32 = jnp.float32
 
 
+def keep_output(o: jax.Array) -> jax.Array:
+    """``o [..., heads, dim]`` named ``ATTN_OUT`` as ``[..., heads * dim]``: the token mixer's output a remat policy of
+    ``--attn-keep`` saves. Flat, so that a hybrid's two mixers (attention, the delta-net: ``parallel/ulysses_delta``)
+    give one residual shape when their widths agree (16 x 256 and 32 x 128 in Qwen3.5 and Qwen3-Next), and the layer
+    switch keeps one slot per layer for both rather than one each."""
+    return checkpoint_name(o.reshape(*o.shape[:-2], -1), ATTN_OUT).reshape(o.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     impl: str  # resolved: xla, blockwise, pallas, cudnn
@@ -76,7 +84,7 @@ def _forward(spec: _Spec, q, k, v, seg, sinks):
 
 def _kept_fwd(spec: _Spec, q, k, v, seg, sinks):
     o, lse = _forward(spec, q, k, v, seg, sinks)
-    o, lse = checkpoint_name(o, ATTN_OUT), checkpoint_name(lse, ATTN_LSE)
+    o, lse = keep_output(o), checkpoint_name(lse, ATTN_LSE)
     return o, (q, k, v, seg, sinks, o, lse)
 
 

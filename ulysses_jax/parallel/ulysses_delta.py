@@ -45,6 +45,7 @@ from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES, gated_delta_rule, gates
 from ulysses_jax.kernels.short_conv import causal_conv1d
 from ulysses_jax.parallel.exchange import heads_to_seq, seq_to_heads
+from ulysses_jax.parallel.kept import keep_output
 from ulysses_jax.parallel.ulysses import _place, batch_axes, ring_size
 
 
@@ -158,6 +159,7 @@ def ulysses_gated_delta(q, k, v, a, b, conv_q, conv_k, conv_v, a_log, dt_bias, *
             -1, k_size), jnp.take(cv, values, axis=0).reshape(-1, k_size)], axis=0)  # this device's channels' filters
         o = _conv_and_rule(qkv, w, a, b, jnp.take(a_log, values), jnp.take(dt_bias, values), seq, tuple(widths), kl,
                            vl, dk, dv, chunk, precision, impl, interpret)
+        o = keep_output(o)  # --attn-keep: kept with the rule's block states, its forward not re-run by remat
         return heads_to_seq(o, axis_name)  # [b, S/P, Hv, dv]
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=spec4, check_vma=False)

@@ -140,6 +140,8 @@ def _recomputed_forwards(model) -> tuple[int, int]:
     ops, a ring). It undercounts nested checkpoints: ``--remat-every k > 1`` re-runs a group's forward and then each
     layer's inside it, which the program counts."""
     layers = 1 if model.remat in ("full", "offload") else 0
+    if getattr(model, "attn_keep", False):  # attention's output kept: its forward is not run again
+        return layers, 0
     return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
 
 
@@ -201,7 +203,9 @@ def step_estimate(p, model, kernel: str) -> dict:
     # groups also projects and exchanges again per group: not counted)
     grouped_delta = bool(model.linear_layers and model.delta_head_chunk and len(group_heads(model, sp)[0]) > 1)
     delta_fwd = flops.delta_rule_flops(model, p.seq_len, p.batch_size, backward=False)
-    delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + (redo_mm + grouped_delta) * delta_fwd) / n
+    # --attn-keep keeps the delta-net's output and rule states too: remat does not run the rule's forward again
+    redo_delta = 0 if getattr(model, "attn_keep", False) else redo_mm
+    delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + (redo_delta + grouped_delta) * delta_fwd) / n
     delta_s = delta / DELTA_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
     passes = ELEMENTWISE_PASSES * (3 + redo_mm) + (FP8_PASSES if fp8_flops else 0)
