@@ -8,7 +8,8 @@ Counted from XLA's optimised HLO: every instruction that runs as a kernel (a fus
 kernel or a cuBLAS GEMM, a copy, a collective, ...; not parameters, tuples, bitcasts or the loops themselves) in every
 computation that runs on its own (the entry, while bodies and conditions, branches), times how often it runs per call
 (loop trips included, ``plan.hlo.multiplicities``). A while loop's condition is a kernel each trip too. Also: the
-program's temporary memory (``memory_analysis``). The one GPU timing of the XLA walk (101.0 ms at 32K, 16 / 32 heads,
+program's temporary memory (``memory_analysis``), and ptxas' figures of the Pallas kernels (registers, spills,
+shared memory, ``wgmma``: ``plan.kernel_report``). The one GPU timing of the XLA walk (101.0 ms at 32K, 16 / 32 heads,
 bf16 inputs, highest precision; ``experiments/results/gpu_h100_20261127/``) is printed beside its count, divided
 per launch, so the reader can judge how much of it launches may explain; the Pallas walk is not timed.
 """
@@ -20,6 +21,7 @@ import collections
 import os
 import re
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the compile-only target needs the CUDA plugin not to start a GPU
 
@@ -53,6 +55,7 @@ def launches(hlo_text: str) -> tuple[int, collections.Counter]:
                     named = re.search(r'"name":"([\w.\-]+)"', ins.attrs)
                     kind = f"triton:{named.group(1)}" if named else kind
             by_kind[kind] += mult[name]
+    by_kind = collections.Counter({k: int(round(n)) for k, n in by_kind.items()})  # whole launches per call
     return sum(by_kind.values()), by_kind
 
 
@@ -69,6 +72,7 @@ def main(argv=None) -> int:
     from jax.sharding import SingleDeviceSharding
 
     from ulysses_jax.kernels.gated_delta import gated_delta_rule
+    from ulysses_jax.plan.kernel_report import dump_options, kernels
     from ulysses_jax.plan.targets import target_devices
 
     dev = target_devices(args.target, devices=1)[0]
@@ -84,12 +88,18 @@ def main(argv=None) -> int:
             o = gated_delta_rule(q, k, v, g, beta, impl=impl, interpret=False, precision=args.precision)
             return o.astype(jnp.float32).sum()
 
-        with jax.default_device(dev):
-            compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*structs).lower().compile()
+        with jax.default_device(dev), tempfile.TemporaryDirectory() as dump:
+            lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*structs).lower()
+            compiled = lowered.compile(compiler_options=dump_options(dump) if impl == "pallas" else None)
+            found = kernels(dump, prefix="gated_delta_scan") if impl == "pallas" else []
         total, by_kind = launches(compiled.as_text())
         temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
         top = ", ".join(f"{k} {n:,}" for k, n in by_kind.most_common(6))
         print(f"  {impl:6s} {total:8,} kernel launches per call; temp {temp:.2f} GiB; most: {top}")
+        for k in found:  # ptxas' figures of the Pallas kernels (plan.kernel_report)
+            print(f"         {k.name}: grid {k.grid}, {k.warps} warps, {k.shared_memory_bytes:,} B shared memory, "
+                  f"{k.registers} registers, {k.spill_store_bytes} / {k.spill_load_bytes} B spilled (stores / loads), "
+                  f"{k.wgmma} wgmma, {k.mma_sync} mma.sync")
         if impl == "xla" and (s, hk, hv, d, args.precision) == (32768, 16, 32, 128, "highest"):
             print(f"         measured on one H100 (2026-11-27): 101.0 ms, {101.0e3 / total:.1f} us per launch")
     return 0

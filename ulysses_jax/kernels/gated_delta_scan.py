@@ -55,8 +55,9 @@ class ScanBlocks:
 
     The defaults, from ptxas on the compile-only H100 (``dk = dv = 128``, ``C = 64``; ``tests/test_gated_delta_scan.py``
     holds them): with bfloat16 products no register spills at 32 or 64 columns (4 warps, 2 stages); float32 products
-    (tf32x3: each operand split in two, three products) spill 428 B (forward) and 692 B (backward) per thread at 32
-    columns and 1 stage, more with 2 stages (680 / 1,340 B) or 8 warps. 32 columns also give ``dv / 32`` programs per
+    (tf32x3: each operand split in two, three products) spill 432-444 B (the forward walks) and 692 B (backward) per
+    thread at 32 columns and 1 stage, more with 2 stages (680 / 1,340 B) or 8 warps (``experiments/delta_launches.py``
+    prints them). 32 columns also give ``dv / 32`` programs per
     head, the only parallelism a sequential walk has besides the heads."""
 
     block_v: int | None = None
