@@ -70,7 +70,7 @@ def test_gpu_first_contact_dry_run(tmp_path):
 @pytest.mark.slow
 def test_bench_peers_dry_run(tmp_path):
     """experiments/bench_peers.py --allow-cpu --quick: ours and transformers (+peft) time the same tiny shapes in
-    child processes; the CSV has exactly the issue's columns; a peer that cannot run (Liger without a GPU) leaves its
+    child processes, one packed row among them; the CSV has exactly the issue's columns; a peer that cannot run (Liger without a GPU) leaves its
     time empty and says why; --fill-estimates is covered by its own flags' parse (plan needs the aot extra)."""
     import csv
 
@@ -85,8 +85,9 @@ def test_bench_peers_dry_run(tmp_path):
     assert list(rows[0]) == ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s",
                              "speedup", "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
     plain = [r for r in rows if r["peer"] == "transformers"]
-    assert {r["mode"] for r in plain} == {"full", "lora16"} and len(plain) == 4
+    assert {r["mode"] for r in plain} == {"full", "lora16"} and len(plain) == 5
     assert {r["model"] for r in plain} == {"tiny", "tiny-hybrid"}  # the hybrid beside transformers' Qwen3_5
+    assert [r["documents"] for r in plain] == ["1"] * 4 + ["4"]  # a packed row: the peer on per-document positions
     assert all(float(r["ours_step_s"]) > 0 and float(r["peer_step_s"]) > 0 for r in plain)
     assert all(abs(float(r["speedup"]) - float(r["peer_step_s"]) / float(r["ours_step_s"])) < 0.01 for r in plain)
     md = table.with_suffix(".md").read_text()

@@ -25,10 +25,12 @@ non-finite check stops the run.
 
 FSDP (the plain attention and MLP sublayers): each weight is quantised where it rests, its per-tensor amax a max over
 the devices (a scalar all-reduce), and gathered in float8: half of bf16's bytes, and the same values as quantising after
-the gather (one scale, an elementwise cast). The tiled sublayers gather in the compute dtype and cast after, but for
-a frozen weight (LoRA's base under the tiled MLP): ``prequantize`` quantises it where it rests, gathers it in float8
-once per layer, and every chunk's product takes it as it is (``Quantized``: no amax and cast of the whole weight per
-chunk, forward and backward; no weight gradient formed, ``frozen_einsum``).
+the gather (one scale, an elementwise cast). The tiled MLP does the same once per layer (``prequantize``) and every
+chunk's product takes the float8 weight as it is (no amax and cast of the whole weight per chunk, forward and
+backward): a frozen weight (LoRA's base) as a ``Quantized`` (``frozen_einsum``: no weight gradient formed), a trained
+one as a ``Carried``: the float8 weight beside zeros of its gathered shape (``grad_carrier``) that take its gradient
+back through the gather's transpose (``carried_einsum``). The tiled attention sublayer gathers in the compute dtype
+and casts after.
 
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
 and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a
@@ -172,7 +174,9 @@ class Quantized:
 def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gather=None) -> Quantized:
     """A frozen weight's float8 form for ``frozen_einsum``: inside ``shard_map``, ``w`` is this device's at-rest shard,
     its amax a max over ``axes`` (those it is split on), quantised here and then ``gather``-ed in float8; the values
-    those of quantising the whole weight (one scale). ``history``: the projection's ``[3, HISTORY]`` (delayed)."""
+    those of quantising the whole weight (one scale). ``history``: the projection's ``[3, HISTORY]`` (delayed). Never
+    differentiated: a trained weight's gradient goes through its ``grad_carrier``."""
+    w = jax.lax.stop_gradient(w)
     aw = amax(w)
     if axes:
         aw = jax.lax.pmax(aw, axes)
@@ -206,12 +210,68 @@ def _frozen_bwd(spec, res, dy):
 frozen_einsum.defvjp(_frozen_fwd, _frozen_bwd)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["carrier", "q"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Carried:
+    """A trained weight in two parts (the tiled MLP's, under FSDP): its float8 form ``q`` (``prequantize``: quantised
+    where it rests, gathered in float8; never differentiated) and ``carrier``, zeros of its gathered shape and compute
+    dtype (``grad_carrier``) that takes its gradient, so that the gather moves float8 and the gradient still reaches
+    the weight through the gather's transpose (the reduce-scatter)."""
+
+    carrier: jax.Array
+    q: Quantized
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def grad_carrier(w: jax.Array, gather) -> jax.Array:
+    """Zeros shaped like ``gather(w)`` (no collective runs); its gradient is the gather's transpose of the incoming one
+    (``jax.linear_transpose``: the reduce-scatter ``gather``'s autodiff would run)."""
+    s = jax.eval_shape(gather, w)
+    return jnp.zeros(s.shape, s.dtype)
+
+
+def _carrier_fwd(w, gather):
+    return grad_carrier(w, gather), w
+
+
+def _carrier_bwd(gather, w, ct):
+    return (jax.linear_transpose(gather, w)(ct)[0],)
+
+
+grad_carrier.defvjp(_carrier_fwd, _carrier_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def carried_einsum(spec: str, x: jax.Array, carrier: jax.Array, q: Quantized, history=None) -> jax.Array:
+    """``fp8_einsum`` of a ``Carried`` weight: the products on ``q``, the weight's gradient handed to ``carrier``."""
+    return _frozen_fwd(spec, x, q, history)[0]
+
+
+def _carried_fwd(spec, x, carrier, q, history):
+    ax = amax(x)
+    sx = scale_of(_used(history, 0, ax), E4M3)
+    xq = quantize(x, E4M3, sx)
+    y = _dot(spec, xq, q.q, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
+    return y, ((xq, q.q, sx, q.scale, ax, q.amax, history), jnp.zeros((), x.dtype), jnp.zeros((), carrier.dtype))
+
+
+def _carried_bwd(spec, res, dy):
+    res, x0, c0 = res
+    dx, dw, new = backward_f32(spec, res, dy)
+    return dx.astype(x0.dtype), dw.astype(c0.dtype), None, new
+
+
+carried_einsum.defvjp(_carried_fwd, _carried_bwd)
+
+
 def einsum(spec: str, x, w, *, on: bool, history=None, gather=None, **kw):
     """``fp8_einsum`` when ``on`` (``ModelConfig.fp8``), else ``jnp.einsum(spec, x, w, **kw)``. ``gather``
     (``layers.use_parts``): ``w`` is at rest and gathered here, in float8 when ``on``. A ``Quantized`` ``w``
     (``prequantize``, frozen): ``frozen_einsum``."""
     if isinstance(w, Quantized):
         return frozen_einsum(spec, x, w, history)
+    if isinstance(w, Carried):
+        return carried_einsum(spec, x, w.carrier, w.q, history)
     if on:
         return fp8_einsum(spec, x, w, history, gather)
     return jnp.einsum(spec, x, w if gather is None else gather(w), **kw)
@@ -316,7 +376,6 @@ def describe(cfg) -> str:
     how = ("current scaling (this step's amax per tensor)" if cfg.fp8_recipe == "current" else
            f"delayed scaling (the max of a {HISTORY}-step amax history per tensor, kept in the checkpoints)")
     return (f"float8 GEMMs for q, k, v, o, gate, up, down (forward e4m3 x e4m3, backward e5m2 gradients x e4m3), "
-            f"{how}; weights quantised where they rest and gathered in float8 (the tiled sublayers: gathered in "
-            f"{cfg.compute_dtype}, cast after, but LoRA's frozen base in the tiled MLP: float8, once per layer); "
-            f"master weights, optimizer, "
+            f"{how}; weights quantised where they rest and gathered in float8 (the tiled attention: gathered in "
+            f"{cfg.compute_dtype}, cast after); master weights, optimizer, "
             f"norms, attention, loss and unembedding as without --fp8")

@@ -95,20 +95,25 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         return xc + (rms_norm(y, ws["post"], norm[1]) if post_norm is not None else y)
 
     def local(x_bsD, ids_bs, key, base, adapters, hist):
-        if fp8_on and lora_mode:  # the frozen weights: float8 once, gathered in float8 (fp8.prequantize)
-            rows = {"g": 0, "u": 1, "d": 2}
-            base = {k: fp8.prequantize(w, fp8.row(None if hist is None else hist[0], rows[k]), axes=wa,
-                                       gather=functools.partial(gather, spec=base_specs[k])) if k in rows else w
-                    for k, w in base.items()}
-            base = {k: w if isinstance(w, fp8.Quantized) else gather(w, base_specs[k]) for k, w in base.items()}
-        else:
-            base = {k: gather(w, base_specs[k]) for k, w in base.items()}
+        quantized = {}  # float8: the projections' weights quantised where they rest, gathered in float8 once
+        if fp8_on:
+            for i, k in enumerate("gud"):
+                to_whole = functools.partial(gather, spec=base_specs[k])
+                quantized[k] = fp8.prequantize(base[k], fp8.row(None if hist is None else hist[0], i), axes=wa,
+                                               gather=to_whole)
+                # trained: zeros of the gathered shape carry the gradient back through the gather's transpose
+                base[k] = None if lora_mode else fp8.grad_carrier(base[k], to_whole)
+        base = {k: w if k in quantized else gather(w, base_specs[k]) for k, w in base.items() if w is not None}
         adapters = {t: tuple(gather(m, sp) for m, sp in zip(pair, ad_specs[t])) for t, pair in adapters.items()}
         if hist is not None:  # this device's copy, beside the differentiated weights
             (adapters if lora_mode else base)[fp8.HISTORY_KEY] = hist[0]
         n = local_chunks(chunk, x_bsD.shape[1], "mlp_chunk")
         if lora_mode:  # only the adapters train: the base rides along as frozen, no gradient formed for it
-            return chunk_map(sublayer, n, x_bsD, adapters, {**base, "key": key}, ids_bs)
+            return chunk_map(sublayer, n, x_bsD, adapters, {**base, **quantized, "key": key}, ids_bs)
+        if quantized:  # the float8 weights ride as frozen, their carriers are differentiated
+            return chunk_map(lambda xc, ws, q, e: sublayer(xc, None, {**ws, **{k: fp8.Carried(ws[k], w) for k, w in
+                                                                              q.items()}}, None),
+                             n, x_bsD, base, quantized)
         return chunk_map(lambda xc, ws: sublayer(xc, None, ws, None), n, x_bsD, base)
 
     specs = (act, None if ids is None else P((DATA, FSDP), SEQ), None if key is None else P(),
