@@ -287,3 +287,20 @@ def test_delta_precision_reaches_the_rule_and_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"delta_precision \('bf16'\) sets the delta rule of delta-net layers, but "
                                          r".* has none; leave it at 'highest'"):
         uj.ModelConfig(delta_precision="bf16")
+
+
+def test_the_cli_sets_the_delta_walk_and_refuses_others():
+    """``train --delta-impl pallas`` reaches the model config (and is a compute-only setting: free on resume); an
+    unknown walk is refused by the parser in one line naming the choices."""
+    from ulysses_jax.cli import parse
+    from ulysses_jax.train.config import model_config
+    from ulysses_jax.train.runconfig import COMPUTE_ONLY
+
+    cfg = parse(["train", "--preset", "tiny-hybrid", "--delta-impl", "pallas", "--delta-precision", "bf16"])
+    model = model_config(cfg, 4096)
+    assert (model.delta_impl, model.delta_precision) == ("pallas", "bf16")
+    assert model_config(parse(["train", "--preset", "tiny-hybrid"]), 4096).delta_impl == "xla"
+    assert {"delta_impl", "delta_precision"} <= set(COMPUTE_ONLY)
+    with pytest.raises(ValueError, match=r"invalid choice 'triton' for argument '--delta-impl'. Expected one of "
+                                         r"pallas, xla"):
+        parse(["train", "--preset", "tiny-hybrid", "--delta-impl", "triton"])
