@@ -19,7 +19,8 @@ chunks of the block at once from those and each chunk's incoming state ``S`` (th
 ``keep_states``: what the XLA backward's own scan makes).
 
 Precision: ``low=False`` computes every product on float32 operands, as Triton's ``tf32x3`` on a GPU (three TF32
-tensor-core products, about float32's accuracy; XLA's ``HIGHEST``) and at ``HIGHEST`` in interpret mode;
+tensor-core products, about float32's accuracy, where the XLA walk's ``HIGHEST`` products are IEEE float32) and at
+``HIGHEST`` in interpret mode;
 ``low=True`` rounds both operands to bfloat16 (float32 accumulators), as :func:`gated_delta._dot` does. The state
 is float32 throughout (float64 for float64 inputs, interpret mode only).
 
@@ -49,16 +50,16 @@ from jax.experimental import pallas as pl
 
 @dataclasses.dataclass(frozen=True)
 class ScanBlocks:
-    """``block_v``: value columns per program (a power of two >= 16 dividing ``dv``; None: 32, or ``dv`` if smaller);
-    warps and pipeline stages of the Triton launch (forward, backward; stages None: 2 with bfloat16 products, 1 with
-    float32 ones).
+    """``block_v``: value columns per program (a power of two >= 16 dividing ``dv``; None: 32 where it divides ``dv``,
+    else 16); warps and pipeline stages of the Triton launch (forward, backward; stages None: 2 with bfloat16
+    products, 1 with float32 ones).
 
     The defaults, from ptxas on the compile-only H100 (``dk = dv = 128``, ``C = 64``; ``tests/test_gated_delta_scan.py``
     holds them): with bfloat16 products no register spills at 32 or 64 columns (4 warps, 2 stages); float32 products
     (tf32x3: each operand split in two, three products) spill 432-444 B (the forward walks) and 692 B (backward) per
     thread at 32 columns and 1 stage, more with 2 stages (680 / 1,340 B) or 8 warps (``experiments/delta_launches.py``
-    prints them). 32 columns also give ``dv / 32`` programs per
-    head, the only parallelism a sequential walk has besides the heads."""
+    prints them). 32 columns also give ``dv / 32`` programs per head, the only parallelism a sequential walk has
+    besides the heads."""
 
     block_v: int | None = None
     num_warps: tuple[int, int] = (4, 4)
@@ -70,7 +71,7 @@ class ScanBlocks:
         return self.num_warps[kernel], stages
 
     def columns(self, dv: int) -> int:
-        bv = self.block_v if self.block_v is not None else min(dv, 32)
+        bv = self.block_v if self.block_v is not None else (32 if dv % 32 == 0 else 16)
         if bv < 16 or bv & (bv - 1) or dv % bv:
             raise ValueError(f"block_v {bv} must be a power of two >= 16 dividing dv = {dv}")
         return bv
