@@ -33,28 +33,15 @@ def launches(hlo_text: str) -> tuple[int, collections.Counter]:
     """``(kernels launched per execution, the same by opcode or custom-call target)`` (module doc)."""
     from ulysses_jax.plan import hlo
 
-    comps, entry = hlo.parse(hlo_text)
-    mult = hlo.multiplicities(comps, entry)
-    inlined = set()  # fusion bodies and reducers: part of the kernel that calls them
-    for instrs in comps.values():
-        for ins in instrs:
-            if ins.opcode == "fusion" or ins.opcode not in ("while", "conditional", "call"):
-                inlined.update(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs))
     by_kind: collections.Counter = collections.Counter()
-    for name, instrs in comps.items():
-        if name in inlined or not mult.get(name):
+    for ins, times in hlo.executed(hlo_text):
+        if ins.opcode in FREE or ins.opcode.endswith("-done"):
             continue
-        for ins in instrs:
-            if ins.opcode in FREE or ins.opcode.endswith("-done"):
-                continue
-            kind = ins.opcode
-            if kind == "custom-call":
-                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
-                kind = target.group(1) if target else kind
-                if kind == "__gpu$xla.gpu.triton":
-                    named = re.search(r'"name":"([\w.\-]+)"', ins.attrs)
-                    kind = f"triton:{named.group(1)}" if named else kind
-            by_kind[kind] += mult[name]
+        kind = ins.opcode
+        if kind == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+            kind = target.group(1) if target else kind
+        by_kind[kind] += times
     by_kind = collections.Counter({k: int(round(n)) for k, n in by_kind.items()})  # whole launches per call
     return sum(by_kind.values()), by_kind
 

@@ -409,17 +409,12 @@ def test_lora_frozen_mlp_weights_are_quantised_once_per_layer_whatever_the_chunk
                                   attention_impl="cudnn", fp8=True, mlp_chunk=chunk, remat="full",
                                   param_dtype="bfloat16", lora=LoraConfig(rank=4, alpha=8.0, targets="q,v"))
         text = compiled_step_text(cfg, devices=2, fsdp=2, batch_size=2, seq_len=512)
-        comps, entry = hlo.parse(text)
-        mult = hlo.multiplicities(comps, entry)
-        fused = {c for ins in comps.values() for i in ins if i.opcode == "fusion"
-                 for c in re.findall(r"calls=%([\w.\-]+)", i.attrs)}
         count, bf16_gathers = 0, 0
-        for name, ins in comps.items():
-            for i in ins if name not in fused else ():
-                for dtype, dims in re.findall(r"(f8e4m3fn|bf16)\[([\d,]*)\]", i.type):
-                    whole = sorted(int(x) for x in dims.split(",") if x and int(x) > 1) == sorted((d, f))
-                    count += mult.get(name, 0) * (whole and dtype == "f8e4m3fn" and i.opcode == "fusion")
-                    bf16_gathers += whole and dtype == "bf16" and i.opcode.startswith("all-gather")
+        for i, times in hlo.executed(text):
+            for dtype, dims in re.findall(r"(f8e4m3fn|bf16)\[([\d,]*)\]", i.type):
+                whole = sorted(int(x) for x in dims.split(",") if x and int(x) > 1) == sorted((d, f))
+                count += times * (whole and dtype == "f8e4m3fn" and i.opcode == "fusion")
+                bf16_gathers += whole and dtype == "bf16" and i.opcode.startswith("all-gather")
         return count, bf16_gathers
 
     (four, g4), (eight, g8) = weight_quantisations(128), weight_quantisations(64)

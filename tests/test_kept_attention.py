@@ -130,14 +130,11 @@ def test_the_compiled_hybrid_step_runs_the_delta_rule_forward_once_per_layer():
                          remat="full", attn_keep=keep, delta_impl="pallas", loss_chunk=4096, mlp_chunk=4096,
                          kernels=False)
         p = plan(cfg, detail=False)
-        comps, entry = hlo.parse(p.hlo_text)
-        mult = hlo.multiplicities(comps, entry, reruns.branch_shares(Model.from_preset("tiny-hybrid")))
         count = {}
-        for name, instrs in comps.items():
-            for i in instrs:
-                for kernel in ("gated_delta_scan_fwd", "gated_delta_scan_bwd"):
-                    if i.opcode == "custom-call" and kernel in i.attrs:
-                        count[kernel] = count.get(kernel, 0) + mult.get(name, 0)
+        for i, times in hlo.executed(p.hlo_text, reruns.branch_shares(Model.from_preset("tiny-hybrid"))):
+            for kernel in ("gated_delta_scan_fwd", "gated_delta_scan_bwd"):
+                if i.opcode == "custom-call" and kernel in i.attrs:
+                    count[kernel] = count.get(kernel, 0) + times
         walks[keep], memory[keep] = count, p.memory["total_bytes"]
     blocks = 3 * 2  # linear layers x blocks of 4,096 tokens
     assert walks[False] == {"gated_delta_scan_fwd": 2 * blocks, "gated_delta_scan_bwd": blocks}, walks

@@ -109,25 +109,30 @@ def rolled(history: jax.Array, amaxes) -> jax.Array:
     return jnp.roll(history, 1, axis=-1).at[:, 0].set(jnp.stack(amaxes).astype(_F32))
 
 
+def _role(t, history, row: int, dtype, amax_over=()):
+    """``(t quantised to dtype, its scale, its amax)``, the amax a max over the mesh axes ``amax_over`` (a shard's)."""
+    a = amax(t)
+    if amax_over:
+        a = jax.lax.pmax(a, amax_over)
+    s = scale_of(_used(history, row, a), dtype)
+    return quantize(t, dtype, s), s, a
+
+
 def quantized(x, w, history=None, gather=None) -> tuple:
     """The residuals of a float8 projection: ``x`` and ``w`` in e4m3 with their scales and amaxes (module doc).
     ``gather``: ``w`` is at rest (FSDP-split), gathered here once quantised (module doc)."""
-    ax, aw = amax(x), amax(w)
-    sx, sw = scale_of(_used(history, 0, ax), E4M3), scale_of(_used(history, 1, aw), E4M3)
-    wq = quantize(w, E4M3, sw)
-    return quantize(x, E4M3, sx), wq if gather is None else gather(wq), sx, sw, ax, aw, history
+    (xq, sx, ax), (wq, sw, aw) = _role(x, history, 0, E4M3), _role(w, history, 1, E4M3)
+    return xq, wq if gather is None else gather(wq), sx, sw, ax, aw, history
 
 
-def backward_f32(spec, res, dy):
+def backward_f32(spec, res, dy, weight_grad: bool = True):
     """``(dx, dw, the history's new value or None)``, the gradients in float32, from ``quantized``'s residuals and
-    the output gradient ``dy`` (quantised to e5m2 here)."""
+    the output gradient ``dy`` (quantised to e5m2 here); ``weight_grad=False``: ``dw`` is None (a frozen weight)."""
     xq, wq, sx, sw, ax, aw, history = res
-    ady = amax(dy)
-    sdy = scale_of(_used(history, 2, ady), E5M2)
-    dyq = quantize(dy, E5M2, sdy)
+    dyq, sdy, ady = _role(dy, history, 2, E5M2)
     dx_spec, dw_spec = _grad_specs(spec)
     new = None if history is None else rolled(history, (ax, aw, ady))
-    return _dot(dx_spec, dyq, wq, sdy, sw), _dot(dw_spec, xq, dyq, sx, sdy), new
+    return _dot(dx_spec, dyq, wq, sdy, sw), _dot(dw_spec, xq, dyq, sx, sdy) if weight_grad else None, new
 
 
 def grads(spec, x, w, dy, history=None):
@@ -176,35 +181,33 @@ def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gathe
     its amax a max over ``axes`` (those it is split on), quantised here and then ``gather``-ed in float8; the values
     those of quantising the whole weight (one scale). ``history``: the projection's ``[3, HISTORY]`` (delayed). Never
     differentiated: a trained weight's gradient goes through its ``grad_carrier``."""
-    w = jax.lax.stop_gradient(w)
-    aw = amax(w)
-    if axes:
-        aw = jax.lax.pmax(aw, axes)
-    sw = scale_of(_used(history, 1, aw), E4M3)
-    wq = quantize(w, E4M3, sw)
+    wq, sw, aw = _role(jax.lax.stop_gradient(w), history, 1, E4M3, axes)
     return Quantized(wq if gather is None else gather(wq), sw, aw, w.dtype)
+
+
+def _quantized_forward(spec, x, q: Quantized, history):
+    """The forward of a pre-quantised weight: ``(y, quantised's residuals)``, ``x`` quantised here."""
+    xq, sx, ax = _role(x, history, 0, E4M3)
+    y = _dot(spec, xq, q.q, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
+    return y, (xq, q.q, sx, q.scale, ax, q.amax, history)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def frozen_einsum(spec: str, x: jax.Array, w: Quantized, history: jax.Array | None = None) -> jax.Array:
     """``fp8_einsum`` of a frozen, pre-quantised weight: the forward GEMM and the backward's ``dx`` only (no weight
     gradient is formed: the weight is frozen); ``history`` as ``fp8_einsum``'s, its ``w`` row from ``w.amax``."""
-    return _frozen_fwd(spec, x, w, history)[0]
+    return _quantized_forward(spec, x, w, history)[0]
 
 
 def _frozen_fwd(spec, x, w, history):
-    ax = amax(x)
-    sx = scale_of(_used(history, 0, ax), E4M3)
-    y = _dot(spec, quantize(x, E4M3, sx), w.q, sx, w.scale).astype(jnp.promote_types(x.dtype, w.dtype))
-    return y, (w.q, w.scale, ax, w.amax, history, jnp.zeros((), x.dtype))
+    y, (_, *res) = _quantized_forward(spec, x, w, history)
+    return y, ((None, *res), jnp.zeros((), x.dtype))  # x's float8 copy is not kept: no weight gradient needs it
 
 
 def _frozen_bwd(spec, res, dy):
-    wq, sw, ax, aw, history, x0 = res
-    ady = amax(dy)
-    sdy = scale_of(_used(history, 2, ady), E5M2)
-    dx = _dot(_grad_specs(spec)[0], quantize(dy, E5M2, sdy), wq, sdy, sw).astype(x0.dtype)
-    return dx, None, None if history is None else rolled(history, (ax, aw, ady))
+    res, x0 = res
+    dx, _, new = backward_f32(spec, res, dy, weight_grad=False)
+    return dx.astype(x0.dtype), None, new
 
 
 frozen_einsum.defvjp(_frozen_fwd, _frozen_bwd)
@@ -244,15 +247,12 @@ grad_carrier.defvjp(_carrier_fwd, _carrier_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def carried_einsum(spec: str, x: jax.Array, carrier: jax.Array, q: Quantized, history=None) -> jax.Array:
     """``fp8_einsum`` of a ``Carried`` weight: the products on ``q``, the weight's gradient handed to ``carrier``."""
-    return _frozen_fwd(spec, x, q, history)[0]
+    return _quantized_forward(spec, x, q, history)[0]
 
 
 def _carried_fwd(spec, x, carrier, q, history):
-    ax = amax(x)
-    sx = scale_of(_used(history, 0, ax), E4M3)
-    xq = quantize(x, E4M3, sx)
-    y = _dot(spec, xq, q.q, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
-    return y, ((xq, q.q, sx, q.scale, ax, q.amax, history), jnp.zeros((), x.dtype), jnp.zeros((), carrier.dtype))
+    y, res = _quantized_forward(spec, x, q, history)
+    return y, (res, jnp.zeros((), x.dtype), jnp.zeros((), carrier.dtype))
 
 
 def _carried_bwd(spec, res, dy):

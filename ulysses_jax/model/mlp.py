@@ -96,14 +96,13 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
 
     def local(x_bsD, ids_bs, key, base, adapters, hist):
         quantized = {}  # float8: the projections' weights quantised where they rest, gathered in float8 once
-        if fp8_on:
-            for i, k in enumerate("gud"):
-                to_whole = functools.partial(gather, spec=base_specs[k])
-                quantized[k] = fp8.prequantize(base[k], fp8.row(None if hist is None else hist[0], i), axes=wa,
-                                               gather=to_whole)
-                # trained: zeros of the gathered shape carry the gradient back through the gather's transpose
-                base[k] = None if lora_mode else fp8.grad_carrier(base[k], to_whole)
-        base = {k: w if k in quantized else gather(w, base_specs[k]) for k, w in base.items() if w is not None}
+        for i, k in enumerate("gud" if fp8_on else ""):
+            to_whole = functools.partial(gather, spec=base_specs[k])
+            w = base.pop(k)
+            quantized[k] = fp8.prequantize(w, fp8.row(None if hist is None else hist[0], i), axes=wa, gather=to_whole)
+            if not lora_mode:  # trained: zeros of the gathered shape carry the gradient back through the transpose
+                base[k] = fp8.grad_carrier(w, to_whole)
+        base = {k: w if k in quantized else gather(w, base_specs[k]) for k, w in base.items()}
         adapters = {t: tuple(gather(m, sp) for m, sp in zip(pair, ad_specs[t])) for t, pair in adapters.items()}
         if hist is not None:  # this device's copy, beside the differentiated weights
             (adapters if lora_mode else base)[fp8.HISTORY_KEY] = hist[0]
@@ -111,9 +110,11 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         if lora_mode:  # only the adapters train: the base rides along as frozen, no gradient formed for it
             return chunk_map(sublayer, n, x_bsD, adapters, {**base, **quantized, "key": key}, ids_bs)
         if quantized:  # the float8 weights ride as frozen, their carriers are differentiated
-            return chunk_map(lambda xc, ws, q, e: sublayer(xc, None, {**ws, **{k: fp8.Carried(ws[k], w) for k, w in
-                                                                              q.items()}}, None),
-                             n, x_bsD, base, quantized)
+
+            def carried(xc, ws, q, _):
+                return sublayer(xc, None, {**ws, **{k: fp8.Carried(ws[k], w) for k, w in q.items()}}, None)
+
+            return chunk_map(carried, n, x_bsD, base, quantized)
         return chunk_map(lambda xc, ws: sublayer(xc, None, ws, None), n, x_bsD, base)
 
     specs = (act, None if ids is None else P((DATA, FSDP), SEQ), None if key is None else P(),

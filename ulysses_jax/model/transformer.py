@@ -60,6 +60,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
+from ulysses_jax.kernels.gated_delta import BLOCK_STATES
 from ulysses_jax.model import fp8, host_offload
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model import lora
@@ -69,7 +70,6 @@ from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import tiled_attention
-from ulysses_jax.kernels.gated_delta import BLOCK_STATES
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
 from ulysses_jax.parallel.mesh import MESH_AXES, RING
 from ulysses_jax.parallel.sharding import check_batch, check_seq, constrain, row_major

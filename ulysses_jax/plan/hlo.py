@@ -5,8 +5,8 @@ reduce-scatter, all-to-all, collective-permute (synchronous or as ``*-start`` / 
 ``async-start``). Operations inside a loop body (the layer scan, gradient accumulation) count once per trip: a
 ``while`` whose trip count XLA knows multiplies everything it calls. A ``conditional`` runs one of its branches: each
 branch counts for its share of the runs, given by the caller where it knows them (``branch_shares``: the planner's
-layer kinds, e.g. a hybrid's 8 attention and 24 delta-net layers), else each branch equally often. Bytes are per device: the larger of what an
-operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's full input), the buffer
+layer kinds, e.g. a hybrid's 8 attention and 24 delta-net layers), else each branch equally often. Bytes are per
+device: the larger of what an operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's full input), the buffer
 that crosses the links at most.
 
 Each collective is also placed relative to the hosts, from its replica groups (or source-target pairs) and the
@@ -192,6 +192,18 @@ def multiplicities(comps: dict[str, list[_Instr]], entry: str,
             if callee in comps:
                 mult[callee] += mult[c] * factor
     return dict(mult)
+
+
+def executed(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | None = None) -> list[tuple[_Instr, float]]:
+    """Each instruction of the computations that run as programs (the entry, loop bodies and conditions, branches; not
+    fusion bodies or reducers, which are part of the kernel that calls them), with how many times it runs per
+    execution (``multiplicities``): what counts kernels, or the runs of one."""
+    comps, entry = parse(hlo_text)
+    mult = multiplicities(comps, entry, branch_shares)
+    inlined = {c for instrs in comps.values() for ins in instrs if ins.opcode not in ("while", "conditional", "call")
+               for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", ins.attrs)}
+    return [(ins, mult[name]) for name, instrs in comps.items() if name not in inlined and mult.get(name)
+            for ins in instrs]
 
 
 def _groups(attrs: str) -> list[list[int]] | None:
