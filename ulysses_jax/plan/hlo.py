@@ -6,8 +6,8 @@ reduce-scatter, all-to-all, collective-permute (synchronous or as ``*-start`` / 
 ``while`` whose trip count XLA knows multiplies everything it calls. A ``conditional`` runs one of its branches: each
 branch counts for its share of the runs, given by the caller where it knows them (``branch_shares``: the planner's
 layer kinds, e.g. a hybrid's 8 attention and 24 delta-net layers), else each branch equally often. Bytes are per
-device: the larger of what an operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's full input), the buffer
-that crosses the links at most.
+device: the larger of what an operation takes and what it gives (an all-gather's gathered output, a reduce-scatter's
+full input), the buffer that crosses the links at most.
 
 Each collective is also placed relative to the hosts, from its replica groups (or source-target pairs) and the
 number of devices per host: ``intra_host`` when every group stays within one host (NVLink), else ``inter_host``;
