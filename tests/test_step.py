@@ -202,6 +202,25 @@ def test_incomplete_save_is_never_the_latest(tmp_path):
     ck.close()
 
 
+def test_a_checkpoint_of_another_layout_says_so_and_offers_no_other_step(tmp_path):
+    """A checkpoint whose parameter tree differs from the model's (another model, or a LoRA + --fp8 run from before its
+    base rested in float8) is refused in one sentence that says so; no other step of the run is offered (they all have
+    the same tree)."""
+    tx = make_optimizer(OptimConfig(), 10)
+    mesh = make_mesh(fsdp=2, sp=4)
+    _, state = fresh(mesh, tx)
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(1, state, {})
+    ck.save(2, state, {})
+    ck.close()
+    _, target = abstract_state(dataclasses.replace(CFG, qkv_bias=True), mesh, tx)
+    ck = Checkpointer(tmp_path, keep=3)
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/2 holds parameters laid out unlike this model's "
+                                         r".*; start a new --run-dir, or resume it with the version that wrote it$"):
+        ck.restore(2, target)
+    ck.close()
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     tx = make_optimizer(OptimConfig(), 10)
     mesh = make_mesh(fsdp=2, sp=4)

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from ulysses_jax.interop import hf
-from ulysses_jax.model import lora
+from ulysses_jax.model import fp8_base, lora
 from ulysses_jax.model.lora_config import HF_NAMES
 
 CONFIG_FILE = "adapter_config.json"
@@ -131,6 +131,7 @@ def merged(model):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(base_cfg, mesh=model.mesh, rngs=nnx.Rngs(0))))
     _, state = lora.split(nnx.state(model, nnx.Param))
     state = jax.tree.map(lambda x: x, state)  # new variables: the model's own are not changed
+    state = fp8_base.thawed(state, cfg)  # --fp8: the base as every step computed with it (dequantised)
     for t in cfg.lora.targets:
         module, attrs, n_in = lora.WEIGHTS[t]
         attrs = (attrs,) if isinstance(attrs, str) else attrs

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulysses_jax.model import fp8, lora
+from ulysses_jax.model import fp8, fp8_base, lora
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, rope_factor, rope_frequencies, use, use_parts
 from ulysses_jax.parallel.mesh import RING, SP
 from ulysses_jax.parallel.sharding import constrain
@@ -58,13 +58,15 @@ class Attention(nnx.Module):
         adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
         hist = fp8.value(self)  # delayed float8 scaling: the amax histories of q, k, v, o
 
-        def proj(spec, x, w, i):  # x @ w, in float8 with --fp8 (the weight quantised at rest, gathered in float8)
-            w, gather = use_parts(w, mesh, dt)
+        def proj(spec, x, attr, i):  # x @ w, in float8 with --fp8 (the weight quantised at rest, gathered in float8)
+            if fp8_base.frozen(self, attr):  # LoRA's base, float8 at rest
+                return fp8.einsum(spec, x, fp8_base.gathered(self, attr, mesh, dt), on=True, history=fp8.row(hist, i))
+            w, gather = use_parts(getattr(self, attr), mesh, dt)
             return fp8.einsum(spec, x, w, on=cfg.fp8, history=fp8.row(hist, i), gather=gather)
 
-        q_BSNH = proj("bsd,dnh->bsnh", x_BSD, self.wq_DNH, 0) + adapted(x_BSD, target="q")
-        k_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wk_DKH, 1) + adapted(x_BSD, target="k")
-        v_BSKH = proj("bsd,dkh->bskh", x_BSD, self.wv_DKH, 2) + adapted(x_BSD, target="v")
+        q_BSNH = proj("bsd,dnh->bsnh", x_BSD, "wq_DNH", 0) + adapted(x_BSD, target="q")
+        k_BSKH = proj("bsd,dkh->bskh", x_BSD, "wk_DKH", 1) + adapted(x_BSD, target="k")
+        v_BSKH = proj("bsd,dkh->bskh", x_BSD, "wv_DKH", 2) + adapted(x_BSD, target="v")
         if cfg.attn_output_gate:
             q_BSNH, gate_BSNH = jnp.split(q_BSNH, 2, axis=-1)
         if cfg.qkv_bias:
@@ -86,7 +88,7 @@ class Attention(nnx.Module):
         )
         if cfg.attn_output_gate:  # per head and dim, before the output projection
             o_BSNH = o_BSNH * jax.nn.sigmoid(gate_BSNH.astype(jnp.float32)).astype(o_BSNH.dtype)
-        out_BSD = proj("bsnh,nhd->bsd", o_BSNH, self.wo_NHD, 3) + adapted(o_BSNH, target="o")
+        out_BSD = proj("bsnh,nhd->bsd", o_BSNH, "wo_NHD", 3) + adapted(o_BSNH, target="o")
         if cfg.o_bias:
             out_BSD = out_BSD + use(self.bo_D, mesh, dt)
         return constrain(out_BSD, mesh, ("batch", "seq", "embed"))

@@ -30,7 +30,8 @@ chunk's product takes the float8 weight as it is (no amax and cast of the whole 
 backward): a frozen weight (LoRA's base) as a ``Quantized`` (``frozen_einsum``: no weight gradient formed), a trained
 one as a ``Carried``: the float8 weight beside zeros of its gathered shape (``grad_carrier``) that take its gradient
 back through the gather's transpose (``carried_einsum``). The tiled attention sublayer gathers in the compute dtype
-and casts after.
+and casts after. LoRA's base is quantised once and stored in float8 (``fp8_base.py``): a ``Quantized`` with both
+layouts (``qt``), nothing cast in the step.
 
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
 and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a
@@ -164,16 +165,18 @@ def _bwd(spec, gather, res, dy):
 fp8_einsum.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "amax"], meta_fields=["dtype"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale", "amax", "qt"], meta_fields=["dtype"])
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A frozen weight already in e4m3 (``q``, gathered), with its ``scale`` and ``amax`` (float32 scalars) and the
-    dtype it had (``prequantize``)."""
+    dtype it had (``prequantize``); ``qt``: the same values with the output dimensions first, when kept (LoRA's base
+    at rest, ``fp8_base``): the forward's GEMM reads it, so that neither GEMM needs the weight transposed."""
 
     q: jax.Array
     scale: jax.Array
     amax: jax.Array
     dtype: object
+    qt: jax.Array | None = None
 
 
 def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gather=None) -> Quantized:
@@ -185,10 +188,19 @@ def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gathe
     return Quantized(wq if gather is None else gather(wq), sw, aw, w.dtype)
 
 
+def _output_first(spec: str) -> str:
+    """``spec`` (``"x,w->y"``) with the weight's letters reordered output first (``Quantized.qt``'s layout)."""
+    ins, y = spec.split("->")
+    x, w = ins.split(",")
+    return f"{x},{''.join(c for c in w if c not in x)}{''.join(c for c in w if c in x)}->{y}"
+
+
 def _quantized_forward(spec, x, q: Quantized, history):
-    """The forward of a pre-quantised weight: ``(y, quantised's residuals)``, ``x`` quantised here."""
+    """The forward of a pre-quantised weight: ``(y, quantised's residuals)``, ``x`` quantised here (the GEMM on
+    ``q.qt`` where it is kept)."""
     xq, sx, ax = _role(x, history, 0, E4M3)
-    y = _dot(spec, xq, q.q, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
+    w, spec_w = (q.q, spec) if q.qt is None else (q.qt, _output_first(spec))
+    y = _dot(spec_w, xq, w, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
     return y, (xq, q.q, sx, q.scale, ax, q.amax, history)
 
 

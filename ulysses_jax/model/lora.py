@@ -20,8 +20,9 @@ merged weights: the hook ``merged`` replaces each attention target ``W`` by ``st
 at rest) in that case only, and its backward forms those weights' full gradients before reducing them to ``A`` and
 ``B``; with a bfloat16 compute dtype the merged weight is rounded once to bfloat16. Dropout is refused there.
 
-With ``fp8`` (``fp8.py``) the frozen base's product ``x W`` runs in float8 and the adapters' term as above; under
-``attn_chunk`` the merged weight (base and adapters) is what is quantised.
+With ``fp8`` (``fp8.py``) the frozen base's product ``x W`` runs in float8 and the adapters' term as above; the base's
+seven projection weights are stored in float8, quantised once (``fp8_base.py``); under ``attn_chunk`` the merged
+weight (the dequantised base and the adapters) is what is quantised.
 
 The train step differentiates the ``LoraParam`` variables alone (``split``), so the base has no gradient and no
 optimizer state (``train/step.py``). MLP targets on a mixture of experts are refused (``LoraConfig.check``).
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ulysses_jax.model import fp8_base
 from ulysses_jax.model.layers import use
 from ulysses_jax.model.lora_config import (  # noqa: F401  (target_layers: for interop/peft.py)
     ALL_TARGETS,
@@ -142,6 +144,8 @@ def adapted(model, graphdef, cfg, seed: int):
     ``Transformer(cfg, rngs=nnx.Rngs(seed))`` is born with; the base's arrays are reused, not copied."""
     with nnx.use_eager_sharding(False):  # values already laid out, as Transformer makes its parameters
         model.blocks.lora = Adapters(model.blocks, cfg.lora, model.mesh, nnx.Rngs(seed), cfg.shard_params_over_data)
+        if fp8_base.applies(cfg):  # --fp8: the frozen projections in float8 where they rest, as Transformer has them
+            fp8_base.freeze(model.blocks, cfg, model.mesh)
     return nnx.merge(graphdef, nnx.state(model))
 
 
@@ -167,10 +171,10 @@ def merged(block):
     if cfg.lora is None:
         return block
     for t in merged_targets(cfg):
-        w = weight(block, t)
+        module, attr, n_in = WEIGHTS[t]
         a, b = getattr(block.lora, f"w_{t}_a").get_value(), getattr(block.lora, f"w_{t}_b").get_value()
-        base = jax.lax.stop_gradient(w.get_value()).astype(jnp.float32)
-        w.set_value(base + delta(a, b, WEIGHTS[t][2], cfg.lora.scale))
+        base = jax.lax.stop_gradient(fp8_base.plain(getattr(block, module), attr, jnp.float32))
+        weight(block, t).set_value(base + delta(a, b, n_in, cfg.lora.scale))
     return block
 
 
@@ -249,7 +253,8 @@ def describe(cfg) -> str:
     adapters, _ = count(cfg)
     total = param_count(cfg)
     base_gib = total * jnp.dtype(cfg.param_dtype).itemsize / 2**30
+    stored = f" ({fp8_base.describe(cfg)})" if fp8_base.applies(cfg) else ""
     return (f"{cfg.lora.describe()}: {adapters:,} parameters train ({100 * adapters / total:.2f}% of "
             f"{total / 1e6:,.1f}M), {adapters * 16 / 2**20:,.1f} MiB in all with their float32 gradients and AdamW "
-            f"state; the base is frozen in {cfg.param_dtype} ({base_gib:.2f} GiB over the devices), with no gradient "
-            f"and no optimizer state")
+            f"state; the base is frozen in {cfg.param_dtype} ({base_gib:.2f} GiB over the devices){stored}, with no "
+            f"gradient and no optimizer state")

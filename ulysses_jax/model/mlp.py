@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import fp8, lora
+from ulysses_jax.model import fp8, fp8_base, lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use_parts
@@ -73,6 +73,11 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     base = dict(g=w_gate_DF, u=w_up_DF, d=w_down_FD, norm=None if norm is None else norm[0], post=post_norm)
     base = {k: v for k, v in base.items() if v is not None}
     base_specs = dict(g=P(wa, None), u=P(wa, None), d=P(None, wa), norm=P(wa), post=P(wa))
+    for k, w in base.items():  # LoRA's base in float8 at rest (fp8_base): both copies where they rest
+        if isinstance(w, fp8.Quantized):
+            names = ("mlp", "embed") if k == "d" else ("embed", "mlp")
+            q, qt = (fp8_base.rest_spec(a.shape, n, mesh, over_data) for a, n in ((w.q, names), (w.qt, names[::-1])))
+            base_specs[k] = fp8.Quantized(q, P(), P(), w.dtype, qt)
     lora_mode = adapters is not None
     adapters = adapters or {}
     # an adapter matrix at rest is split over the FSDP axes on its embed dimension, if it has one
@@ -99,6 +104,10 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         for i, k in enumerate("gud" if fp8_on else ""):
             to_whole = functools.partial(gather, spec=base_specs[k])
             w = base.pop(k)
+            if isinstance(w, fp8.Quantized):  # float8 at rest: gathered as it is
+                s = base_specs[k]
+                quantized[k] = fp8.Quantized(gather(w.q, s.q), w.scale, w.amax, w.dtype, gather(w.qt, s.qt))
+                continue
             quantized[k] = fp8.prequantize(w, fp8.row(None if hist is None else hist[0], i), axes=wa, gather=to_whole)
             if not lora_mode:  # trained: zeros of the gathered shape carry the gradient back through the transpose
                 base[k] = fp8.grad_carrier(w, to_whole)
@@ -131,6 +140,9 @@ def _rest_spec(target: str, side: str, over_data: bool) -> P:
     return param_spec((w_names[0], None) if side == "a" else (None, w_names[1]), over_data=over_data)
 
 
+ATTRS = ("w_gate_DF", "w_up_DF", "w_down_FD")
+
+
 class MLP(nnx.Module):
     def __init__(self, make: ParamMaker):
         self.cfg, self.mesh = make.cfg, make.mesh
@@ -145,12 +157,18 @@ class MLP(nnx.Module):
         """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
         ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``. ``adapters``: LoRA's at rest (``lora.pairs``)."""
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
-        ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
         post = None if post_norm is None else norm_scale(post_norm.scale.get_value(), cfg)
-        return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=self.mesh, chunk=cfg.mlp_chunk,
+        return tiled_swiglu(x_BSD, *self._at_rest(dt), mesh=self.mesh, chunk=cfg.mlp_chunk,
                             over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
                             norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post,
                             fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
+
+    def _at_rest(self, dt) -> tuple:
+        """gate, up and down at rest for ``tiled_swiglu``: in ``dt``, or float8 (``fp8.Quantized``) where LoRA's base
+        is stored so (``fp8_base``)."""
+        if fp8_base.frozen(self, ATTRS[0]):
+            return tuple(fp8_base.at_rest(self, a, dt) for a in ATTRS)
+        return tuple(getattr(self, a).get_value().astype(dt) for a in ATTRS)
 
     def _lora(self, adapters, drop) -> dict:
         """``tiled_swiglu``'s LoRA arguments: none without LoRA (every weight trains)."""
@@ -161,11 +179,13 @@ class MLP(nnx.Module):
     def __call__(self, x_BSD, adapters=None, drop=None):
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         if cfg.mlp_chunk:
-            ws = (self.w_gate_DF.get_value(), self.w_up_DF.get_value(), self.w_down_FD.get_value())
-            return tiled_swiglu(x_BSD, *(w.astype(dt) for w in ws), mesh=mesh, chunk=cfg.mlp_chunk,
+            return tiled_swiglu(x_BSD, *self._at_rest(dt), mesh=mesh, chunk=cfg.mlp_chunk,
                                 over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
                                 fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
-        ws, gathers = zip(*(use_parts(w, mesh, dt) for w in (self.w_gate_DF, self.w_up_DF, self.w_down_FD)))
+        if fp8_base.frozen(self, ATTRS[0]):  # LoRA's base in float8 at rest: gathered as it is
+            ws, gathers = tuple(fp8_base.gathered(self, a, mesh, dt) for a in ATTRS), None
+        else:
+            ws, gathers = zip(*(use_parts(getattr(self, a), mesh, dt) for a in ATTRS))
         return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop,
                                 fp8_on=cfg.fp8, history=fp8.value(self), gathers=gathers), mesh,
                          ("batch", "seq", "embed"))

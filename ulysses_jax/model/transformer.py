@@ -61,7 +61,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES
-from ulysses_jax.model import fp8, host_offload
+from ulysses_jax.model import fp8, fp8_base, host_offload
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model import lora
 from ulysses_jax.model.attention import Attention
@@ -174,7 +174,9 @@ class Block(nnx.Module):
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
         (norm scales in float32)."""
         a, dt = self.attn, self.attn.cfg.compute_jnp_dtype
-        found = {"norm": self.attn_norm.scale, "wq": a.wq_DNH, "wk": a.wk_DKH, "wv": a.wv_DKH, "wo": a.wo_NHD}
+        found = {"norm": self.attn_norm.scale}
+        weights = {k: fp8_base.plain(a, attr, dt) for k, attr in zip(("wq", "wk", "wv", "wo"),
+                                                                      ("wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD"))}
         if a.cfg.qkv_bias:
             found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
         if a.cfg.qk_norm:
@@ -185,8 +187,8 @@ class Block(nnx.Module):
             found.update(sinks=a.sinks_N)
         if fp8.value(a) is not None:  # delayed float8 scaling: q, k, v, o's amax histories
             found[fp8.HISTORY_KEY] = a.fp8_history
-        return {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k in ("sinks", fp8.HISTORY_KEY) else dt)
-                for k, p in found.items()}
+        return weights | {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k in ("sinks", fp8.HISTORY_KEY)
+                                                   else dt) for k, p in found.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,6 +246,8 @@ class Transformer(nnx.Module):
         with nnx.use_eager_sharding(False):  # values are already laid out by ParamMaker
             self.embed_VD = make("embed", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))
             self.blocks = Block(dataclasses.replace(make, stack=cfg.num_layers))
+            if fp8_base.applies(cfg):  # LoRA + --fp8: the frozen projections in float8 where they rest
+                fp8_base.freeze(self.blocks, cfg, mesh)
             self.final_norm = RMSNorm(make, cfg.hidden, ("embed",))
             if not cfg.tie_embeddings:
                 self.lm_head_VD = make("lm_head", (cfg.vocab_size, cfg.hidden), ("vocab", "embed"))

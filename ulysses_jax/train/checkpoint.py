@@ -119,6 +119,13 @@ class Checkpointer:
                     f"check the file system (permissions, mounts, free space) and run the same command again"
                 ) from e
             reason = " ".join((str(e).strip().splitlines() or [type(e).__name__])[0].split())[:200]
+            if "tree structures do not match" in reason:  # every checkpoint of the run has the same structure
+                raise ValueError(
+                    f"checkpoint {where} holds parameters laid out unlike this model's ({reason}): it was written by "
+                    f"another model or another version of ulysses_jax (a LoRA + --fp8 run checkpointed before "
+                    f"2026-11-27 evening holds its base in bf16; now it rests in float8); start a new --run-dir, or "
+                    f"resume it with the version that wrote it"
+                ) from e
             others = [s for s in self.steps() if s != step]
             fix = (f"resume from another one with --resume-from STEP (here: {', '.join(map(str, others))})" if others
                    else "start a new --run-dir")
