@@ -41,14 +41,17 @@ the filter length.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import lora
-from ulysses_jax.model.layers import ParamMaker, use
+from ulysses_jax.model import fp8, fp8_base, lora
+from ulysses_jax.model.layers import Gather, ParamMaker, use
 from ulysses_jax.parallel.mesh import RING, SP
 from ulysses_jax.parallel.sharding import constrain, row_major
 from ulysses_jax.parallel.ulysses_delta import plan_delta_heads, ulysses_gated_delta
@@ -116,6 +119,16 @@ def _project_bwd(res, ds):
 project.defvjp(_project_fwd, _project_bwd)
 
 
+# --fp8: the delta-net's projections in float8 (current scaling under either recipe): q, k, v and z as one GEMM on
+# their weights side by side, and the output projection; b and a (a few columns each, into the gates) stay as they are
+FP8_WEIGHTS = ("wq_DJQ", "wk_DJQ", "wv_DUW", "wz_DUW", "wo_UWD")
+
+
+def _shape(w) -> tuple[int, ...]:
+    """A weight's shape, in float8 at rest (``fp8.Quantized``: its ``[in, out...]`` copy's) or not."""
+    return (w.q if isinstance(w, fp8.Quantized) else w).shape
+
+
 def check_mesh(cfg, mesh) -> None:
     """A model with delta-net layers on ``mesh``: no ring, and heads that split over ``sp`` (one line otherwise)."""
     if mesh.shape.get(RING, 1) > 1:
@@ -172,8 +185,14 @@ class DeltaNet(nnx.Module):
         normed copy of the device's sequence (``[B, S/sp, D]``) outlives the forward (LoRA's terms, computed whole,
         still take one)."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        w = {name: use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
+        # --fp8: the big projections' weights stay at rest here, quantised before their gather (FP8_WEIGHTS); LoRA's
+        # base rests in float8 already (fp8_base): gathered as it is
+        frozen = fp8_base.frozen(self, FP8_WEIGHTS[0])
+        w = {name: fp8_base.gathered(self, name, mesh, dt) if frozen and name in FP8_WEIGHTS else
+             getattr(self, name).get_value().astype(dt) if cfg.fp8 and name in FP8_WEIGHTS else
+             use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
              for name in shapes(cfg)}
+        whole = Gather(NamedSharding(mesh, P()))  # a weight's gather (every delta-net weight is whole in use)
         norm = norm or (lambda x: x)
         keys, values = group_heads(cfg, mesh.shape[SP])
         grouped = len(keys) > 1
@@ -181,7 +200,7 @@ class DeltaNet(nnx.Module):
         x_in = norm(x_BSD) if adapters or not grouped else x_BSD
         qkv = lora.low_rank(x_in, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
         terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
-            qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
+            qkv, [_shape(w[n])[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
         for name, target in (("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a")):
             term = lora.low_rank(x_in, adapters, target, cfg.lora, drop)
             terms[name] = None if isinstance(term, int) else term
@@ -198,11 +217,25 @@ class DeltaNet(nnx.Module):
 
             used = (("q", "wq_DJQ", key), ("k", "wk_DJQ", key), ("v", "wv_DUW", val), ("z", "wz_DUW", val),
                     ("b", "wb_DU", val), ("a", "wa_DU", val))
-            ws = [cut(w[name], 1, idx) for _, name, idx in used]
-            flat = project(x, tuple(a.reshape(a.shape[0], -1) for a in ws))
+            if frozen:  # both float8 layouts of each, cut to these heads and side by side (one scale: fp8_base.SHARED)
+                q8 = [w[name] for _, name, _ in used[:4]]
+                ws = [fp8.Quantized(cut(g.q, 1, idx), g.scale, g.amax, dt, cut(g.qt, 0, idx))
+                      for g, (_, _, idx) in zip(q8, used)] + [cut(w[name], 1, idx) for _, name, idx in used[4:]]
+                big = fp8.Quantized(jnp.concatenate([g.q.reshape(g.q.shape[0], -1) for g in ws[:4]], axis=1),
+                                    q8[0].scale, q8[0].amax, dt,
+                                    jnp.concatenate([g.qt.reshape(-1, g.qt.shape[-1]) for g in ws[:4]], axis=0))
+            else:
+                ws = [cut(w[name], 1, idx) for _, name, idx in used]
+                big = jnp.concatenate([a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1) if cfg.fp8 else None
+            if cfg.fp8:  # q, k, v, z side by side, one float8 GEMM (one scale each for x, the weights, dy); b, a not
+                y = fp8.einsum("bsd,dn->bsn", x, big, on=True, gather=whole)
+                flat = (*jnp.split(y, np.cumsum([math.prod(_shape(a)[1:]) for a in ws[:3]]), axis=-1),
+                        *project(x, tuple(a.reshape(a.shape[0], -1) for a in ws[4:])))
+            else:
+                flat = project(x, tuple(a.reshape(a.shape[0], -1) for a in ws))
             got = {}
             for (letter, _, idx), wt, piece in zip(used, ws, flat):
-                piece = piece.reshape(*piece.shape[:2], *wt.shape[1:])
+                piece = piece.reshape(*piece.shape[:2], *_shape(wt)[1:])
                 if terms[letter] is not None:  # LoRA's term of these heads
                     piece = piece + cut(terms[letter], 2, idx)
                 got[letter] = constrain(piece, mesh, ("batch", "seq") + (None,) * (piece.ndim - 2))
@@ -212,7 +245,12 @@ class DeltaNet(nnx.Module):
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS,
                                     precision=cfg.delta_precision, impl=cfg.delta_impl)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
-            out = jnp.einsum("bsuw,uwd->bsd", y, cut(w["wo_UWD"], 0, val))
+            wo = w["wo_UWD"]
+            if frozen:
+                wo = fp8.Quantized(cut(wo.q, 0, val), wo.scale, wo.amax, dt, cut(wo.qt, 1, val))
+            else:
+                wo = cut(wo, 0, val)
+            out = fp8.einsum("bsuw,uwd->bsd", y, wo, on=cfg.fp8, gather=whole if cfg.fp8 and not frozen else None)
             if out_ad is not None:  # the adapter's rows of these heads
                 out = out + lora.low_rank(y, {"out_proj": (cut(out_ad[0], 0, val), out_ad[1])}, "out_proj",
                                           cfg.lora, drop)

@@ -387,7 +387,9 @@ def describe(cfg) -> str:
     """The start-up line of a float8 model: what is float8, what is not."""
     how = ("current scaling (this step's amax per tensor)" if cfg.fp8_recipe == "current" else
            f"delayed scaling (the max of a {HISTORY}-step amax history per tensor, kept in the checkpoints)")
-    return (f"float8 GEMMs for q, k, v, o, gate, up, down (forward e4m3 x e4m3, backward e5m2 gradients x e4m3), "
-            f"{how}; weights quantised where they rest and gathered in float8 (the tiled attention: gathered in "
+    delta = (" and the delta-net's q, k, v, z (one GEMM) and output projections (current scaling)"
+             if cfg.linear_layers else "")
+    return (f"float8 GEMMs for q, k, v, o, gate, up, down{delta} (forward e4m3 x e4m3, backward e5m2 gradients x "
+            f"e4m3), {how}; weights quantised where they rest and gathered in float8 (the tiled attention: gathered in "
             f"{cfg.compute_dtype}, cast after); master weights, optimizer, "
             f"norms, attention, loss and unembedding as without --fp8")

@@ -19,8 +19,9 @@ each stack per step. Two copies at rest take the bf16 base's bytes and leave the
 The values are those of the per-step path bit for bit, with either recipe: a frozen weight's amax is the same every
 step, so the delayed recipe's history of it holds that amax (or nothing yet) and gives the same scale as ``current``.
 A consumer that needs the weight itself (the tiled attention sublayer, ``export --merge`` from the run's own base)
-reads it dequantised (``plain``: ``q * scale``, the values every step computed with). The delta-net's projections of a
-hybrid stay as they are (``--fp8`` does not cover them).
+reads it dequantised (``plain``: ``q * scale``, the values every step computed with). A hybrid's delta-net weights
+too: q, k, v and z with one amax per layer (``SHARED``: they run as one GEMM), the output projection alone; its b
+and a (a few columns, into the gates) stay as they are.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ from ulysses_jax.parallel.sharding import axes_size, fsdp_axes, param_spec
 
 # module -> (weight, number of leading "in" dimensions after the layers axis)
 WEIGHTS = {"attn": (("wq_DNH", 1), ("wk_DKH", 1), ("wv_DKH", 1), ("wo_NHD", 2)),
-           "mlp": (("w_gate_DF", 1), ("w_up_DF", 1), ("w_down_FD", 1))}
+           "mlp": (("w_gate_DF", 1), ("w_up_DF", 1), ("w_down_FD", 1)),
+           "delta": (("wq_DJQ", 1), ("wk_DJQ", 1), ("wv_DUW", 1), ("wz_DUW", 1), ("wo_UWD", 2))}
+# weights that share one amax per layer: the delta-net's q, k, v and z run as one GEMM on their weights side by side
+# (delta_net.py), which takes one scale, the largest of the four amaxes, as quantising the four side by side would
+SHARED = {"delta": ("wq_DJQ", "wk_DJQ", "wv_DUW", "wz_DUW")}
 T, AMAX = "_T", "_amax"  # the suffixes of a weight's transposed copy and its amaxes
 
 
@@ -72,9 +77,8 @@ def _quantizer(order: tuple[int, ...], dtype, shardings: tuple[NamedSharding, ..
     """A jitted ``w [L, ...] -> (q, q transposed by order, amax [L])``: each layer quantised with its own amax, as
     ``fp8._role`` quantises the layer's weight in the compute dtype."""
 
-    def run(w):
+    def run(w, a):
         w = w.astype(dtype)
-        a = jnp.max(jnp.abs(w), axis=tuple(range(1, w.ndim))).astype(jnp.float32)
         s = fp8.scale_of(a, fp8.E4M3).reshape(-1, *(1,) * (w.ndim - 1))
         q = fp8.quantize(w, fp8.E4M3, s)
         return q, jnp.transpose(q, order), a
@@ -82,15 +86,25 @@ def _quantizer(order: tuple[int, ...], dtype, shardings: tuple[NamedSharding, ..
     return jax.jit(run, out_shardings=shardings)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _amax(w, dtype):
+    """Each layer's ``max |w|`` (``[L]`` float32) of a stacked weight in ``dtype``."""
+    return jnp.max(jnp.abs(w.astype(dtype)), axis=tuple(range(1, w.ndim))).astype(jnp.float32)
+
+
 def freeze(block, cfg, mesh: Mesh) -> None:
     """Replace the stacked projection weights of ``block`` (a ``Block`` of a model with ``applies(cfg)``) by their
-    float8 forms at rest (module doc). Idempotent."""
+    float8 forms at rest (module doc), those of ``SHARED`` with one amax per layer. Idempotent."""
     for module_name, weights in WEIGHTS.items():
         module = getattr(block, module_name, None)
-        for attr, n_in in weights if module is not None else ():
+        if module is None or isinstance(getattr(module, weights[0][0]), Frozen):
+            continue
+        amaxes = {attr: _amax(getattr(module, attr).get_value(), cfg.compute_jnp_dtype) for attr, _ in weights}
+        shared = SHARED.get(module_name, ())
+        if shared:
+            amaxes.update(dict.fromkeys(shared, functools.reduce(jnp.maximum, [amaxes[a] for a in shared])))
+        for attr, n_in in weights:
             var = getattr(module, attr)
-            if isinstance(var, Frozen):
-                continue
             names = tuple(var.get_metadata()["logical_axes"])
             order = _order(len(names), n_in)
             all_names = (names, tuple(names[i] for i in order), ("layers",))
@@ -99,7 +113,7 @@ def freeze(block, cfg, mesh: Mesh) -> None:
                      for o, n in zip((tuple(range(len(names))), order), all_names)] + [P(None)]
             run = _quantizer(order, cfg.compute_jnp_dtype, tuple(NamedSharding(mesh, s) for s in specs))
             with nnx.use_eager_sharding(False):  # laid out by the jitted quantiser
-                for suffix, value, spec, n in zip(("", T, AMAX), run(var.get_value()), specs, all_names):
+                for suffix, value, spec, n in zip(("", T, AMAX), run(var.get_value(), amaxes[attr]), specs, all_names):
                     setattr(module, attr + suffix, Frozen(value, out_sharding=tuple(spec), logical_axes=n))
 
 
@@ -161,6 +175,5 @@ def thawed(state, cfg):
 
 def describe(cfg) -> str:
     """The start-up line's words for the base's storage."""
-    return ("q, k, v, o, gate, up and down quantised once to float8 where they rest (two copies, the layouts of the "
-            "forward's and the input gradient's GEMMs: the bf16 base's bytes; no weight is cast or transposed in the "
-            "step)")
+    return ("q, k, v, o, gate, up and down are quantised once and rest in float8, in the two layouts the forward's and "
+            "the input gradient's GEMMs read (the bf16 base's bytes): the step casts and transposes no weight")

@@ -253,8 +253,8 @@ def describe(cfg) -> str:
     adapters, _ = count(cfg)
     total = param_count(cfg)
     base_gib = total * jnp.dtype(cfg.param_dtype).itemsize / 2**30
-    stored = f" ({fp8_base.describe(cfg)})" if fp8_base.applies(cfg) else ""
+    stored = f"; with --fp8 its {fp8_base.describe(cfg)}" if fp8_base.applies(cfg) else ""
     return (f"{cfg.lora.describe()}: {adapters:,} parameters train ({100 * adapters / total:.2f}% of "
             f"{total / 1e6:,.1f}M), {adapters * 16 / 2**20:,.1f} MiB in all with their float32 gradients and AdamW "
-            f"state; the base is frozen in {cfg.param_dtype} ({base_gib:.2f} GiB over the devices){stored}, with no "
-            f"gradient and no optimizer state")
+            f"state; the base is frozen in {cfg.param_dtype} ({base_gib:.2f} GiB over the devices), with no gradient "
+            f"and no optimizer state{stored}")
