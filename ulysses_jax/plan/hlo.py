@@ -141,6 +141,41 @@ def float8_dots(hlo_text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+_LAYOUT_ONLY = {"parameter", "transpose", "copy", "bitcast"}
+
+
+def parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
+    """``[(parameter, bytes)]``: the program's arguments it copies whole into another layout before using them (an
+    entry fusion of one parameter that only transposes or copies it), largest first. XLA does this where every use of
+    a stacked weight in the layer loop wants another layout (Hopper's float8 GEMMs: the contracted dimension
+    contiguous in both operands); the copy lives as long as the loop."""
+    comps, entry = parse(hlo_text)
+    instrs = comps.get(entry, [])
+    params = {i.name: i for i in instrs if i.opcode == "parameter"}
+    found = []
+    for ins in instrs:
+        called = re.search(r"\bcalls=%([\w.\-]+)", ins.attrs)
+        if ins.opcode != "fusion" or len(ins.operands) != 1 or ins.operands[0] not in params or called is None:
+            continue
+        body = comps.get(called.group(1), [])
+        if body and {i.opcode for i in body} <= _LAYOUT_ONLY and any(i.opcode != "parameter" for i in body):
+            name = re.sub(r"^state_+params_+|_+value(\.\d+)?$", "", ins.operands[0])
+            found.append((re.sub(r"_{3,}", ".", name), array_bytes(ins.type)))
+    return sorted(found, key=lambda x: -x[1])
+
+
+def parameter_copies_note(hlo_text: str) -> str | None:
+    """One line on ``parameter_copies``, or None when there are none."""
+    copies = parameter_copies(hlo_text)
+    if not copies:
+        return None
+    names = ", ".join(n for n, _ in copies[:4]) + (f" and {len(copies) - 4} more" if len(copies) > 4 else "")
+    return (f"XLA copies {len(copies)} parameters whole into another layout each step, "
+            f"{sum(b for _, b in copies) / 2**30:.2f} GiB held while the layer loop runs ({names}): every use of each "
+            f"wants another layout than the one it rests in (with --fp8: Hopper's float8 GEMMs read both operands "
+            f"with the contracted dimension contiguous)")
+
+
 def float8_note(hlo_text: str) -> str:
     """One line on the float8 dots of a ``--fp8`` program (``float8_dots``)."""
     dots = float8_dots(hlo_text)

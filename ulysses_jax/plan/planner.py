@@ -339,7 +339,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
         hlo_fingerprint=hlo.fingerprint(text), hlo_text=text,
         train_args=train_args(cfg, seq_len=seq_len, batch_size=batch_size, mesh=dict(mesh.shape),
                               memory_fraction=fraction),
-        notes=compile_only_notes(cfg, model, workspace, seq_len) + ([hlo.float8_note(text)] if model.fp8 else []),
+        notes=compile_only_notes(cfg, model, workspace, seq_len) + ([hlo.float8_note(text)] if model.fp8 else [])
+        + [n for n in [hlo.parameter_copies_note(text)] if n],
     )
     p.estimate = step_estimate(p, model, kernel)
     near = measured.nearest(target.name, model.name, seq_len, lora=model.lora is not None,
