@@ -304,9 +304,9 @@ def test_the_h100_program_runs_the_delta_nets_projections_in_float8(lora_on):
                               lora=LoraConfig(rank=4, alpha=8.0, targets="in_proj_qkv") if lora_on else None)
     d, hk, hv, dk, dv = 256, 2, 4, 64, 64
     per_token = d * (2 * hk * dk + 2 * hv * dv) + hv * dv * d + 3 * d * 512
-    dots = hlo.float8_dots(compiled_step_text(cfg, devices=1, fsdp=1, batch_size=1, seq_len=1024))
-    assert dots["f8e4m3fn x f8e4m3fn"]["flops"] == 2 * 1024 * per_token
-    assert sum(v["flops"] for k, v in dots.items() if "f8e5m2" in k) == (1 if lora_on else 2) * 2 * 1024 * per_token
+    dots = hlo.float8_dots(compiled_step_text(cfg, devices=1, fsdp=1, batch_size=1, seq_len=512))
+    assert dots["f8e4m3fn x f8e4m3fn"]["flops"] == 2 * 512 * per_token
+    assert sum(v["flops"] for k, v in dots.items() if "f8e5m2" in k) == (1 if lora_on else 2) * 2 * 512 * per_token
 
 
 def trainer(cfg, mesh, steps=10, grad_accum=1, lr=3e-3):
@@ -532,8 +532,8 @@ def test_the_h100_program_runs_every_projection_gemm_in_float8():
 @pytest.mark.aot
 def test_lora_base_at_rest_is_neither_cast_nor_transposed_in_the_step():
     """LoRA + --fp8 on compile-only H100s, the base in float8 at rest (``fp8_base``) against the same step quantising
-    it every step (the path before it; ``applies`` patched off). On 2 GPUs (fsdp 2) with the tiled MLP at 4 and 8
-    chunks: no fusion makes a float8 gate, up or down weight (before: 10 a step here, whatever the chunks; 384 for
+    it every step (the path before it; ``applies`` patched off). On 2 GPUs (fsdp 2) with the tiled MLP (4 chunks):
+    no fusion makes a float8 gate, up or down weight (before: 10 a step here, whatever the chunks; 384 for
     Llama-3.1-8B's LoRA at 8K), and no gather of one is bf16. On one GPU (the plain MLP; the tiled one measured the
     same): no fusion transposes a stacked parameter (before: all seven projections' stacks, in bf16, each step: the
     layouts Hopper's float8 GEMMs read) and the step's temporary memory is no more than the bf16 step's (before: 1.6x
@@ -561,7 +561,7 @@ def test_lora_base_at_rest_is_neither_cast_nor_transposed_in_the_step():
                 bf16_gathers += whole and dtype == "bf16" and i.opcode.startswith("all-gather")
         return count, bf16_gathers
 
-    assert weight_casts(step(128, at_rest=True).as_text()) == weight_casts(step(64, at_rest=True).as_text()) == (0, 0)
+    assert weight_casts(step(128, at_rest=True).as_text()) == (0, 0)
     assert weight_casts(step(128, at_rest=False).as_text())[0] > 0  # what the count finds when there are some
     for chunk in (0,):
         programs = [step(chunk, at_rest, fp8_on, devices=1) for at_rest, fp8_on in ((True, True), (False, True),
