@@ -272,20 +272,23 @@ def test_lora_base_at_rest_gives_the_per_step_values(recipe, fields, seed):
         assert all(np.array_equal(v, flat(h1)[k]) for k, v in flat(h0).items())
 
 
-def test_a_hybrids_delta_net_runs_its_projections_in_float8(seed):
+@pytest.mark.parametrize("groups, each", [(False, 0.95), (True, 0.93)])
+def test_a_hybrids_delta_net_runs_its_projections_in_float8(groups, each, seed):
     """A hybrid (a delta-net layer and an attention layer, head dims 32) with --fp8 on fsdp 2 x sp 4 beside the same
     model without: the loss within 5e-3, every gradient's cosine > 0.95 and all together > 0.98 (measured over 6
     seeds: loss within 4.3e-4, each >= 0.968 (a norm's scale; the delta-net's q and k weights >= 0.9775), all together
     >= 0.9854, against the dense model's 0.998: float8's rounding of q, k and v before the rule; with head dims of 8
-    instead of 32, q and k's weights fell to 0.944). That the delta-net's GEMMs are float8 at all is the compiled
-    program's (next test)."""
-    cfg = dataclasses.replace(BASE, compute_dtype="float32", fp8=True, **HYBRID)
+    instead of 32, q and k's weights fell to 0.944). In head groups (8 / 16 heads, 2 value heads a group: each group
+    its own scales), 4 seeds: each >= 0.9579, all together >= 0.9853 (held at 0.93 and 0.98). That the delta-net's
+    GEMMs are float8 at all is the compiled program's (next test)."""
+    fields = dict(HYBRID, linear_num_key_heads=8, linear_num_value_heads=16, delta_head_chunk=2) if groups else HYBRID
+    cfg = dataclasses.replace(BASE, compute_dtype="float32", fp8=True, **fields)
     mesh, b = make_mesh(fsdp=2, sp=4), batch(seed, b=8)
     (l8, (g8, _)), (l32, (g32, _)) = (loss_and_grads(*nnx.split(build(c, mesh, seed)), b)
                                       for c in (cfg, dataclasses.replace(cfg, fp8=False)))
     assert abs(float(l8) / float(l32) - 1) < 5e-3
     f8, f32 = flat(g8), flat(g32)
-    assert min(cosine(f8[k], f32[k]) for k in f32) > 0.95, {k: cosine(f8[k], f32[k]) for k in f32}
+    assert min(cosine(f8[k], f32[k]) for k in f32) > each, {k: cosine(f8[k], f32[k]) for k in f32}
     assert cosine(np.concatenate([f8[k].ravel() for k in f32]), np.concatenate([f32[k].ravel() for k in f32])) > 0.98
 
 
