@@ -36,6 +36,11 @@ where made: ``kernels/short_conv.py``, ``gated_rms_norm``); the convolution's ou
 the same token and head, both on the sequence-split side once the output has come back. Shapes follow the model's
 letters (``model/transformer.py``) with ``J`` key heads, ``U`` value heads, ``Q`` / ``W`` their head dims and ``C``
 the filter length.
+
+Float8 (``--fp8``, ``model/fp8.py``): q, k, v and z run as one float8 GEMM on their weights side by side (one scale
+for the four, the gradient one more), the output projection in float8; b and a stay in the compute dtype; current
+scaling under either recipe (a history would be shared by the head groups). With LoRA the frozen weights rest in
+float8 (``fp8_base``, q, k, v and z with one amax per layer), cut per head group as they are (``cut_frozen``).
 """
 
 from __future__ import annotations
@@ -122,6 +127,22 @@ project.defvjp(_project_fwd, _project_bwd)
 # --fp8: the delta-net's projections in float8 (current scaling under either recipe): q, k, v and z as one GEMM on
 # their weights side by side, and the output projection; b and a (a few columns each, into the gates) stay as they are
 FP8_WEIGHTS = ("wq_DJQ", "wk_DJQ", "wv_DUW", "wz_DUW", "wo_UWD")
+
+
+def cut_frozen(w: fp8.Quantized, idx, axis: int) -> fp8.Quantized:
+    """A float8 weight at rest (``fp8_base``) cut to heads ``idx`` on ``axis`` of its ``[in..., out...]`` copy (the
+    same heads of its ``[out..., in...]`` copy), or whole (``idx`` None)."""
+    if idx is None:
+        return w
+    axis_t = 0 if axis == 1 else 1  # q, k, v, z [D, H, d] -> [H, d, D]; the output's [U, W, D] -> [D, U, W]
+    return fp8.Quantized(jnp.take(w.q, idx, axis=axis), w.scale, w.amax, w.dtype, jnp.take(w.qt, idx, axis=axis_t))
+
+
+def side_by_side(ws: list[fp8.Quantized], dt) -> fp8.Quantized:
+    """The q, k, v and z weights at rest in float8 (one scale: ``fp8_base.SHARED``) as one ``[D, n]`` weight, its
+    ``[n, D]`` copy beside it."""
+    return fp8.Quantized(jnp.concatenate([g.q.reshape(g.q.shape[0], -1) for g in ws], axis=1), ws[0].scale,
+                         ws[0].amax, dt, jnp.concatenate([g.qt.reshape(-1, g.qt.shape[-1]) for g in ws], axis=0))
 
 
 def _shape(w) -> tuple[int, ...]:
@@ -217,18 +238,11 @@ class DeltaNet(nnx.Module):
 
             used = (("q", "wq_DJQ", key), ("k", "wk_DJQ", key), ("v", "wv_DUW", val), ("z", "wz_DUW", val),
                     ("b", "wb_DU", val), ("a", "wa_DU", val))
-            if frozen:  # both float8 layouts of each, cut to these heads and side by side (one scale: fp8_base.SHARED)
-                q8 = [w[name] for _, name, _ in used[:4]]
-                ws = [fp8.Quantized(cut(g.q, 1, idx), g.scale, g.amax, dt, cut(g.qt, 0, idx))
-                      for g, (_, _, idx) in zip(q8, used)] + [cut(w[name], 1, idx) for _, name, idx in used[4:]]
-                big = fp8.Quantized(jnp.concatenate([g.q.reshape(g.q.shape[0], -1) for g in ws[:4]], axis=1),
-                                    q8[0].scale, q8[0].amax, dt,
-                                    jnp.concatenate([g.qt.reshape(-1, g.qt.shape[-1]) for g in ws[:4]], axis=0))
-            else:
-                ws = [cut(w[name], 1, idx) for _, name, idx in used]
-                big = jnp.concatenate([a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1) if cfg.fp8 else None
+            ws = [cut_frozen(w[name], idx, 1) if frozen and name in FP8_WEIGHTS else cut(w[name], 1, idx)
+                  for _, name, idx in used]
             if cfg.fp8:  # q, k, v, z side by side, one float8 GEMM (one scale each for x, the weights, dy); b, a not
-                y = fp8.einsum("bsd,dn->bsn", x, big, on=True, gather=whole)
+                y = fp8.einsum("bsd,dn->bsn", x, side_by_side(ws[:4], dt) if frozen else jnp.concatenate(
+                    [a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1), on=True, gather=whole)
                 flat = (*jnp.split(y, np.cumsum([math.prod(_shape(a)[1:]) for a in ws[:3]]), axis=-1),
                         *project(x, tuple(a.reshape(a.shape[0], -1) for a in ws[4:])))
             else:
@@ -245,11 +259,7 @@ class DeltaNet(nnx.Module):
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS,
                                     precision=cfg.delta_precision, impl=cfg.delta_impl)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
-            wo = w["wo_UWD"]
-            if frozen:
-                wo = fp8.Quantized(cut(wo.q, 0, val), wo.scale, wo.amax, dt, cut(wo.qt, 1, val))
-            else:
-                wo = cut(wo, 0, val)
+            wo = cut_frozen(w["wo_UWD"], val, 0) if frozen else cut(w["wo_UWD"], 0, val)
             out = fp8.einsum("bsuw,uwd->bsd", y, wo, on=cfg.fp8, gather=whole if cfg.fp8 and not frozen else None)
             if out_ad is not None:  # the adapter's rows of these heads
                 out = out + lora.low_rank(y, {"out_proj": (cut(out_ad[0], 0, val), out_ad[1])}, "out_proj",
