@@ -27,8 +27,16 @@ from ulysses_jax import ModelConfig, Transformer, make_mesh, shift_labels
 from ulysses_jax.model import fp8, fp8_base, lora
 from ulysses_jax.model.lora_config import LoraConfig
 from ulysses_jax.train.checkpoint import Checkpointer
-from ulysses_jax.train.step import OptimConfig, _loss_sums, abstract_state, init_state, make_optimizer, \
-    make_schedule, make_train_step, state_shardings
+from ulysses_jax.train.step import (
+    OptimConfig,
+    _loss_sums,
+    abstract_state,
+    init_state,
+    make_optimizer,
+    make_schedule,
+    make_train_step,
+    state_shardings,
+)
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST

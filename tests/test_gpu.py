@@ -180,8 +180,15 @@ def test_lora_with_fp8_trains_and_its_step_holds_what_bf16_holds(tmp_path):
     from ulysses_jax.model.lora_config import LoraConfig
     from ulysses_jax.train.config import TrainConfig
     from ulysses_jax.train.devices import MeshConfig
-    from ulysses_jax.train.step import BATCH_KEYS, OptimConfig, abstract_state, batch_sharding, make_optimizer, \
-        make_schedule, make_train_step
+    from ulysses_jax.train.step import (
+        BATCH_KEYS,
+        OptimConfig,
+        abstract_state,
+        batch_sharding,
+        make_optimizer,
+        make_schedule,
+        make_train_step,
+    )
     from ulysses_jax.train.trainer import train
 
     cfg = TrainConfig(preset="tiny", seq_len=8192, batch_size=jax.device_count(), steps=5, checkpoint_every=5,
