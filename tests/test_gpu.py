@@ -180,15 +180,8 @@ def test_lora_with_fp8_trains_and_its_step_holds_what_bf16_holds(tmp_path):
     from ulysses_jax.model.lora_config import LoraConfig
     from ulysses_jax.train.config import TrainConfig
     from ulysses_jax.train.devices import MeshConfig
-    from ulysses_jax.train.step import (
-        BATCH_KEYS,
-        OptimConfig,
-        abstract_state,
-        batch_sharding,
-        make_optimizer,
-        make_schedule,
-        make_train_step,
-    )
+    from ulysses_jax.train.program import step_program
+    from ulysses_jax.train.step import OptimConfig, abstract_state, make_optimizer
     from ulysses_jax.train.trainer import train
 
     cfg = TrainConfig(preset="tiny", seq_len=8192, batch_size=jax.device_count(), steps=5, checkpoint_every=5,
@@ -205,8 +198,7 @@ def test_lora_with_fp8_trains_and_its_step_holds_what_bf16_holds(tmp_path):
         optim = OptimConfig()
         tx = make_optimizer(optim, 10)
         graphdef, state = abstract_state(model, mesh, tx)
-        step = make_train_step(graphdef, tx, make_schedule(optim, 10), mesh, jax.tree.map(lambda x: x.sharding, state))
-        batch = {k: jax.ShapeDtypeStruct((1, 8192), jnp.int32, sharding=batch_sharding(mesh)) for k in BATCH_KEYS}
+        step, batch = step_program(graphdef, state, tx, optim, steps=10, mesh=mesh, batch_size=1, seq_len=8192)
         temp[fp8_on] = step.trace(state, batch).lower().compile().memory_analysis().temp_size_in_bytes
     print(f"\nLoRA step temporaries: bf16 {temp[False] / 2**20:.0f} MiB, --fp8 {temp[True] / 2**20:.0f} MiB")
     assert temp[True] <= 1.02 * temp[False], temp

@@ -26,6 +26,7 @@ and a (a few columns, into the gates) stay as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -132,10 +133,9 @@ def at_rest(module, attr: str, dtype) -> fp8.Quantized:
 
 def gathered(module, attr: str, mesh: Mesh, dtype) -> fp8.Quantized:
     """``at_rest`` in the compute layout (the FSDP all-gathers of both copies, in float8)."""
-    q, gather = use_parts(getattr(module, attr), mesh, fp8.E4M3)
-    qt, gather_t = use_parts(getattr(module, attr + T), mesh, fp8.E4M3)
-    a = getattr(module, attr + AMAX).get_value()
-    return fp8.Quantized(gather(q), fp8.scale_of(a, fp8.E4M3), a, dtype, gather_t(qt))
+    w = at_rest(module, attr, dtype)
+    gather, gather_t = (use_parts(getattr(module, attr + s), mesh, fp8.E4M3)[1] for s in ("", T))
+    return dataclasses.replace(w, q=gather(w.q), qt=gather_t(w.qt))
 
 
 def dequantize(q: jax.Array, a: jax.Array, dtype) -> jax.Array:

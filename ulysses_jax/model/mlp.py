@@ -62,9 +62,10 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     norm scales are the frozen base), and ``drop`` (``(key, token ids [B, S])``) is LoRA's dropout while training.
 
     ``fp8_on``: the products in float8, each chunk's activations scaled on their own; ``history`` (delayed scaling,
-    ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``). With LoRA the
-    frozen weights are quantised where they rest and gathered in float8, once per call (``fp8.prequantize``): the
-    chunks, forward and backward, take them as they are; the values are those of quantising each gathered weight.
+    ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``). Trained weights
+    are quantised where they rest and gathered in float8, once per call (``fp8.prequantize``, their gradients through
+    ``fp8.Carried``); LoRA's frozen base arrives in float8 already (``fp8.Quantized`` with both layouts, ``fp8_base``)
+    and is gathered as it is. The chunks, forward and backward, take the float8 weights as they are.
     """
     if post_norm is not None and norm is None:
         raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")

@@ -175,8 +175,9 @@ class Block(nnx.Module):
         (norm scales in float32)."""
         a, dt = self.attn, self.attn.cfg.compute_jnp_dtype
         found = {"norm": self.attn_norm.scale}
-        weights = {k: fp8_base.plain(a, attr, dt) for k, attr in zip(("wq", "wk", "wv", "wo"),
-                                                                      ("wq_DNH", "wk_DKH", "wv_DKH", "wo_NHD"))}
+        # the projection weights as arrays: LoRA's float8 base (fp8_base) dequantised
+        weights = {k: fp8_base.plain(a, attr, dt) for k, (attr, _) in zip(("wq", "wk", "wv", "wo"),
+                                                                           fp8_base.WEIGHTS["attn"])}
         if a.cfg.qkv_bias:
             found.update(bq=a.bq_NH, bk=a.bk_KH, bv=a.bv_KH)
         if a.cfg.qk_norm:
