@@ -112,6 +112,7 @@ def test_pallas_rule_equals_the_recurrence_in_float64(x64):
     assert jaxpr.count("pallas_call") == 3  # the forward, the backward's recomputed states, the backward
 
 
+@pytest.mark.slow  # 18 s; the XLA walk's bf16 products stay in the default suite (test_gated_delta.py)
 def test_pallas_bf16_products_stay_near_the_float32_recurrence():
     """``precision="bf16"`` through the kernels: within the same bounds as the XLA walk's bf16 products
     (``test_gated_delta.py``), and visibly not float32 products (not a no-op)."""
@@ -143,7 +144,7 @@ def test_refusals_name_the_value_and_the_fix():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("low,max_spill", [(True, 0), (False, 692)])
+@pytest.mark.parametrize("low,max_spill", [pytest.param(True, 0, marks=pytest.mark.slow), (False, 692)])
 def test_kernels_compile_for_an_h100_as_wgmma(tmp_path, low, max_spill):
     """The whole rule's forward and backward at Qwen3.5's head shape (dk = dv = 128, chunks of 64) built for a
     compile-only H100: three Triton kernels (the forward walk, again without outputs for the chunk states; the backward

@@ -41,7 +41,7 @@ def test_kept_attention_gives_the_same_loss_and_gradients(impl, remat, every, se
         assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
 
 
-@pytest.mark.parametrize("remat", ["full", "save_matmuls"])  # offload with --attn-keep: refused for mixed kinds
+@pytest.mark.parametrize("remat", [pytest.param("full", marks=pytest.mark.slow), "save_matmuls"])  # offload with --attn-keep: refused for mixed kinds
 def test_a_hybrid_keeps_both_mixers_outputs_with_the_same_loss_and_gradients(remat, seed):
     """A hybrid (tiny-hybrid's delta-net and attention layers, fsdp 2 x sp 4, packed rows): with ``attn_keep`` the
     delta-net's output and its rule's block states are kept too (``keep_output``, ``BLOCK_STATES``): the same loss and
@@ -116,6 +116,7 @@ def test_attn_keep_needs_remat_and_the_whole_sublayer():
 
 
 @pytest.mark.aot
+@pytest.mark.slow  # two plans of an 8K hybrid step: 59 s on 2 cores
 def test_the_compiled_hybrid_step_runs_the_delta_rule_forward_once_per_layer():
     """tiny-hybrid (3 delta-net layers of 4) at 8K on one compile-only H100, the Pallas walk: plain --remat full walks
     each block of 4,096 tokens forward twice (the forward, and again by remat), with --attn-keep once, as without remat;
@@ -143,7 +144,7 @@ def test_the_compiled_hybrid_step_runs_the_delta_rule_forward_once_per_layer():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("every", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_compiled_step_runs_attention_forward_once_per_layer(every):
     """llama3.2-1b at 16K on 8 compile-only H100s, cuDNN packed: plain --remat full runs each layer's attention
     forward 2 times (3 with --remat-every 2); with --attn-keep once, its backward once per layer."""

@@ -117,7 +117,7 @@ def loss_and_grads(cfg, mesh, batch):
     return out, {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
 
 
-@pytest.mark.parametrize("variant", [{}, dict(mlp_chunk=8, remat="full")])
+@pytest.mark.parametrize("variant", [{}, pytest.param(dict(mlp_chunk=8, remat="full"), marks=pytest.mark.slow)])
 def test_eight_devices_equal_one(seed, variant):
     """Loss (with the weighted load-balancing loss), its parts, the expert load and every gradient: fsdp 2 x sp 4
     (optionally the tiled MLP and remat) against one device."""

@@ -283,7 +283,8 @@ def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype, accum):
     assert compiled.memory_analysis().alias_size_in_bytes >= 0.9 * state_bytes  # the donated state is reused
 
 
-@pytest.mark.parametrize("param_dtype, master", [("float32", False), ("bfloat16", True)])
+@pytest.mark.parametrize("param_dtype, master", [pytest.param("float32", False, marks=pytest.mark.slow),
+                                                 ("bfloat16", True)])
 def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master):
     """--optim.offload: the optimizer state in pinned host memory, updated layer by layer, gives the on-device
     optimizer's parameters and state (to float32 rounding: XLA fuses the per-layer update differently, 1-2 ulp),
