@@ -283,19 +283,27 @@ def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype, accum):
     assert compiled.memory_analysis().alias_size_in_bytes >= 0.9 * state_bytes  # the donated state is reused
 
 
-@pytest.mark.parametrize("param_dtype, master", [pytest.param("float32", False, marks=pytest.mark.slow),
-                                                 ("bfloat16", True)])
-def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master):
+# a hybrid: 3 layers (linear, global, linear), so stacks of 3 (norms, MLP), 2 (the delta-net) and 1 (attention) layers
+HYBRID_STACKS = dict(num_layers=3, layer_pattern=("linear", "global"), linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+@pytest.mark.parametrize("param_dtype, master, fields", [
+    pytest.param("float32", False, dict(num_layers=2), marks=pytest.mark.slow),
+    pytest.param("bfloat16", True, dict(num_layers=2), marks=pytest.mark.slow), ("bfloat16", True, HYBRID_STACKS)])
+def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master, fields):
     """--optim.offload: the optimizer state in pinned host memory, updated layer by layer, gives the on-device
     optimizer's parameters and state (to float32 rounding: XLA fuses the per-layer update differently, 1-2 ulp),
-    and the state keeps its dtypes, shardings and memory kinds. The CPU backend keeps host and device in one
-    memory: this checks values and memory kinds, not where XLA puts the bytes (test_plan.py compiles for H100)."""
+    and the state keeps its dtypes, shardings and memory kinds; on a hybrid too, whose stacks have three lengths
+    (each length its own scan). The CPU backend keeps host and device in one memory: this checks values and memory
+    kinds, not where XLA puts the bytes (test_plan.py compiles for H100)."""
     mesh = make_mesh(fsdp=2, sp=4)
     batch = random_batch(0, rows=2)
     results = []
     # on the device; the optimizer state in host memory; that and the stacked layers' parameters (--offload-params)
-    for off, params_off in ((False, False), (True, False), (True, True)):
-        cfg = dataclasses.replace(CFG, num_layers=2, param_dtype=param_dtype, offload_params=params_off)
+    hybrid = "layer_pattern" in fields  # --offload-params is refused on a hybrid (test_hybrid_model.py)
+    for off, params_off in ((False, False), (True, False)) + (() if hybrid else ((True, True),)):
+        cfg = dataclasses.replace(CFG, param_dtype=param_dtype, offload_params=params_off, **fields)
         optim = OptimConfig(lr=1e-2, warmup_steps=0, master_weights=master, offload=off)
         tx = make_optimizer(optim, 10)
         graphdef, state = init_state(cfg, mesh, tx, seed=0)

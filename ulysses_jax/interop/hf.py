@@ -204,7 +204,8 @@ def _read_block(folder, entry: Entry, cfg: ModelConfig, cut: tuple[slice, ...], 
     sizes = letter_sizes(cfg)
     if not entry.stacked:
         return np.ascontiguousarray(_read_layer(folder, entry.hf, entry, sizes, cut), dtype)
-    layers, cut = range(cut[0].start, cut[0].stop), cut[1:]
+    rows = entry.rows(cfg)  # the layer of each row: a hybrid's token mixers are stacked over their own layers
+    layers, cut = [rows[r] for r in range(cut[0].start, cut[0].stop)], cut[1:]
     out = np.zeros((len(layers), *(s.stop - s.start for s in cut)), dtype)  # zeros: a layer of the other MLP kind
     held = set(entry.layers(cfg))
     for n, i in enumerate(layers):
@@ -357,7 +358,7 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
                 continue
             x = params[entry.param]
             if j is None or j == 0:  # a layer's experts are fetched once, with its first expert
-                fetched = _fetch(x if i is None else _layer(x, i))
+                fetched = _fetch(x if i is None else _layer(x, entry.rows(cfg).index(i)))
             name = tensor_name(entry, i, j)
             one = entry.per_tensor.to_hf(fetched if j is None else fetched[j], sizes)
             if entry.fused is not None:  # written once every piece of the tensor is here

@@ -92,10 +92,11 @@ def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     for t in cfg.lora.targets:
         a = hf._fetch(getattr(model.blocks.lora, f"w_{t}_a").get_value())  # [L, in..., r]
         b = hf._fetch(getattr(model.blocks.lora, f"w_{t}_b").get_value())  # [L, r, out...]
+        rows = cfg.stacked_layers(lora.WEIGHTS[t][0])  # a hybrid's mixers: stacked over their own layers
         for i in lora.target_layers(cfg, t):  # a hybrid's attention or delta-net layers
-            name = PREFIX + module_name(cfg, t, i)
-            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T.astype(jnp.dtype(dtype)))
-            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T.astype(jnp.dtype(dtype)))
+            name, row = PREFIX + module_name(cfg, t, i), rows.index(i)
+            out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[row].reshape(-1, r).T.astype(jnp.dtype(dtype)))
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[row].reshape(r, -1).T.astype(jnp.dtype(dtype)))
     return out
 
 

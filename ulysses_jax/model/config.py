@@ -359,6 +359,13 @@ class ModelConfig:
         """The layers whose token mixer is attention."""
         return layer_kinds.attention_layers(self)
 
+    def stacked_layers(self, module: str) -> tuple[int, ...]:
+        """The layer each row of the stacked ``Block`` module ``module`` (``"attn"``, ``"delta"``, ``"mlp"``, ...)
+        holds: on a hybrid a token mixer's stack has its own layers only (``layer_kinds.mixer_layers``)."""
+        if module in layer_kinds.MIXERS:
+            return layer_kinds.mixer_layers(self, module)
+        return tuple(range(self.num_layers))
+
     @property
     def rotary_dim(self) -> int:
         """The dims of each head RoPE rotates (the first ones): ``head_dim * partial_rotary_factor``."""

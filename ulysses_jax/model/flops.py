@@ -110,8 +110,8 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Distinct parameters (a tied unembedding counted once): what the published model cards report. A hybrid counts
-    each layer's own token mixer, not the other kind's zeros its stacked layer also holds (``model/transformer.py``)."""
+    """Distinct parameters (a tied unembedding counted once): what the published model cards report, and what the
+    model stores (a hybrid's token mixers each stacked over their own layers, ``model/transformer.py``)."""
     d, n, k, h = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     attn = attention_matmul_params(cfg)  # q (gated: doubled), k, v, o
     attn += (n * h + 2 * k * h) if cfg.qkv_bias else 0

@@ -15,13 +15,14 @@ sqrt(D), and local layers with a sliding window and their own RoPE base (``model
 per scanned layer). The attention sublayer is ``model/attention.py``.
 
 Hybrids (Qwen3.5, Qwen3-Next): "linear" layers whose token mixer is the gated delta-net (``model/delta_net.py``) among
-full-attention ones (output-gated, partial RoPE). The scan stays one: every stacked layer holds both the attention's
-parameters and the delta-net's, and the ``lax.switch`` on the layer's kind runs one of them. The other set is zeros
-after import, never read, and gets a zero gradient: a memory cost (parameters, their gradients and optimizer state):
-21.8% more parameters stored than the model has for Qwen3.5-9B (24 linear layers carry an unused attention, 8 full ones
-an unused delta-net), 3.3% for Qwen3.5-35B-A3B and 1.7% for Qwen3-Next-80B-A3B, whose experts dominate. Stacking the two
-kinds apart and scanning over groups of layers would save it, at the price of a second layer structure for every tool
-that walks the stacked block (remat groups, parameter offload, LoRA, import and export). Sharding: every parameter is
+full-attention ones (output-gated, partial RoPE). The scan stays one, over every layer, and the ``lax.switch`` on the
+layer's kind runs one mixer; but each mixer's parameters (with their LoRA adapters and float8 copies) are stacked over
+its own layers only (``layer_kinds.mixer_layers``: Qwen3.5-9B's attention over 8 rows, its delta-net over 24), kept out
+of the scanned state (``split_block``) and read inside the scan at the layer's row (``layer_rows``: a dynamic slice of
+the stack at rest, before any gather), so a model stores exactly the parameters it has (before: every layer held both
+mixers, 21.8% more parameters, gradients and optimizer state for Qwen3.5-9B). A layer of the other kind reads row 0,
+which its switch leaves unused (its cotangent zeros). The tools that walk the stacked block see one layer structure
+as before; import and export map a row to its layer (``families.tensors.Entry.rows``). Sharding: every parameter is
 created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer per parameter writes each
 device's shard directly, so no device ever holds a whole copy, and the random values do not depend on the mesh (JAX's
 partitionable threefry). Parameters are gathered (constrained to their compute layout) where they are used; activations
@@ -61,7 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES
-from ulysses_jax.model import fp8, fp8_base, host_offload
+from ulysses_jax.model import fp8, fp8_base, host_offload, layer_kinds
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model import lora
 from ulysses_jax.model.attention import Attention
@@ -85,9 +86,9 @@ class Block(nnx.Module):
     def __init__(self, make: ParamMaker):
         self.mesh = make.mesh
         self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
-        self.attn = Attention(make)
-        if make.cfg.linear_layers:  # a hybrid holds both token mixers in every layer (module doc)
-            self.delta = DeltaNet(make)
+        self.attn = Attention(_mixer_maker(make, "attn"))
+        if make.cfg.linear_layers:  # a hybrid: each token mixer stacked over its own layers (module doc)
+            self.delta = DeltaNet(_mixer_maker(make, "delta"))
         self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         if make.cfg.has_dense_mlp:
             self.mlp = MLP(make)
@@ -190,6 +191,43 @@ class Block(nnx.Module):
             found[fp8.HISTORY_KEY] = a.fp8_history
         return weights | {k: p.get_value().astype(jnp.float32 if k.endswith("norm") or k in ("sinks", fp8.HISTORY_KEY)
                                                    else dt) for k, p in found.items()}
+
+
+def _mixer_maker(make: ParamMaker, mixer: str) -> ParamMaker:
+    """``make`` for a token mixer's parameters: on a hybrid stacked over that mixer's layers only."""
+    if make.stack is None or not make.cfg.linear_layers:
+        return make
+    return dataclasses.replace(make, stack=len(layer_kinds.mixer_layers(make.cfg, mixer)))
+
+
+def mixer_of(path) -> str | None:
+    """The token mixer (``layer_kinds.MIXERS``) whose own stack holds the ``Block`` state at ``path`` on a hybrid: its
+    module's, or that of the weight a LoRA adapter (``lora.w_<target>_<a|b>``) adapts; ``None``: stacked over every
+    layer."""
+    head = str(path[0])
+    if head == "lora":
+        head = lora.WEIGHTS[str(path[1])[2:-2]][0]
+    return head if head in layer_kinds.MIXERS else None
+
+
+def _held_by(mixer: str, path, _value) -> bool:
+    """An ``nnx`` filter: the ``Block`` state in ``mixer``'s own stack (``mixer_of``)."""
+    return mixer_of(path) == mixer
+
+
+def split_block(block, cfg):
+    """``(graphdef, state over every layer, [(state of a token mixer, its row per layer [L] int32), ...])`` of the
+    stacked ``block``: on a hybrid each token mixer's state apart, stacked over its own layers; else no mixer apart."""
+    mixers = layer_kinds.MIXERS if cfg.linear_layers else ()
+    graphdef, *parts = nnx.split(block, *(functools.partial(_held_by, m) for m in mixers), ...)
+    rows = [jnp.asarray(layer_kinds.mixer_rows(cfg, m), jnp.int32) for m in mixers]
+    return graphdef, parts[-1], list(zip(parts[:-1], rows))
+
+
+def layer_rows(own, index) -> list:
+    """Each token mixer's state of ``split_block`` at the row layer ``index`` (traced, in the layer scan) reads."""
+    return [jax.tree.map(lambda a, r=rows[index]: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), state)
+            for state, rows in own]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +352,7 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:  # Gemma: times sqrt(hidden), the factor rounded to the compute dtype first
             x_BSD = x_BSD * jnp.asarray(cfg.hidden**0.5, cfg.compute_jnp_dtype)
         x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
-        graphdef, blocks = nnx.split(self.blocks)
+        graphdef, blocks, own = split_block(self.blocks, cfg)  # a hybrid's mixers: read by row, not scanned
         # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
         sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
         stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L),
@@ -330,9 +368,9 @@ class Transformer(nnx.Module):
             drop = None if ids_BS is None else (jax.random.fold_in(dropout_key, index), ids_BS)
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
-            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out
-                layer_state = host_offload.stream_in(layer_state)
-            block = lora.merged(nnx.merge(graphdef, layer_state))  # tiled attention: its targets merged
+            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out (refused on
+                layer_state = host_offload.stream_in(layer_state)  # a hybrid: layer_kinds.check_linear)
+            block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))  # tiled attention: its targets merged
             return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop)
 
         every = cfg.remat_every if cfg.remat != "none" else 1

@@ -90,11 +90,18 @@ def stacked_flags(params):
     return jax.tree_util.tree_map_with_path(stacked, params)
 
 
-def _kinds(adamw, adam_state, flags) -> list[str]:
-    """Per leaf of ``adam_state``: ``"stacked"``, ``"whole"`` (a parameter-shaped leaf) or ``"scalar"``."""
-    kinds = optax.tree_map_params(adamw, lambda _, f: "stacked" if f else "whole", adam_state, flags,
-                                  transform_non_params=lambda _: "scalar")
-    return jax.tree.leaves(kinds)
+def stack_groups(params) -> list[int]:
+    """Per leaf of ``params``: the length of its stack (its leading axis) for a stacked parameter, 0 for the others.
+    The update scans each length's stacks together (a hybrid's token mixers are stacked over their own layers)."""
+    return [x.shape[0] if f else 0 for x, f in zip(jax.tree.leaves(params), jax.tree.leaves(stacked_flags(params)))]
+
+
+def _kinds(adamw, adam_state, params, groups) -> list:
+    """Per leaf of ``adam_state``: its parameter's ``stack_groups`` entry (a stack length, or 0: a parameter-shaped
+    leaf of a parameter not stacked), or ``"scalar"``."""
+    tree = jax.tree.unflatten(jax.tree.structure(params), [str(g) for g in groups])
+    kinds = optax.tree_map_params(adamw, lambda _, g: g, adam_state, tree, transform_non_params=lambda _: "scalar")
+    return [k if k == "scalar" else int(k) for k in jax.tree.leaves(kinds)]
 
 
 def _fill(values, like, mask):
@@ -138,11 +145,12 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
         return g.astype(jnp.float32) if master else g
 
     p_leaves, p_def = jax.tree.flatten(params)
-    flags = jax.tree.leaves(stacked_flags(params))
+    groups = stack_groups(params)
+    lengths = sorted(set(groups) - {0})  # one scan per stack length
     if host_params:  # the stacked gradients stream through the device for the norm: float32 sums of squares
         g_all = jax.tree.leaves(grads)
-        squares = _sum_of_squares([g for g, f in zip(g_all, flags) if f], prep)
-        squares += sum(jnp.sum(jnp.square(prep(g).astype(jnp.float32))) for g, f in zip(g_all, flags) if not f)
+        squares = sum(_sum_of_squares([g for g, n in zip(g_all, groups) if n == length], prep) for length in lengths)
+        squares += sum(jnp.sum(jnp.square(prep(g).astype(jnp.float32))) for g, n in zip(g_all, groups) if not n)
         grad_norm = seen_norm = jnp.sqrt(squares)
     else:
         grads = jax.tree.map(prep, grads)
@@ -161,12 +169,13 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     g_leaves, w_leaves = jax.tree.leaves(grads), jax.tree.leaves(weights)
     s_leaves, s_def = jax.tree.flatten(adam_state)
     g_seen = [jax.ShapeDtypeStruct((), jnp.float32 if master else x.dtype) for x in g_leaves]  # dtypes only
-    kinds = _kinds(adamw, adam_state, stacked_flags(params))
+    kinds = _kinds(adamw, adam_state, params, groups)
 
-    def run(g, st, w, stacked: bool):
-        """adamw on one part: the given leaves (lists over that part) moved in, updated, the state moved out."""
-        p_mask = [f == stacked for f in flags]
-        s_mask = [k == ("stacked" if stacked else "whole") for k in kinds]
+    def run(g, st, w, part: int):
+        """adamw on one part (``part``: a stack length, one layer of those stacks; 0: the parameters not stacked): the
+        given leaves (lists over that part) moved in, updated, the state moved out."""
+        p_mask = [n == part for n in groups]
+        s_mask = [k == part for k in kinds]
         st_full = [x if k == "scalar" else y for x, y, k in zip(s_leaves, _fill(st, s_leaves, s_mask), kinds)]
         w_full = p_def.unflatten(_fill(to_device(w), w_leaves, p_mask))
         g = [clipped(x) for x in g]
@@ -180,9 +189,6 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     def pick(xs, mask):
         return [x for x, m in zip(xs, mask) if m]
 
-    layer_params = pick(p_leaves, flags)
-    is_layer = [k == "stacked" for k in kinds]
-    is_whole = [k == "whole" for k in kinds]
     # The state's stacks in host memory are the scan's outputs: new stacks, a second copy of the stacked state in host
     # memory (XLA's buffer report); a loop updating them in place (dynamic_update_slice into host memory) does not
     # compile for the compile-only H100 target (XLA: a host-to-host copy-start), so that copy stays. The parameters'
@@ -192,39 +198,48 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     in_place = not host_params
     weights_in_stacks = in_place and not master  # the weights are the parameters being updated: read from the carry
 
-    def body(carry, xs):  # one layer of the stacked parameters
-        i, stacks = carry
-        g, st, w = xs
-        if weights_in_stacks:
-            w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks]
-        w, st, _ = run(g, st, w, True)
-        new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
-        if in_place:
-            stacks = [jax.lax.dynamic_update_index_in_dim(p, x, i, axis=0) for p, x in zip(stacks, new_p)]
-            new_p = []
-        return (i + 1, stacks), (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
+    def scan_layers(length: int):
+        """The update of the stacks of ``length`` layers, one layer at a time: (new params, new master weights,
+        new state), each a list over those stacks."""
+        flags = [n == length for n in groups]
+        layer_params = pick(p_leaves, flags)
 
-    xs = (pick(g_leaves, flags), pick(s_leaves, is_layer), [] if weights_in_stacks else pick(w_leaves, flags))
-    (_, stacks), (p_layers, m_layers, s_layers) = jax.lax.scan(
-        body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
-    p_layers = stacks if in_place else p_layers
-    not_flags = [not f for f in flags]
-    w_rest, s_rest, scalars = run(pick(g_leaves, not_flags), pick(s_leaves, is_whole), pick(w_leaves, not_flags),
-                                  False)
+        def body(carry, xs):  # one layer of the stacked parameters
+            i, stacks = carry
+            g, st, w = xs
+            if weights_in_stacks:
+                w = [jax.lax.dynamic_index_in_dim(p, i, keepdims=False) for p in stacks]
+            w, st, _ = run(g, st, w, length)
+            new_p = [x.astype(p.dtype) for x, p in zip(w, layer_params)]
+            if in_place:
+                stacks = [jax.lax.dynamic_update_index_in_dim(p, x, i, axis=0) for p, x in zip(stacks, new_p)]
+                new_p = []
+            return (i + 1, stacks), (to_host(new_p) if host_params else new_p, to_host(w) if master else [], st)
 
-    def merge(mask, a, b):  # positions where mask: the next of a; elsewhere the next of b
-        ia, ib = iter(a), iter(b)
-        return [next(ia) if m else next(ib) for m in mask]
+        xs = (pick(g_leaves, flags), pick(s_leaves, [k == length for k in kinds]),
+              [] if weights_in_stacks else pick(w_leaves, flags))
+        (_, stacks), (p_layers, m_layers, s_layers) = jax.lax.scan(
+            body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
+        return stacks if in_place else p_layers, m_layers, s_layers
 
-    its = {"stacked": iter(s_layers), "whole": iter(s_rest), "scalar": iter(scalars)}
+    stacked = {length: scan_layers(length) for length in lengths}
+    rest = [not n for n in groups]
+    w_rest, s_rest, scalars = run(pick(g_leaves, rest), pick(s_leaves, [k == 0 for k in kinds]), pick(w_leaves, rest),
+                                  0)
+
+    def merge(part: int, rest):  # per parameter: the next of its stack length's ``part`` (of scan_layers), or of rest
+        its = {n: iter(out[part]) for n, out in stacked.items()} | {0: iter(rest)}
+        return [next(its[n]) for n in groups]
+
+    its = {n: iter(out[2]) for n, out in stacked.items()} | {0: iter(s_rest), "scalar": iter(scalars)}
     new_s = [next(its[k]) for k in kinds]
     new_adam = s_def.unflatten(new_s)
     new_chain = (clip_state, new_adam) if clip_norm else new_adam
-    p_rest = [x.astype(p.dtype) for x, p in zip(w_rest, pick(p_leaves, not_flags))]
-    new_params = p_def.unflatten(merge(flags, p_layers, p_rest))
+    p_rest = [x.astype(p.dtype) for x, p in zip(w_rest, pick(p_leaves, rest))]
+    new_params = p_def.unflatten(merge(0, p_rest))
     if not master:
         return new_params, new_chain, grad_norm
-    new_master = p_def.unflatten(merge(flags, m_layers, to_host(w_rest)))
+    new_master = p_def.unflatten(merge(1, to_host(w_rest)))
     return new_params, MasterState(new_master, new_chain), grad_norm
 
 

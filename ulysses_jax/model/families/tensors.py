@@ -5,7 +5,8 @@ Each family lists its ``ENTRIES`` in the order the export writes them (per layer
 own rows; ``interop/hf.py`` keeps those of a model's family whose condition (``when``) the model meets. Our layers are
 stacked on a leading axis (the scanned block), HF's are numbered (``{i}``); ``"NH,D"`` names a ``[N*H, D]`` matrix. An
 HF letter that our parameter lacks must have size 1 (``O``: the convolution's ``[C, 1, K]``). A hybrid's attention
-rows are held by its attention layers, its delta-net rows (``blocks.delta.``) by its linear layers.
+rows are held by its attention layers, its delta-net rows (``blocks.delta.``) by its linear layers: each stacked over
+those layers alone (``Entry.rows``: the layer of each row).
 
 One HF tensor may hold several of our parameters (``Fused``): Qwen3.5's ``in_proj_qkv`` (q, k and v rows one after
 the other), Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, then its value heads' v and z rows). Each of those
@@ -78,6 +79,11 @@ class Entry:
     def applies(self, cfg) -> bool:
         """Whether a model with ``cfg`` has this tensor (its ``when`` holds)."""
         return CONDITIONS[self.when](cfg)
+
+    def rows(self, cfg) -> tuple[int, ...]:
+        """The layer each row of our (stacked) parameter holds: a hybrid stacks each token mixer over its own
+        layers, every other parameter over all of them (``ModelConfig.stacked_layers``)."""
+        return cfg.stacked_layers(self.param.split(".")[1])
 
     def layers(self, cfg) -> list[int]:
         """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP, the
