@@ -191,7 +191,7 @@ def ends(procs) -> list[float]:
     return outs, at
 
 
-@pytest.mark.parametrize("failed", [1, 0])
+@pytest.mark.parametrize("failed", [pytest.param(1, marks=pytest.mark.slow), 0])  # 29 s each: one in the default suite
 def test_a_failed_process_ends_the_job_with_one_line(tmp_path, failed):
     """One process's checkpoint write fails (ENOSPC, test-only fault injection in Checkpointer.save at step 2) while
     the other goes on into the next step's collectives: the failed process exits as before (1, its traceback); the
