@@ -134,9 +134,22 @@ def test_eight_devices_equal_one(seed, variant):
     assert set(g1) == set(g8) and "blocks.moe.w_router_DE" in g1 and "blocks.mlp.w_gate_DF" in g1
     for name in g1:
         np.testing.assert_allclose(g8[name], g1[name], atol=2e-6, rtol=2e-4, err_msg=name)
-    # the dense layer's expert slots and the sparse layers' dense MLP are never used: zero gradient
-    assert not g1["blocks.moe.w_gate_EDF"][1].any() and not g1["blocks.mlp.w_up_DF"][[0, 2]].any()
-    assert g1["blocks.moe.w_router_DE"][[0, 2]].any()  # the load-balancing loss and the routing reach the router
+    # each MLP kind stacked over its own layers (the experts over layers 0 and 2, the dense MLP over layer 1), every
+    # row trained; the load-balancing loss and the routing reach the router
+    assert g1["blocks.moe.w_gate_EDF"].shape[0] == 2 and g1["blocks.mlp.w_up_DF"].shape[0] == 1
+    assert all(g1["blocks.moe.w_gate_EDF"][i].any() and g1["blocks.moe.w_router_DE"][i].any() for i in (0, 1))
+    assert g1["blocks.mlp.w_up_DF"][0].any()
+
+
+def test_a_model_mixing_dense_and_sparse_layers_stores_each_mlp_once():
+    """The dense MLP stacked over the dense layer, the experts over the sparse ones: the model stores the parameters
+    it has (``param_count``; before, every layer held both), and --offload-params is refused in one line."""
+    model = nnx.eval_shape(lambda: uj.Transformer(TINY, mesh=uj.make_mesh(devices=jax.devices()[:1]), rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == flops.param_count(TINY)
+    assert TINY.stacked_apart == ("mlp", "moe") and TINY.stacked_layers("moe") == (0, 2)
+    assert TINY.stack_rows("mlp") == (0, 0, 0) and TINY.stack_rows("moe") == (0, 0, 1)
+    with pytest.raises(ValueError, match=r"this model's dense and sparse MLPs are stacked over their own layers"):
+        dataclasses.replace(TINY, offload_params=True)
 
 
 def test_presets_have_the_published_parameter_counts():

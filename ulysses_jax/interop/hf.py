@@ -206,7 +206,7 @@ def _read_block(folder, entry: Entry, cfg: ModelConfig, cut: tuple[slice, ...], 
         return np.ascontiguousarray(_read_layer(folder, entry.hf, entry, sizes, cut), dtype)
     rows = entry.rows(cfg)  # the layer of each row: a hybrid's token mixers are stacked over their own layers
     layers, cut = [rows[r] for r in range(cut[0].start, cut[0].stop)], cut[1:]
-    out = np.zeros((len(layers), *(s.stop - s.start for s in cut)), dtype)  # zeros: a layer of the other MLP kind
+    out = np.zeros((len(layers), *(s.stop - s.start for s in cut)), dtype)
     held = set(entry.layers(cfg))
     for n, i in enumerate(layers):
         if i not in held:

@@ -279,6 +279,11 @@ class ModelConfig:
                              "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
                              "without --attn-keep")
         self._check_experts()
+        if self.offload_params and self.stacked_apart:  # a row's gradient: a whole stack's in device memory
+            what = "token mixers" if self.linear_layers else "dense and sparse MLPs"
+            raise ValueError(f"offload_params (--offload-params) streams each layer's parameters from host memory "
+                             f"through the layer scan, but this model's {what} are stacked over their own layers and "
+                             f"read by row, which it cannot stream yet; train this model without --offload-params")
         fp8.check(self)
 
     def _check_experts(self):
@@ -359,12 +364,29 @@ class ModelConfig:
         """The layers whose token mixer is attention."""
         return layer_kinds.attention_layers(self)
 
+    @property
+    def stacked_apart(self) -> tuple[str, ...]:
+        """The ``Block`` modules stacked over their own layers only (``stacked_layers``), each layer reading its row
+        inside the layer scan: a hybrid's token mixers (``"attn"``, ``"delta"``), and the dense MLP and the experts
+        (``"mlp"``, ``"moe"``) of a model that mixes dense and sparse layers."""
+        mixed = bool(self.num_experts) and self.has_dense_mlp
+        return (layer_kinds.MIXERS if self.linear_layers else ()) + (("mlp", "moe") if mixed else ())
+
     def stacked_layers(self, module: str) -> tuple[int, ...]:
         """The layer each row of the stacked ``Block`` module ``module`` (``"attn"``, ``"delta"``, ``"mlp"``, ...)
-        holds: on a hybrid a token mixer's stack has its own layers only (``layer_kinds.mixer_layers``)."""
+        holds: every layer, but for the modules ``stacked_apart`` (a token mixer's layers, ``layer_kinds.mixer_layers``;
+        the dense layers for ``"mlp"``, the sparse ones for ``"moe"``)."""
+        if module not in self.stacked_apart:
+            return tuple(range(self.num_layers))
         if module in layer_kinds.MIXERS:
             return layer_kinds.mixer_layers(self, module)
-        return tuple(range(self.num_layers))
+        return self.sparse_layers if module == "moe" else tuple(sorted(self.dense_layers))
+
+    def stack_rows(self, module: str) -> tuple[int, ...]:
+        """Per layer, the row of ``module``'s stack it reads (``stacked_layers``); a layer that does not use the module
+        reads row 0 (its switch or cond leaves it unused)."""
+        rows = {layer: row for row, layer in enumerate(self.stacked_layers(module))}
+        return tuple(rows.get(i, 0) for i in range(self.num_layers))
 
     @property
     def rotary_dim(self) -> int:

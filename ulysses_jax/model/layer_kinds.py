@@ -8,7 +8,7 @@ every layer "global". The transformer scans its stacked layers once whatever the
 scanned with its parameters and a ``lax.switch`` picks the sublayer of that kind (``model/transformer.py``). An
 attention kind is the window (``None``: global), indexed by ``kinds``; the linear layers, if any, take the index after
 the attention kinds (``kind_index``); a hybrid's two token mixers are each stacked over their own layers
-(``mixer_layers``), the row a layer reads given by ``mixer_rows``. The local layers also take their own RoPE base
+(``mixer_layers``; ``ModelConfig.stack_rows``: the row a layer reads). The local layers also take their own RoPE base
 (``rope_local_theta``). This module
 reads a config's attributes and imports nothing of the package (``model/config.py`` calls it).
 """
@@ -84,10 +84,6 @@ def check_linear(cfg) -> None:
                          f"head serves an equal share of the value heads")
     if cfg.linear_conv_kernel < 1:
         raise ValueError(f"linear_conv_kernel ({cfg.linear_conv_kernel}) must be >= 1 (Qwen3.5 and Qwen3-Next: 4)")
-    if cfg.offload_params:  # the row's gradient would be a whole stack's in device memory (transformer.layer_rows)
-        raise ValueError("offload_params (--offload-params) streams each layer's parameters from host memory through "
-                         "the layer scan, but a hybrid's token mixers are stacked over their own layers and read by "
-                         "row, which it cannot stream yet; train this model without --offload-params")
 
 
 def layer_types(cfg) -> tuple[str, ...]:
@@ -121,13 +117,6 @@ def mixer_layers(cfg, mixer: str) -> tuple[int, ...]:
     if not linear_layers(cfg):
         return tuple(range(cfg.num_layers))
     return linear_layers(cfg) if mixer == "delta" else (attention_layers(cfg) or (0,))
-
-
-def mixer_rows(cfg, mixer: str) -> tuple[int, ...]:
-    """Per layer, the row of ``mixer``'s stack it reads (``mixer_layers``); a layer of the other kind reads row 0,
-    which its switch leaves unused."""
-    rows = {layer: row for row, layer in enumerate(mixer_layers(cfg, mixer))}
-    return tuple(rows.get(i, 0) for i in range(cfg.num_layers))
 
 
 def kinds(cfg) -> tuple:

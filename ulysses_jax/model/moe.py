@@ -175,7 +175,8 @@ def _shapes(cfg: ModelConfig) -> dict:
 
 
 class MoE(nnx.Module):
-    """A sparse MLP's parameters (``_shapes``), stacked over the layers like every block parameter: router ``[D, E]``,
+    """A sparse MLP's parameters (``_shapes``), stacked over the sparse layers (over every layer unless the model mixes
+    dense and sparse ones: ``ModelConfig.stacked_apart``): router ``[D, E]``,
     the experts' gate and up ``[E, D, F]`` (gpt-oss: fused ``[E, D, 2F]``, interleaved, and biases), down
     ``[E, F, D]``."""
 

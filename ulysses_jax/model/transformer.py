@@ -85,14 +85,14 @@ class Block(nnx.Module):
     def __init__(self, make: ParamMaker):
         self.mesh = make.mesh
         self.attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
-        self.attn = Attention(_mixer_maker(make, "attn"))
+        self.attn = Attention(_apart(make, "attn"))
         if make.cfg.linear_layers:  # a hybrid: each token mixer stacked over its own layers (module doc)
-            self.delta = DeltaNet(_mixer_maker(make, "delta"))
+            self.delta = DeltaNet(_apart(make, "delta"))
         self.mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
         if make.cfg.has_dense_mlp:
-            self.mlp = MLP(make)
-        if make.cfg.num_experts:  # a model mixing dense and sparse layers holds both for every layer (module doc)
-            self.moe = MoE(make)
+            self.mlp = MLP(_apart(make, "mlp"))
+        if make.cfg.num_experts:  # mixed with dense layers: each MLP kind stacked over its own layers (module doc)
+            self.moe = MoE(_apart(make, "moe"))
         if make.cfg.post_norms:  # Gemma 3: each sublayer's output normed before the residual add
             self.post_attn_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
             self.post_mlp_norm = RMSNorm(make, make.cfg.hidden, ("embed",))
@@ -192,39 +192,37 @@ class Block(nnx.Module):
                                                    else dt) for k, p in found.items()}
 
 
-def _mixer_maker(make: ParamMaker, mixer: str) -> ParamMaker:
-    """``make`` for a token mixer's parameters: on a hybrid stacked over that mixer's layers only."""
-    if make.stack is None or not make.cfg.linear_layers:
+def _apart(make: ParamMaker, module: str) -> ParamMaker:
+    """``make`` for ``module``'s parameters: stacked over that module's layers only where it is ``stacked_apart``."""
+    if make.stack is None or module not in make.cfg.stacked_apart:
         return make
-    return dataclasses.replace(make, stack=len(layer_kinds.mixer_layers(make.cfg, mixer)))
+    return dataclasses.replace(make, stack=len(make.cfg.stacked_layers(module)))
 
 
-def mixer_of(path) -> str | None:
-    """The token mixer (``layer_kinds.MIXERS``) whose own stack holds the ``Block`` state at ``path`` on a hybrid: its
-    module's, or that of the weight a LoRA adapter (``lora.w_<target>_<a|b>``) adapts; ``None``: stacked over every
-    layer."""
+def module_of(path) -> str:
+    """The ``Block`` module whose stack holds the state at ``path``: its first name, or for a LoRA adapter
+    (``lora.w_<target>_<a|b>``) the module of the weight it adapts."""
     head = str(path[0])
-    if head == "lora":
-        head = lora.WEIGHTS[str(path[1])[2:-2]][0]
-    return head if head in layer_kinds.MIXERS else None
+    return lora.WEIGHTS[str(path[1])[2:-2]][0] if head == "lora" else head
 
 
-def _held_by(mixer: str, path, _value) -> bool:
-    """An ``nnx`` filter: the ``Block`` state in ``mixer``'s own stack (``mixer_of``)."""
-    return mixer_of(path) == mixer
+def _held_by(module: str, path, _value) -> bool:
+    """An ``nnx`` filter: the ``Block`` state in ``module``'s stack (``module_of``)."""
+    return module_of(path) == module
 
 
 def split_block(block, cfg):
-    """``(graphdef, state over every layer, [(state of a token mixer, its row per layer [L] int32), ...])`` of the
-    stacked ``block``: on a hybrid each token mixer's state apart, stacked over its own layers; else no mixer apart."""
-    mixers = layer_kinds.MIXERS if cfg.linear_layers else ()
-    graphdef, *parts = nnx.split(block, *(functools.partial(_held_by, m) for m in mixers), ...)
-    rows = [jnp.asarray(layer_kinds.mixer_rows(cfg, m), jnp.int32) for m in mixers]
+    """``(graphdef, state stacked over every layer, [(state of a module stacked apart, its row per layer [L] int32),
+    ...])`` of the stacked ``block``: each of ``cfg.stacked_apart`` (a hybrid's token mixers, the two MLP kinds of a
+    model mixing dense and sparse layers) apart, stacked over its own layers."""
+    apart = cfg.stacked_apart
+    graphdef, *parts = nnx.split(block, *(functools.partial(_held_by, m) for m in apart), ...)
+    rows = [jnp.asarray(cfg.stack_rows(m), jnp.int32) for m in apart]
     return graphdef, parts[-1], list(zip(parts[:-1], rows))
 
 
 def layer_rows(own, index) -> list:
-    """Each token mixer's state of ``split_block`` at the row layer ``index`` (traced, in the layer scan) reads."""
+    """Each module's state of ``split_block`` at the row layer ``index`` (traced, in the layer scan) reads."""
     return [jax.tree.map(lambda a, r=rows[index]: jax.lax.dynamic_index_in_dim(a, r, keepdims=False), state)
             for state, rows in own]
 
@@ -351,7 +349,7 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:  # Gemma: times sqrt(hidden), the factor rounded to the compute dtype first
             x_BSD = x_BSD * jnp.asarray(cfg.hidden**0.5, cfg.compute_jnp_dtype)
         x_BSD = constrain(x_BSD, mesh, ("batch", "seq", "embed"))
-        graphdef, blocks, own = split_block(self.blocks, cfg)  # a hybrid's mixers: read by row, not scanned
+        graphdef, blocks, own = split_block(self.blocks, cfg)  # stacked apart: read by row, not scanned
         # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
         sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
         stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L),
@@ -367,8 +365,8 @@ class Transformer(nnx.Module):
             drop = None if ids_BS is None else (jax.random.fold_in(dropout_key, index), ids_BS)
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
-            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out (refused on
-                layer_state = host_offload.stream_in(layer_state)  # a hybrid: layer_kinds.check_linear)
+            if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out (refused
+                layer_state = host_offload.stream_in(layer_state)  # with modules stacked apart: ModelConfig)
             block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))  # tiled attention: its targets merged
             return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop)
 
