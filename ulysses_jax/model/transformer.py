@@ -62,7 +62,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES
-from ulysses_jax.model import fp8, fp8_base, host_offload, layer_kinds, lora
+from ulysses_jax.model import fp8, fp8_base, host_offload, lora
 from ulysses_jax.model.attention import Attention
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.delta_net import DeltaNet, check_mesh
