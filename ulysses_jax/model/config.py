@@ -366,27 +366,16 @@ class ModelConfig:
 
     @property
     def stacked_apart(self) -> tuple[str, ...]:
-        """The ``Block`` modules stacked over their own layers only (``stacked_layers``), each layer reading its row
-        inside the layer scan: a hybrid's token mixers (``"attn"``, ``"delta"``), and the dense MLP and the experts
-        (``"mlp"``, ``"moe"``) of a model that mixes dense and sparse layers."""
-        mixed = bool(self.num_experts) and self.has_dense_mlp
-        return (layer_kinds.MIXERS if self.linear_layers else ()) + (("mlp", "moe") if mixed else ())
+        """The ``Block`` modules stacked over their own layers only (``layer_kinds.stacked_apart``)."""
+        return layer_kinds.stacked_apart(self)
 
     def stacked_layers(self, module: str) -> tuple[int, ...]:
-        """The layer each row of the stacked ``Block`` module ``module`` (``"attn"``, ``"delta"``, ``"mlp"``, ...)
-        holds: every layer, but for the modules ``stacked_apart`` (a token mixer's layers, ``layer_kinds.mixer_layers``;
-        the dense layers for ``"mlp"``, the sparse ones for ``"moe"``)."""
-        if module not in self.stacked_apart:
-            return tuple(range(self.num_layers))
-        if module in layer_kinds.MIXERS:
-            return layer_kinds.mixer_layers(self, module)
-        return self.sparse_layers if module == "moe" else tuple(sorted(self.dense_layers))
+        """The layer each row of the stacked ``Block`` module ``module`` holds (``layer_kinds.stacked_layers``)."""
+        return layer_kinds.stacked_layers(self, module)
 
     def stack_rows(self, module: str) -> tuple[int, ...]:
-        """Per layer, the row of ``module``'s stack it reads (``stacked_layers``); a layer that does not use the module
-        reads row 0 (its switch or cond leaves it unused)."""
-        rows = {layer: row for row, layer in enumerate(self.stacked_layers(module))}
-        return tuple(rows.get(i, 0) for i in range(self.num_layers))
+        """Per layer, the row of ``module``'s stack it reads (``layer_kinds.stack_rows``)."""
+        return layer_kinds.stack_rows(self, module)
 
     @property
     def rotary_dim(self) -> int:

@@ -8,7 +8,7 @@ every layer "global". The transformer scans its stacked layers once whatever the
 scanned with its parameters and a ``lax.switch`` picks the sublayer of that kind (``model/transformer.py``). An
 attention kind is the window (``None``: global), indexed by ``kinds``; the linear layers, if any, take the index after
 the attention kinds (``kind_index``); a hybrid's two token mixers are each stacked over their own layers
-(``mixer_layers``; ``ModelConfig.stack_rows``: the row a layer reads). The local layers also take their own RoPE base
+(``mixer_layers``; ``stack_rows``: the row a layer reads). The local layers also take their own RoPE base
 (``rope_local_theta``). This module
 reads a config's attributes and imports nothing of the package (``model/config.py`` calls it).
 """
@@ -117,6 +117,32 @@ def mixer_layers(cfg, mixer: str) -> tuple[int, ...]:
     if not linear_layers(cfg):
         return tuple(range(cfg.num_layers))
     return linear_layers(cfg) if mixer == "delta" else (attention_layers(cfg) or (0,))
+
+
+def stacked_apart(cfg) -> tuple[str, ...]:
+    """The transformer ``Block``'s modules stacked over their own layers only (``stacked_layers``), each layer reading
+    its row inside the layer scan: a hybrid's token mixers (``"attn"``, ``"delta"``), and the dense MLP and the experts
+    (``"mlp"``, ``"moe"``) of a model that mixes dense and sparse layers."""
+    mixed = bool(cfg.num_experts) and cfg.has_dense_mlp
+    return (MIXERS if linear_layers(cfg) else ()) + (("mlp", "moe") if mixed else ())
+
+
+def stacked_layers(cfg, module: str) -> tuple[int, ...]:
+    """The layer each row of the stacked ``Block`` module ``module`` (``"attn"``, ``"delta"``, ``"mlp"``, ...) holds:
+    every layer, but for the modules ``stacked_apart`` (a token mixer's layers, ``mixer_layers``; the dense layers for
+    ``"mlp"``, the sparse ones for ``"moe"``)."""
+    if module not in stacked_apart(cfg):
+        return tuple(range(cfg.num_layers))
+    if module in MIXERS:
+        return mixer_layers(cfg, module)
+    return cfg.sparse_layers if module == "moe" else tuple(sorted(cfg.dense_layers))
+
+
+def stack_rows(cfg, module: str) -> tuple[int, ...]:
+    """Per layer, the row of ``module``'s stack it reads (``stacked_layers``); a layer that does not use the module
+    reads row 0 (its switch or cond leaves it unused)."""
+    rows = {layer: row for row, layer in enumerate(stacked_layers(cfg, module))}
+    return tuple(rows.get(i, 0) for i in range(cfg.num_layers))
 
 
 def kinds(cfg) -> tuple:
