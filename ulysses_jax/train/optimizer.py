@@ -9,7 +9,8 @@ Two choices, each an ``OptimConfig`` flag (``step.py``):
     The update streams it through the device: a ``scan`` over the stacked layers moves one layer's
     moments and master weights to the device, updates them there, and moves them back, so the device holds
     one layer of optimizer state at a time (the other parameters, embeddings and final norm, one array
-    at a time). Gradients are clipped first, over the whole model, on the device.
+    at a time). Stacks of different lengths (a hybrid's token mixers, each stacked over its own layers) get a
+    scan each (``stack_groups``). Gradients are clipped first, over the whole model, on the device.
 
 Both give the update of the plain on-device optimizer: the same optax transforms run on slices, and every
 one of them is elementwise but the global-norm clip, which runs once on all gradients.
