@@ -204,13 +204,9 @@ def _read_block(folder, entry: Entry, cfg: ModelConfig, cut: tuple[slice, ...], 
     sizes = letter_sizes(cfg)
     if not entry.stacked:
         return np.ascontiguousarray(_read_layer(folder, entry.hf, entry, sizes, cut), dtype)
-    rows = entry.rows(cfg)  # the layer of each row: a hybrid's token mixers are stacked over their own layers
-    layers, cut = [rows[r] for r in range(cut[0].start, cut[0].stop)], cut[1:]
-    out = np.zeros((len(layers), *(s.stop - s.start for s in cut)), dtype)
-    held = set(entry.layers(cfg))
+    layers, cut = entry.layers(cfg)[cut[0].start:cut[0].stop], cut[1:]  # the layer of each row of the block
+    out = np.empty((len(layers), *(s.stop - s.start for s in cut)), dtype)
     for n, i in enumerate(layers):
-        if i not in held:
-            continue
         if entry.experts:  # one HF tensor per expert of the block's E range
             for m, j in enumerate(range(cut[0].start, cut[0].stop)):
                 out[n, m] = _read_layer(folder, tensor_name(entry, i, j), entry.per_tensor, sizes, cut[1:])
@@ -358,7 +354,7 @@ def to_hf(model, path, *, tokenizer_from=None, dtype: str | None = None, max_sha
                 continue
             x = params[entry.param]
             if j is None or j == 0:  # a layer's experts are fetched once, with its first expert
-                fetched = _fetch(x if i is None else _layer(x, entry.rows(cfg).index(i)))
+                fetched = _fetch(x if i is None else _layer(x, entry.layers(cfg).index(i)))
             name = tensor_name(entry, i, j)
             one = entry.per_tensor.to_hf(fetched if j is None else fetched[j], sizes)
             if entry.fused is not None:  # written once every piece of the tensor is here

@@ -111,11 +111,9 @@ MIXERS = ("attn", "delta")  # a hybrid's token mixers, by their names in the tra
 
 
 def mixer_layers(cfg, mixer: str) -> tuple[int, ...]:
-    """The layers whose parameters ``mixer``'s stack holds, row by row. On a hybrid each token mixer is stacked over
-    its own layers (``"attn"``: the attention layers, ``"delta"``: the linear ones), so that no layer stores the other
-    kind's parameters; elsewhere over every layer. A hybrid without attention layers keeps one attention row, unused."""
-    if not linear_layers(cfg):
-        return tuple(range(cfg.num_layers))
+    """The layers whose parameters a hybrid's ``mixer`` stack holds, row by row (``"attn"``: the attention layers,
+    ``"delta"``: the linear ones), so that no layer stores the other kind's parameters. A hybrid without attention
+    layers keeps one attention row, unused."""
     return linear_layers(cfg) if mixer == "delta" else (attention_layers(cfg) or (0,))
 
 

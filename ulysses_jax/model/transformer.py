@@ -22,7 +22,7 @@ of the scanned state (``split_block``) and read inside the scan at the layer's r
 the stack at rest, before any gather), so a model stores exactly the parameters it has (before: every layer held both
 mixers, 21.8% more parameters, gradients and optimizer state for Qwen3.5-9B). A layer of the other kind reads row 0,
 which its switch leaves unused (its cotangent zeros). The tools that walk the stacked block see one layer structure
-as before; import and export map a row to its layer (``families.tensors.Entry.rows``). Sharding: every parameter is
+as before; import and export map a row to its layer (``families.tensors.Entry.layers``). Sharding: every parameter is
 created already split at rest (``parallel/sharding.py``, ``layers.py``): a jitted initializer per parameter writes each
 device's shard directly, so no device ever holds a whole copy, and the random values do not depend on the mesh (JAX's
 partitionable threefry). Parameters are gathered (constrained to their compute layout) where they are used; activations
@@ -367,7 +367,8 @@ class Transformer(nnx.Module):
                 x_BSD = row_major(x_BSD, mesh)
             if cfg.offload_params:  # this layer's parameters in from host memory, their gradient back out (refused
                 layer_state = host_offload.stream_in(layer_state)  # with modules stacked apart: ModelConfig)
-            block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))  # tiled attention: its targets merged
+            # with the tiled attention, its LoRA targets merged
+            block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))
             return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop)
 
         every = cfg.remat_every if cfg.remat != "none" else 1

@@ -100,9 +100,9 @@ def stack_groups(params) -> list[int]:
 def _kinds(adamw, adam_state, params, groups) -> list:
     """Per leaf of ``adam_state``: its parameter's ``stack_groups`` entry (a stack length, or 0: a parameter-shaped
     leaf of a parameter not stacked), or ``"scalar"``."""
-    tree = jax.tree.unflatten(jax.tree.structure(params), [str(g) for g in groups])
-    kinds = optax.tree_map_params(adamw, lambda _, g: g, adam_state, tree, transform_non_params=lambda _: "scalar")
-    return [k if k == "scalar" else int(k) for k in jax.tree.leaves(kinds)]
+    tree = jax.tree.unflatten(jax.tree.structure(params), groups)
+    return jax.tree.leaves(optax.tree_map_params(adamw, lambda _, g: g, adam_state, tree,
+                                                 transform_non_params=lambda _: "scalar"))
 
 
 def _fill(values, like, mask):

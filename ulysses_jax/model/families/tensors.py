@@ -6,7 +6,7 @@ own rows; ``interop/hf.py`` keeps those of a model's family whose condition (``w
 stacked on a leading axis (the scanned block), HF's are numbered (``{i}``); ``"NH,D"`` names a ``[N*H, D]`` matrix. An
 HF letter that our parameter lacks must have size 1 (``O``: the convolution's ``[C, 1, K]``). A hybrid's attention
 rows are held by its attention layers, its delta-net rows (``blocks.delta.``) by its linear layers: each stacked over
-those layers alone (``Entry.rows``: the layer of each row).
+those layers alone (``Entry.layers``: the layer of each row).
 
 One HF tensor may hold several of our parameters (``Fused``): Qwen3.5's ``in_proj_qkv`` (q, k and v rows one after
 the other), Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, then its value heads' v and z rows). Each of those
@@ -80,23 +80,11 @@ class Entry:
         """Whether a model with ``cfg`` has this tensor (its ``when`` holds)."""
         return CONDITIONS[self.when](cfg)
 
-    def rows(self, cfg) -> tuple[int, ...]:
-        """The layer each row of our (stacked) parameter holds: a hybrid stacks each token mixer over its own
-        layers, every other parameter over all of them (``ModelConfig.stacked_layers``)."""
-        return cfg.stacked_layers(self.param.split(".")[1])
-
     def layers(self, cfg) -> list[int]:
-        """The layers that hold this (stacked) tensor: the sparse ones for experts, the dense ones for a dense MLP, the
-        attention layers for the attention's, the linear ones for the delta-net's."""
-        if self.param.startswith("blocks.attn."):
-            return list(cfg.attention_layers)
-        if self.param.startswith("blocks.delta."):
-            return list(cfg.linear_layers)
-        if self.when in ("experts", "shared_expert"):
-            return list(cfg.sparse_layers)
-        if self.when == "dense":
-            return [i for i in range(cfg.num_layers) if i not in cfg.sparse_layers]
-        return list(range(cfg.num_layers))
+        """The layers that hold this (stacked) tensor, one per row of our parameter (``ModelConfig.stacked_layers``):
+        a hybrid's attention and delta-net each over their own layers, a mixed MoE's experts over the sparse layers
+        and its dense MLP over the dense ones, anything else over every layer."""
+        return list(cfg.stacked_layers(self.param.split(".")[1]))
 
     def hf_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The shape of this entry's tensor (of its piece, for a fused one)."""
