@@ -206,13 +206,16 @@ class DeltaNet(nnx.Module):
         normed copy of the device's sequence (``[B, S/sp, D]``) outlives the forward (LoRA's terms, computed whole,
         still take one)."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
-        # --fp8: the big projections' weights stay at rest here, quantised before their gather (FP8_WEIGHTS); LoRA's
-        # base rests in float8 already (fp8_base): gathered as it is
         frozen = fp8_base.frozen(self, FP8_WEIGHTS[0])
-        w = {name: fp8_base.gathered(self, name, mesh, dt) if frozen and name in FP8_WEIGHTS else
-             getattr(self, name).get_value().astype(dt) if cfg.fp8 and name in FP8_WEIGHTS else
-             use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
-             for name in shapes(cfg)}
+
+        def weight(name):
+            if frozen and name in FP8_WEIGHTS:  # LoRA's base rests in float8 already (fp8_base): gathered as it is
+                return fp8_base.gathered(self, name, mesh, dt)
+            if cfg.fp8 and name in FP8_WEIGHTS:  # --fp8: left at rest here, quantised before its gather
+                return getattr(self, name).get_value().astype(dt)
+            return use(getattr(self, name), mesh, jnp.float32 if name in ("a_log_U", "dt_bias_U", "norm_W") else dt)
+
+        w = {name: weight(name) for name in shapes(cfg)}
         whole = Gather(NamedSharding(mesh, P()))  # a weight's gather (every delta-net weight is whole in use)
         norm = norm or (lambda x: x)
         keys, values = group_heads(cfg, mesh.shape[SP])
