@@ -29,8 +29,9 @@ the gather (one scale, an elementwise cast). The tiled MLP does the same once pe
 chunk's product takes the float8 weight as it is (no amax and cast of the whole weight per chunk, forward and
 backward): a frozen weight (LoRA's base) as a ``Quantized`` (``frozen_einsum``: no weight gradient formed), a trained
 one as a ``Carried``: the float8 weight beside zeros of its gathered shape (``grad_carrier``) that take its gradient
-back through the gather's transpose (``carried_einsum``). The tiled attention sublayer gathers in the compute dtype
-and casts after. LoRA's base is quantised once and stored in float8 (``fp8_base.py``): a ``Quantized`` with both
+back through the gather's transpose (``carried_einsum``). The tiled attention sublayer does the same with q, k, v
+and o, whose hand-written backward reads the ``Quantized`` weights and differentiates the carriers (``carry``). LoRA's
+base is quantised once and stored in float8 (``fp8_base.py``): a ``Quantized`` with both
 layouts (``qt``), nothing cast in the step.
 
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
@@ -137,7 +138,10 @@ def backward_f32(spec, res, dy, weight_grad: bool = True):
 
 
 def grads(spec, x, w, dy, history=None):
-    """``backward_f32`` of ``x``, ``w`` (for a backward written by hand: the tiled attention's output projection)."""
+    """``backward_f32`` of ``x``, ``w`` (for a backward written by hand: the tiled attention's output projection);
+    ``w`` an array, quantised here, or a ``Quantized`` one, taken as it is."""
+    if isinstance(w, Quantized):
+        return backward_f32(spec, _residuals(x, w, history), dy)
     return backward_f32(spec, quantized(x, w, history), dy)
 
 
@@ -178,6 +182,10 @@ class Quantized:
     dtype: object
     qt: jax.Array | None = None
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
 
 def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gather=None) -> Quantized:
     """A frozen weight's float8 form for ``frozen_einsum``: inside ``shard_map``, ``w`` is this device's at-rest shard,
@@ -195,13 +203,19 @@ def _output_first(spec: str) -> str:
     return f"{x},{''.join(c for c in w if c not in x)}{''.join(c for c in w if c in x)}->{y}"
 
 
+def _residuals(x, q: Quantized, history) -> tuple:
+    """``quantized``'s residuals for a pre-quantised weight: ``x`` quantised here, ``q`` as it is."""
+    xq, sx, ax = _role(x, history, 0, E4M3)
+    return xq, q.q, sx, q.scale, ax, q.amax, history
+
+
 def _quantized_forward(spec, x, q: Quantized, history):
     """The forward of a pre-quantised weight: ``(y, quantised's residuals)``, ``x`` quantised here (the GEMM on
     ``q.qt`` where it is kept)."""
-    xq, sx, ax = _role(x, history, 0, E4M3)
+    res = _residuals(x, q, history)
     w, spec_w = (q.q, spec) if q.qt is None else (q.qt, _output_first(spec))
-    y = _dot(spec_w, xq, w, sx, q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
-    return y, (xq, q.q, sx, q.scale, ax, q.amax, history)
+    y = _dot(spec_w, res[0], w, res[2], q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
+    return y, res
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -274,6 +288,12 @@ def _carried_bwd(spec, res, dy):
 
 
 carried_einsum.defvjp(_carried_fwd, _carried_bwd)
+
+
+def carry(w: dict, quantized: dict) -> dict:
+    """``w`` with each entry that ``quantized`` also has (its ``Quantized`` form) as a ``Carried``: ``w``'s array the
+    carrier, ``quantized``'s the float8 weight."""
+    return {k: Carried(v, quantized[k]) if k in quantized else v for k, v in w.items()}
 
 
 def einsum(spec: str, x, w, *, on: bool, history=None, gather=None, **kw):
@@ -390,6 +410,5 @@ def describe(cfg) -> str:
     delta = (" and the delta-net's q, k, v, z (one GEMM) and output projections (current scaling)"
              if cfg.linear_layers else "")
     return (f"float8 GEMMs for q, k, v, o, gate, up, down{delta} (forward e4m3 x e4m3, backward e5m2 gradients x "
-            f"e4m3), {how}; weights quantised where they rest and gathered in float8 (the tiled attention: gathered in "
-            f"{cfg.compute_dtype}, cast after); master weights, optimizer, "
+            f"e4m3), {how}; weights quantised where they rest and gathered in float8; master weights, optimizer, "
             f"norms, attention, loss and unembedding as without --fp8")

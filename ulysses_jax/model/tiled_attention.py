@@ -54,10 +54,15 @@ without a ring (a ring device's tokens are the ring's zigzag share, which these 
 ``shard_map``; parameters arrive at rest (FSDP) and are gathered here, their gradients reduce-scattered by the gather's
 transpose.
 
-Float8 (``cfg.fp8``, ``fp8.py``): the chunks' projections run through ``fp8.einsum`` (its backward through ``grad_in``'s
-``jax.vjp``), the output projection's backward through ``fp8.grads`` (``grad_out``); each chunk and head group is
-scaled on its own. The delayed recipe's history rides in ``params`` (``fp8.HISTORY_KEY``, a copy per device), its
-new values meeting in a max over chunks, groups and devices.
+Float8 (``cfg.fp8``, ``fp8.py``): q, k, v and o's weights are quantised where they rest (one scale per weight, an amax
+over the devices) and gathered in float8 once per layer (``fp8.prequantize``): ``_sublayer`` takes them as
+``fp8.Quantized`` beside zeros of their gathered shape in ``w`` (``fp8.grad_carrier``), and every chunk and head group
+reads them as they are (a group's cut of a float8 weight keeps its scale). The chunks' projections run through
+``fp8.einsum`` of ``fp8.Carried`` weights (their backward through ``grad_in``'s ``jax.vjp``: the weight gradient lands
+on the carrier, and the carrier's backward reduce-scatters it), the output projection's backward through ``fp8.grads``
+(``grad_out``). Activations and output gradients are scaled per chunk and head group. The output gate's weight is cut
+from q's gathered float8 weight (one scale, as the plain path's one GEMM has). The delayed recipe's history rides in
+``params`` (``fp8.HISTORY_KEY``, a copy per device), its new values meeting in a max over chunks, groups and devices.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ PARAMS = {
     "sinks": (("heads",), None),  # gpt-oss: one attention-sink logit per query head
     fp8.HISTORY_KEY: ((None, None, None), None),  # delayed float8: q, k, v, o's amax histories, a copy per device
 }
+FLOAT8 = ("wq", "wk", "wv", "wo")  # with --fp8: gathered in float8 (the rows of a delayed recipe's history)
 _F32 = jnp.float32
 
 
@@ -109,7 +115,8 @@ _F32 = jnp.float32
 
 def group_weights(w: dict, groups: HeadGroups, t) -> dict:
     """The weights of group ``t`` (traced or int): each head axis (``PARAMS``'s ``heads`` / ``kv_heads``) in the
-    group's exchange slot order, dummy heads zero; other entries unchanged. Linear in ``w``."""
+    group's exchange slot order, dummy heads zero; other entries unchanged. Linear in ``w``. A float8 weight
+    (``fp8.Quantized``) is cut the same way, its scale the whole weight's."""
     tables = {"heads": groups.q_heads(), "kv_heads": groups.kv_heads()}
     out = dict(w)
     for name, value in w.items():
@@ -121,12 +128,14 @@ def group_weights(w: dict, groups: HeadGroups, t) -> dict:
         if table.shape[0] == 1 and np.array_equal(table[0], np.arange(value.shape[axis])):
             continue  # one group, heads in their own order: nothing to cut
         idx = jnp.asarray(table)[t]
-        cut = jnp.take(value, jnp.maximum(idx, 0), axis=axis)
+        a = value.q if isinstance(value, fp8.Quantized) else value
+        cut = jnp.take(a, jnp.maximum(idx, 0), axis=axis)
         if table.min() < 0:
             shape = [1] * cut.ndim
             shape[axis] = -1
-            cut = cut * (idx >= 0).astype(cut.dtype).reshape(shape)
-        out[name] = cut
+            real = (idx >= 0).reshape(shape)
+            cut = jnp.where(real, cut, jnp.zeros((), cut.dtype)) if a is not value else cut * real.astype(cut.dtype)
+        out[name] = dataclasses.replace(value, q=cut) if a is not value else cut
     return out
 
 
@@ -141,8 +150,8 @@ def _over_groups(count: int, body, carry):
 
 def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = False):
     """``x [b, c, D] -> (q [b, c, sp * size, H], k, v [b, c, sp * kv, H])``: normed, projected by a group's weights
-    (``group_weights``: already in the exchange's slot order), biased, normed per head, rotated (``local``: with a
-    local layer's RoPE base)."""
+    (``group_weights``: already in the exchange's slot order; with float8 ``fp8.Carried`` ones), biased, normed per
+    head, rotated (``local``: with a local layer's RoPE base)."""
     xn = rms_norm(x_bcD, norm_scale(w["norm"], cfg), cfg.rms_eps)
     hist = w.get(fp8.HISTORY_KEY)  # with cfg.fp8: float8 products (each chunk's own scale; a history if delayed)
     q = fp8.einsum("bsd,dnh->bsnh", xn, w["wq"], on=cfg.fp8, history=fp8.row(hist, 0))
@@ -160,11 +169,12 @@ def project_chunk(x_bcD, pos_bc, w: dict, *, cfg: ModelConfig, local: bool = Fal
 def gate_chunk(x_bcD, w: dict, *, cfg: ModelConfig):
     """The output gate of a chunk (Qwen3.5 / Qwen3-Next): ``sigmoid(rms_norm(x) @ wg)`` ``[b, c, heads, H]`` in the
     compute dtype, as ``model.Attention`` computes it (the sigmoid in float32). ``w``: ``"norm"`` and ``"wg"`` (all
-    heads in their own order, or a group's slots). With float8 the gate's GEMM scales by its own current amax (a
-    delayed recipe's history rows are q, k, v and o's)."""
+    heads in their own order, or a group's slots; with float8 an ``fp8.Carried`` cut of q's float8 weight, whose scale
+    it keeps). The chunk's input and output gradient take their own current amax (a delayed recipe's history rows are
+    q, k, v and o's)."""
     xn = rms_norm(x_bcD, norm_scale(w["norm"], cfg), cfg.rms_eps)
     g = fp8.einsum("bsd,dnh->bsnh", xn, w["wg"], on=cfg.fp8)
-    return jax.nn.sigmoid(g.astype(_F32)).astype(w["wg"].dtype)
+    return jax.nn.sigmoid(g.astype(_F32)).astype(g.dtype)
 
 
 def output_chunk(o_bcXH, wo, gate=None, *, layout: HeadLayout, fp8_on: bool = False, history=None):
@@ -202,20 +212,22 @@ class _Spec:
     def sp(self) -> int:
         return self.groups.layout.sp
 
-    def project(self, x, pos, w):
-        return project_chunk(x, pos, w, cfg=self.cfg, local=self.window is not None)
+    def project(self, x, pos, w, q8=None):
+        """``project_chunk`` with ``w``'s weights; with float8 their ``fp8.Quantized`` forms ``q8`` (``w``'s arrays
+        then carry the gradients: ``fp8.carry``)."""
+        return project_chunk(x, pos, fp8.carry(w, q8 or {}), cfg=self.cfg, local=self.window is not None)
 
     def out_proj(self, o, wo, gate=None, hist=None):
         return output_chunk(o, wo, gate, layout=self.groups.layout, fp8_on=self.cfg.fp8, history=hist)
 
-    def gate(self, x, w):
-        return gate_chunk(x, w, cfg=self.cfg)
+    def gate(self, x, w, q8=None):
+        return gate_chunk(x, fp8.carry(w, q8 or {}), cfg=self.cfg)
 
-    def gate_of(self, x, w: dict):
-        """``i -> `` chunk ``i``'s output gate from ``w`` (its ``"wg"``: all heads or a group's slots), or None
-        without one."""
+    def gate_of(self, x, w: dict, q8: dict):
+        """``i -> `` chunk ``i``'s output gate from ``w`` (its ``"wg"``: all heads or a group's slots; its float8
+        form in ``q8``), or None without one."""
         c = x.shape[1] // self.n
-        return (lambda i: self.gate(chunk(x, i, c), w)) if "wg" in w else None
+        return (lambda i: self.gate(chunk(x, i, c), w, q8)) if "wg" in w else None
 
     def out_proj_of(self, w: dict):
         """``out_proj`` with ``w``'s float8 history of the output projection (delayed scaling), if any."""
@@ -261,73 +273,84 @@ class _Spec:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sublayer(spec: _Spec, x, pos, seg, w):
-    return _sublayer_fwd(spec, x, pos, seg, w)[0]
+def _sublayer(spec: _Spec, x, pos, seg, w, q8):
+    """``x + attention(norm(x))`` of gathered weights ``w``; with float8, ``q8``: the projections' weights as
+    ``fp8.Quantized`` (gathered in float8; ``w`` holds zeros in their place, which take their gradients), else
+    ``{}``."""
+    return _sublayer_fwd(spec, x, pos, seg, w, q8)[0]
 
 
-def _sublayer_fwd(spec: _Spec, x, pos, seg, w):
+def _wo(w: dict, q8: dict):
+    """The output projection's weights: the float8 ones if any."""
+    return q8.get("wo", w["wo"])
+
+
+def _sublayer_fwd(spec: _Spec, x, pos, seg, w, q8):
     groups, sp, n = spec.groups, spec.sp, spec.n
     b, s, _ = x.shape
+    w_res = {k: v for k, v in w.items() if k not in q8}  # the carriers (zeros) are made again in the backward
     if spec.recompute and "post_norm" not in w and groups.count > 1:
         # no output kept: each group's output projection is added up as the group finishes, so that no [b, S, hq, H]
         # buffer of every head's output exists (one [b, s, D] buffer less at the forward's peak); the sum is kept in
         # the compute dtype (as the input's gradient over groups in the backward), then added to the residual
         def group_acc(t, acc):
-            wg = group_weights(w, groups, t)
-            q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+            wg, qg = group_weights(w, groups, t), group_weights(q8, groups, t)
+            q, k, v = fill_in(spec.project, n, sp, x, pos, wg, qg)
             o_t, _ = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
-            return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, wg["wo"], spec.cfg.fp8,
-                           fp8.row(wg.get(fp8.HISTORY_KEY), 3), spec.gate_of(x, wg))
+            return add_out(n, sp, o_t.astype(wg["wo"].dtype), acc, _wo(wg, qg), spec.cfg.fp8,
+                           fp8.row(wg.get(fp8.HISTORY_KEY), 3), spec.gate_of(x, wg, qg))
 
         acc = _over_groups(groups.count, group_acc, fresh(x.shape, w["wo"].dtype, x) * 0)
         # the residual added per chunk into the sum's buffer (a plain x + acc: 13 GiB more, 8B LoRA at 2.15M tokens)
         c = s // n
         y = jax.lax.fori_loop(0, n, lambda i, y: put(y, chunk(x, i, c) + chunk(y, i, c).astype(x.dtype), i, c),
                               acc.astype(x.dtype))
-        return y, (x, pos, seg, w, None, None)
+        return y, (x, pos, seg, w_res, q8, None, None)
     o = row_major(fresh((b, sp * s, groups.layout.heads_per_device, spec.cfg.head_dim), w["wo"].dtype, x))
     keep_lse = spec.impl != "cudnn" and not spec.recompute
     lse = fresh((groups.count, b, groups.size, sp * s), _F32, x) if keep_lse else None
 
     def group(t, carry):
         o, lse = carry
-        wg = group_weights(w, groups, t)
-        q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+        wg, qg = group_weights(w, groups, t), group_weights(q8, groups, t)
+        q, k, v = fill_in(spec.project, n, sp, x, pos, wg, qg)
         o_t, lse_t = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
         o = row_major(jax.lax.dynamic_update_slice_in_dim(o, o_t.astype(o.dtype), t * groups.size, axis=2))
         return o, lse if lse is None else jax.lax.dynamic_update_slice_in_dim(lse, lse_t[None], t, axis=0)
 
     o, lse = _over_groups(groups.count, group, (o, lse))
     post = (lambda y: spec.post(y, w["post_norm"])) if "post_norm" in w else None
-    y = fill_out(spec.out_proj_of(w), n, sp, o, x, w["wo"], post, spec.gate_of(x, w))
-    return y, (x, pos, seg, w, None if spec.recompute else o, lse)
+    y = fill_out(spec.out_proj_of(w), n, sp, o, x, _wo(w, q8), post, spec.gate_of(x, w, q8))
+    return y, (x, pos, seg, w_res, q8, None if spec.recompute else o, lse)
 
 
 def _sublayer_bwd(spec: _Spec, res, ct):
-    x, pos, seg, w, o, lse = res
+    x, pos, seg, w, q8, o, lse = res
+    w = {**w, **{k: jnp.zeros(q.shape, q.dtype) for k, q in q8.items()}}  # the float8 weights' gradient carriers
     groups, sp, n = spec.groups, spec.sp, spec.n
     w32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, _F32), w)
     ct_out, dpost = ct, None  # the gradient of the output projection's result; with a post-norm, through it
     if "post_norm" in w:  # needs every head's output: refused with attn_recompute (layer_kinds.check_layers)
-        ct_out, dpost = grad_post(spec.out_proj_of(w), spec.post, n, sp, o, ct, w["wo"], w["post_norm"])
+        ct_out, dpost = grad_post(spec.out_proj_of(w), spec.post, n, sp, o, ct, _wo(w, q8), w["post_norm"])
 
     def group(t, carry):
         dx, dw = carry
-        wg = group_weights(w, groups, t)
-        q, k, v = fill_in(spec.project, n, sp, x, pos, wg)
+        wg, qg = group_weights(w, groups, t), group_weights(q8, groups, t)
+        q, k, v = fill_in(spec.project, n, sp, x, pos, wg, qg)
         if o is None:  # recompute: this group's output and log-sum-exp again
             o_t, lse_t = spec.kernel_forward(q, k, v, seg, spec.sinks(wg))
         else:
             o_t = jax.lax.dynamic_slice_in_dim(o, t * groups.size, groups.size, axis=2)
             lse_t = None if lse is None else lse[t]
         hist = wg.get(fp8.HISTORY_KEY)
-        gate = (spec.gate, x, {"norm": wg["norm"], "wg": wg["wg"]}, dx) if "wg" in wg else None
-        do, dwo, dhist, gated = grad_out(n, sp, o_t, ct_out, wg["wo"], spec.cfg.fp8, fp8.row(hist, 3), gate)
+        gate = (functools.partial(spec.gate, q8=qg), x, {"norm": wg["norm"], "wg": wg["wg"]}, dx
+                ) if "wg" in wg else None
+        do, dwo, dhist, gated = grad_out(n, sp, o_t, ct_out, _wo(wg, qg), spec.cfg.fp8, fp8.row(hist, 3), gate)
         if gated is not None:  # the gate's gradient already sent through its norm and projection onto dx
             dx, dgate = gated
         grads = spec.kernel_backward(q, k, v, seg, o_t, lse_t, do, spec.sinks(wg))
         w_in = {name: a for name, a in wg.items() if name not in ("wo", "sinks", "wg")}
-        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads[:3], dx)
+        dx, dwg = grad_in(spec.project, n, sp, x, pos, w_in, grads[:3], dx, qg)
         if gated is not None:
             dwg["norm"] = dwg["norm"] + dgate["norm"]
             dwg["wg"] = dgate["wg"]
@@ -342,7 +365,7 @@ def _sublayer_bwd(spec: _Spec, res, ct):
     dx, dw = _over_groups(groups.count, group, (ct, zeros_f32(w)))
     if dpost is not None:
         dw = {**dw, "post_norm": dw["post_norm"] + dpost}
-    return dx, None, None, cast_like(dw, w)
+    return dx, None, None, cast_like(dw, w), None
 
 
 _sublayer.defvjp(_sublayer_fwd, _sublayer_bwd)
@@ -384,17 +407,28 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
 
     def local(x, pos, seg, *ws):
-        w = {}
-        for k, v in zip(names, ws):
+        at_rest = dict(zip(names, ws))
+        hist = at_rest[fp8.HISTORY_KEY][0] if fp8.HISTORY_KEY in at_rest else None  # this device's copy
+        w, q8 = {} if hist is None else {fp8.HISTORY_KEY: hist}, {}
+        for k, v in at_rest.items():
             axis = PARAMS[k][1]
-            w[k] = v if axis is None else jax.lax.all_gather(v, fsdp_axes(over_data), axis=axis, tiled=True)
-        if fp8.HISTORY_KEY in w:
-            w[fp8.HISTORY_KEY] = w[fp8.HISTORY_KEY][0]  # this device's copy
+            if axis is None:
+                w.setdefault(k, v)
+                continue
+            gather = functools.partial(jax.lax.all_gather, axis_name=fsdp_axes(over_data), axis=axis, tiled=True)
+            if cfg.fp8 and k in FLOAT8:  # quantised where it rests, gathered in float8; zeros take its gradient
+                q8[k] = fp8.prequantize(v, fp8.row(hist, FLOAT8.index(k)), axes=fsdp_axes(over_data), gather=gather)
+                w[k] = fp8.grad_carrier(v, gather)
+            else:
+                w[k] = gather(v)
         if cfg.attn_output_gate:  # each head's [q | gate] (model.Attention's wq), gathered: the gate's own weights
             w["wq"], w["wg"] = jnp.split(w["wq"], 2, axis=-1)
+            if q8:
+                qa, qb = jnp.split(q8["wq"].q, 2, axis=-1)
+                q8["wq"], q8["wg"] = dataclasses.replace(q8["wq"], q=qa), dataclasses.replace(q8["wq"], q=qb)
         if seg is not None:
             seg = jax.lax.all_gather(seg, SP, axis=1, tiled=True)  # [b, S]
-        return _sublayer(spec, x, pos, seg, w)
+        return _sublayer(spec, x, pos, seg, w, q8)
 
     has_seg = segment_ids_BS is not None
     args = [x_BSD, positions_BS, *([segment_ids_BS] if has_seg else []), *(params[k] for k in names)]

@@ -57,34 +57,36 @@ def _tied(x, pos, w):
     return x, pos
 
 
-def fill_in(project, n: int, sp: int, x, pos, w):
-    """``x [b, s, D]`` -> ``q [b, S, size, H], k, v [b, S, kv, H]``: ``project`` and the sequence -> heads
-    all-to-alls chunk by chunk, written into whole-sequence buffers."""
+def fill_in(project, n: int, sp: int, x, pos, w, frozen=None):
+    """``x [b, s, D]`` -> ``q [b, S, size, H], k, v [b, S, kv, H]``: ``project(x_chunk, pos_chunk, w, frozen)`` and
+    the sequence -> heads all-to-alls chunk by chunk, written into whole-sequence buffers. ``frozen``: what
+    ``project`` reads beside ``w`` that is never differentiated (the float8 weights)."""
     b, s, _ = x.shape
     c = s // n
-    x, pos = _tied(x, pos, w)
-    shapes = jax.eval_shape(project, chunk(x, 0, c), chunk(pos, 0, c), w)
+    x, pos = _tied(x, pos, (w, frozen))
+    shapes = jax.eval_shape(project, chunk(x, 0, c), chunk(pos, 0, c), w, frozen)
     bufs = tuple(_buffer(b, sp, n, c, t, x) for t in shapes)
 
     def body(i, bufs):
-        parts = project(chunk(x, i, c), chunk(pos, i, c), w)
+        parts = project(chunk(x, i, c), chunk(pos, i, c), w, frozen)
         return tuple(_land(buf, seq_to_heads(p, SP), i) for buf, p in zip(bufs, parts))
 
     return tuple(_whole(buf) for buf in jax.lax.fori_loop(0, n, body, bufs))
 
 
-def grad_in(project, n: int, sp: int, x, pos, w, cts, dx):
+def grad_in(project, n: int, sp: int, x, pos, w, cts, dx, frozen=None):
     """The backward of ``fill_in``: per chunk, the gradients ``cts`` (``[b, S, heads, H]`` each) sent back and
-    through ``project``'s backward; returns ``dx`` plus the input's gradient, and ``w``'s gradient in float32."""
+    through ``project``'s backward; returns ``dx`` plus the input's gradient, and ``w``'s gradient in float32
+    (``frozen``'s none)."""
     b, s, _ = x.shape
     c = s // n
-    x, pos = _tied(x, pos, w)
+    x, pos = _tied(x, pos, (w, frozen))
     cts = [ct.reshape(b, sp, n, c, *ct.shape[2:]) for ct in cts]
 
     def body(i, carry):
         dx, acc = carry
         ct = tuple(heads_to_seq(_exchanged(t, i), SP) for t in cts)  # [b, c, sp * heads, H] each
-        _, vjp = jax.vjp(lambda xc, w: project(xc, chunk(pos, i, c), w), chunk(x, i, c), w)
+        _, vjp = jax.vjp(lambda xc, w: project(xc, chunk(pos, i, c), w, frozen), chunk(x, i, c), w)
         dxc, dw = vjp(ct)
         return put(dx, chunk(dx, i, c) + dxc, i, c), sum_f32(acc, dw)
 
@@ -127,11 +129,11 @@ def grad_post(out_proj, post, n: int, sp: int, o, ct, wo, scale):
 
 def grad_out(n: int, sp: int, o, ct, wo, fp8_on: bool = False, history=None, gate=None):
     """The backward of a group's output projection, chunk by chunk: ``o [b, S, size, H]`` (the group's output),
-    ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order)
-    -> ``(do [b, S, size, H], dwo, history')``: per chunk ``ct @ wo^T`` and its sequence -> heads all-to-all, and
-    ``wo``'s gradient (float32) from the chunk's exchange of ``o``, recomputed. ``fp8_on``: both GEMMs in float8
-    (``fp8.grads``); ``history'``: with delayed scaling the history's new value (the chunks' amaxes meet in a max),
-    else None.
+    ``ct [b, s, D]`` (the sublayer's gradient), ``wo [sp * size, H, D]`` (the group's output weights, slot order;
+    with float8 their ``fp8.Quantized`` form) -> ``(do [b, S, size, H], dwo, history')``: per chunk ``ct @ wo^T``
+    and its sequence -> heads all-to-all, and ``wo``'s gradient (float32) from the chunk's exchange of ``o``,
+    recomputed. ``fp8_on``: both GEMMs in float8 (``fp8.grads``); ``history'``: with delayed scaling the history's
+    new value (the chunks' amaxes meet in a max), else None.
 
     ``gate``: with an output gate (Qwen3.5), ``(fn, x, wg, dx)``: ``fn(x_chunk, wg)`` is a chunk's ``sigmoid(gate)``
     ``[b, c, sp * size, H]`` (slot order), which multiplied the exchanged output before the projection; ``x [b, s, D]``
