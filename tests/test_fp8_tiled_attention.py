@@ -14,7 +14,9 @@ with head groups, dummy heads and the output gate against one plain device.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,10 @@ def test_fsdp_gathers_the_tiled_attentions_weights_in_float8():
     made = [(times, i.type) for i, times in hlo.executed(text) if i.opcode == "fusion"
             for dims in re.findall(r"f8e4m3fn\[([\d,]*)\]", i.type) if weight(dims)]
     assert made and max(t for t, _ in made) <= layers * groups, sorted(made)[-3:]
+    # experiments/fp8_weight_casts.py counts the same runs (its shapes: any head count, and the MLP's too)
+    script = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "experiments" / "fp8_weight_casts.py"))
+    counted = script["casts"](text, script["weight_dims"](cfg, 1))
+    assert sum(counted.values()) >= sum(t for t, _ in made) > 0
 
 
 @pytest.mark.slow  # 8 devices, 2 models: ~20 s on 2 cores
