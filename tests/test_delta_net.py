@@ -15,9 +15,10 @@ from flax import nnx
 
 import ulysses_jax as uj
 from ulysses_jax.kernels.gated_delta import gates
-from ulysses_jax.kernels.short_conv import causal_conv1d
 from ulysses_jax.kernels.gated_delta_reference import gated_delta_recurrent
-from ulysses_jax.model.delta_net import DeltaNet, check_mesh, gated_rms_norm
+from ulysses_jax.kernels.short_conv import causal_conv1d
+from ulysses_jax.model.config import PRESETS
+from ulysses_jax.model.delta_net import DeltaNet, check_mesh, describe, gated_rms_norm
 from ulysses_jax.model.layers import ParamMaker
 from ulysses_jax.parallel.ulysses_delta import delta_exchange_bytes, plan_delta_heads
 
@@ -154,6 +155,18 @@ def test_head_layout_and_refusals():
     with pytest.raises(ValueError, match="must be a multiple of linear_num_key_heads"):
         uj.ModelConfig(layer_pattern=("linear",), linear_num_key_heads=3, linear_num_value_heads=4,
                        linear_key_head_dim=8, linear_value_head_dim=8)
+
+
+def test_the_start_line_says_how_each_kind_of_layer_is_stored():
+    """``describe``: Qwen3.5-9B's layers of each kind, its heads per device, and that each layer stores its own
+    mixer's parameters (the attention stacked over 8 layers, the delta-net over 24)."""
+    cfg = PRESETS["qwen3.5-9b"]
+    line = describe(cfg, uj.make_mesh(sp=8, devices=jax.devices()[:8]))
+    assert line.startswith("24 gated delta-net layers (linear attention: 16 key / 32 value heads of 128 / 128, 2 / 4 "
+                           "per device on sp=8;"), line
+    assert "and 8 full-attention layers (output-gated, RoPE on 64 of 256 dims)" in line, line
+    assert line.endswith("each layer stores its own mixer's parameters only"), line
+    assert (len(cfg.stacked_layers("attn")), len(cfg.stacked_layers("delta"))) == (8, 24)
 
 
 def test_head_groups_are_laid_out_per_device_and_bad_ones_refused():

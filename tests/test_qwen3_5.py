@@ -240,7 +240,7 @@ def test_a_vision_language_folder_trains_through_the_cli_and_exports_its_class(t
     assert main([str(a) for a in ["train", "--init-from-hf", src, "--data", corpus, "--eval-fraction", "0",
                                   "--steps", "2", "--run-dir", run, *hf_helpers.FLAGS]]) == 0
     out = capsys.readouterr().out
-    assert "Hybrid: 1 gated delta-net layers (linear attention: 2 key / 4 value heads of 8 / 8, 1 / 1 per device on " \
+    assert "Hybrid: 1 gated delta-net layer (linear attention: 2 key / 4 value heads of 8 / 8, 1 / 1 per device on " \
            "sp=4, key heads copied to 2 devices" in out, out
     assert main(["export", "--run-dir", str(run), "--out", str(tmp_path / "out")]) == 0
     assert "Qwen3_5ForConditionalGeneration" in capsys.readouterr().out

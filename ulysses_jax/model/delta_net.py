@@ -163,13 +163,14 @@ def describe(cfg, mesh) -> str:
     """The start-up line of a hybrid: its layers of each kind and how the delta-net's heads split over ``sp``."""
     layout = plan_delta_heads(cfg.linear_num_key_heads, cfg.linear_num_value_heads, mesh.shape[SP])
     copies = f", key heads copied to {layout.sp // cfg.linear_num_key_heads} devices" if layout.copies_keys else ""
-    return (f"{len(cfg.linear_layers)} gated delta-net layers (linear attention: {cfg.linear_num_key_heads} key / "
-            f"{cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
+    linear, full = len(cfg.linear_layers), len(cfg.attention_layers)
+    return (f"{linear} gated delta-net layer{'s' * (linear != 1)} (linear attention: {cfg.linear_num_key_heads} key "
+            f"/ {cfg.linear_num_value_heads} value heads of {cfg.linear_key_head_dim} / {cfg.linear_value_head_dim}, "
             f"{layout.kl} / {layout.vl} per device on sp={layout.sp}{copies}; the chunked delta rule in XLA ops, its "
             f"walk over chunks {'in Pallas kernels' if cfg.delta_impl == 'pallas' else 'a lax.scan'}, "
             f"{'bf16 products' if cfg.delta_precision == 'bf16' else 'float32 products'}) and "
-            f"{len(cfg.attention_layers)} full-attention layers (output-gated, RoPE on {cfg.rotary_dim} of "
-            f"{cfg.head_dim} dims); every layer stores both kinds' parameters")
+            f"{full} full-attention layer{'s' * (full != 1)} (output-gated, RoPE on {cfg.rotary_dim} of "
+            f"{cfg.head_dim} dims); each layer stores its own mixer's parameters only")
 
 
 def shapes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
