@@ -31,8 +31,9 @@ backward): a frozen weight (LoRA's base) as a ``Quantized`` (``frozen_einsum``: 
 one as a ``Carried``: the float8 weight beside zeros of its gathered shape (``grad_carrier``) that take its gradient
 back through the gather's transpose (``carried_einsum``). The tiled attention sublayer does the same with q, k, v
 and o, whose hand-written backward reads the ``Quantized`` weights and differentiates the carriers (``carry``). LoRA's
-base is quantised once and stored in float8 (``fp8_base.py``): a ``Quantized`` with both
-layouts (``qt``), nothing cast in the step.
+base is quantised once and stored in float8 (``fp8_base.py``): a ``Quantized`` with both layouts (``qt``), nothing
+cast in the step, but for the tiled attention's: it dequantises the base (merged with the adapters where they target
+it, ``lora.merged``) and quantises it again each step, as above.
 
 Where one history serves several uses (the tiled sublayers' chunks, head groups and devices) each use writes its amaxes
 and they are combined by ``max``, not summed: ``per_device`` gives each device its own copy whose gradients meet in a

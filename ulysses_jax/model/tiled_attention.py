@@ -128,6 +128,9 @@ def group_weights(w: dict, groups: HeadGroups, t) -> dict:
         if table.shape[0] == 1 and np.array_equal(table[0], np.arange(value.shape[axis])):
             continue  # one group, heads in their own order: nothing to cut
         idx = jnp.asarray(table)[t]
+        if isinstance(value, fp8.Quantized) and value.qt is not None:  # its product would read qt, uncut
+            raise ValueError(f"group_weights cuts {name}'s float8 weight but not its output-first copy (qt); pass it "
+                             f"without one (fp8.prequantize makes none)")
         a = value.q if isinstance(value, fp8.Quantized) else value
         cut = jnp.take(a, jnp.maximum(idx, 0), axis=axis)
         if table.min() < 0:
