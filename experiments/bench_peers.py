@@ -45,6 +45,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 COLUMNS = ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s", "speedup",
            "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
 BASE = "--remat full --loss-chunk 4096 --mlp-chunk 4096"
+XLA = "XLA:"  # a flag-set token XLA:<flag> goes to our child's XLA_FLAGS, not to bench_train
+NO_TRITON = XLA + "--xla_gpu_enable_triton_gemm=false"
 HOST_OPTIM = "--remat full --loss-chunk 4096 --mlp-chunk 4096 --optim-offload"
 
 
@@ -54,7 +56,7 @@ class Row:
     preset: str
     mode: str  # "full" or "lora16"
     seq_len: int
-    flag_sets: tuple[str, ...]  # our flags (bench_train's, which are train's names), one timing each
+    flag_sets: tuple[str, ...]  # our flags (train's names; XLA:<flag> one of XLA's), one timing each
     documents: int = 1  # per row (> 1: packed; the peer on flex attention with per-document position ids)
 
 
@@ -67,7 +69,8 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
     Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, KEEP, SAVE, KEEP + " --fp8")),
     Row("1b-128k", "llama3.2-1b", "full", 131072, (KEEP,)),
     Row("1b-32k-packed4", "llama3.2-1b", "full", 32768, (KEEP, SAVE), documents=4),
-    Row("8b-lora-8k", "llama3.1-8b", "lora16", 8192, (KEEP, KEEP + " --fp8")),
+    # XLA's GEMMs without Triton: its float8 dots then become cuBLASLt's float8 GEMMs (compile-only H100, runtime 13.0)
+    Row("8b-lora-8k", "llama3.1-8b", "lora16", 8192, (KEEP, KEEP + " --fp8", KEEP + " --fp8 " + NO_TRITON)),
     Row("8b-lora-32k", "llama3.1-8b", "lora16", 32768, (KEEP, KEEP + " --fp8")),
     Row("8b-lora-64k", "llama3.1-8b", "lora16", 65536, (KEEP,)),
     Row("8b-lora-32k-packed4", "llama3.1-8b", "lora16", 32768, (KEEP,), documents=4),
@@ -107,6 +110,12 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------ children
 
 
+def split_flags(flags: str) -> tuple[list[str], list[str]]:
+    """A flag set's ``(our arguments, XLA flags)``: tokens ``XLA:<flag>`` are XLA's."""
+    tokens = flags.split()
+    return [t for t in tokens if not t.startswith(XLA)], [t[len(XLA):] for t in tokens if t.startswith(XLA)]
+
+
 def ours(spec: dict) -> dict:
     """Our step: bench_train's, one document per row, on one device."""
     sys.path.insert(0, str(HERE))
@@ -114,7 +123,7 @@ def ours(spec: dict) -> dict:
 
     argv = ["--preset", spec["preset"], "--seq-lens", str(spec["seq_len"]), "--sp", "1", "--fsdp", "1",
             "--batch-size", "1", "--documents", str(spec["documents"]), "--steps", str(spec["steps"]),
-            "--warmup", str(spec["warmup"]), *spec["flags"].split()]
+            "--warmup", str(spec["warmup"]), *split_flags(spec["flags"])[0]]
     if spec["mode"] == "lora16":
         argv += ["--lora-rank", "16"]
     if spec.get("allow_cpu"):
@@ -232,6 +241,8 @@ def measure(spec: dict, timeout: int) -> dict:
     """One child measurement (``--child``); its RESULT line, or the reason there is none."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if spec["who"] == "peer" else dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device: the peer has one
+    if spec["who"] == "ours" and split_flags(spec["flags"])[1]:
+        env["XLA_FLAGS"] = " ".join(split_flags(spec["flags"])[1])
     if spec.get("allow_cpu"):
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec)]
@@ -298,8 +309,8 @@ def plan_of_row(r: dict, kind: str):
     from ulysses_jax.cli import parse
     from ulysses_jax.plan.planner import plan
 
-    flags = r["flags"].replace("--optim-offload", "--optim.offload --optim.master-weights --param-dtype "
-                                                  "bfloat16").split()
+    flags = split_flags(r["flags"].replace("--optim-offload", "--optim.offload --optim.master-weights --param-dtype "
+                                                        "bfloat16"))[0]  # XLA flags: the estimate ignores them
     lora = ["--lora-rank", "16"] if r["mode"] == "lora16" else []
     cfg = parse(["plan", "--preset", r["model"], "--seq-len", str(r["seq_len"]), "--batch-size", "1", "--devices",
                  "1", "--mesh.fsdp", "1", "--mesh.sp", "1", "--target", kind, "--no-kernels", *lora, *flags])

@@ -1,5 +1,6 @@
 """The benchmark scripts run (tiny CPU smoke configurations), so they cannot rot before a GPU session."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -70,8 +71,9 @@ def test_gpu_first_contact_dry_run(tmp_path):
 @pytest.mark.slow
 def test_bench_peers_dry_run(tmp_path):
     """experiments/bench_peers.py --allow-cpu --quick: ours and transformers (+peft) time the same tiny shapes in
-    child processes, one packed row among them; the CSV has exactly the issue's columns; a peer that cannot run (Liger without a GPU) leaves its
-    time empty and says why; --fill-estimates is covered by its own flags' parse (plan needs the aot extra)."""
+    child processes, one packed row among them; the CSV has exactly the issue's columns; a peer that cannot run
+    (Liger without a GPU) leaves its time empty and says why; --fill-estimates is covered by its own flags' parse
+    (plan needs the aot extra)."""
     import csv
 
     pytest.importorskip("transformers")
@@ -153,3 +155,26 @@ def test_plan_vs_measured_fit_recovers_known_multipliers():
     assert "hd64 attention x1.200, bf16 matmuls x1.500, float8 matmuls x2.000" in lines
     table = [ln for ln in lines if ln.startswith("| row ") and not ln.startswith("| row |")]
     assert len(table) == 7 and all(ln.count("+0.0%") + ln.count("-0.0%") == 2 for ln in table), table
+
+
+def test_bench_peers_gives_xla_tokens_to_our_child_alone(monkeypatch):
+    """A flag set's ``XLA:<flag>`` tokens (the 8b-lora-8k row's float8 without Triton GEMMs) reach our child as its
+    XLA_FLAGS and never bench_train's arguments; the peer's child gets no XLA_FLAGS."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_peers
+
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append((json.loads(cmd[-1]), kw["env"].get("XLA_FLAGS")))
+        return subprocess.CompletedProcess(cmd, 0, stdout='RESULT {"step_s": 1.0}\n', stderr="")
+
+    monkeypatch.setattr(bench_peers.subprocess, "run", run)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    flags = "--remat full --fp8 " + bench_peers.NO_TRITON
+    assert bench_peers.split_flags(flags) == (["--remat", "full", "--fp8"], ["--xla_gpu_enable_triton_gemm=false"])
+    assert bench_peers.measure({"who": "ours", "flags": flags}, 10) == {"step_s": 1.0}
+    assert bench_peers.measure({"who": "peer", "peer": "transformers"}, 10) == {"step_s": 1.0}
+    assert [x for _, x in seen] == ["--xla_gpu_enable_triton_gemm=false", None]
+    row = next(r for r in bench_peers.ROWS if r.name == "8b-lora-8k")
+    assert any(bench_peers.NO_TRITON in f and "--fp8" in f for f in row.flag_sets)

@@ -255,6 +255,29 @@ def test_missing_plugin_names_the_extra(monkeypatch):
         targets.target_devices("h100", devices=8)
 
 
+FLOAT8_GEMM = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from ulysses_jax.plan.targets import target_devices
+s = NamedSharding(Mesh(np.array(target_devices("{target}", devices=1)), ("x",)), P())
+f8, f32 = jnp.float8_e4m3fn, jnp.float32
+args = [jax.ShapeDtypeStruct(shape, t, sharding=s) for shape, t in (((512, 256), f8), ((256, 384), f8), ((), f32))]
+f = lambda x, w, sc: (jnp.dot(x, w, preferred_element_type=f32) * sc).astype(jnp.bfloat16)
+print(jax.jit(f).lower(*args).compile().as_text())
+"""
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+def test_targets_carry_the_cuda_runtime_so_float8_dots_can_be_cublaslt_gemms(target):
+    """Without Triton's GEMMs, XLA makes a float8 dot a cuBLASLt float8 GEMM only for a CUDA runtime >= 12, which a
+    compile-only target knows only from its ``runtime_version``: without it the operands were upcast to f16."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
+    r = subprocess.run([sys.executable, "-c", FLOAT8_GEMM.format(target=target)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'custom_call_target="__cublas$lt$matmul$f8"' in r.stdout, re.findall(r"custom_call_target=\S+", r.stdout)
+
+
 def test_make_test_gpu_fails_without_a_gpu():
     r = subprocess.run(["make", "-o", ".venv/.installed", "test-gpu", f"PY={sys.executable}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
