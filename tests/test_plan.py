@@ -270,12 +270,17 @@ print(jax.jit(f).lower(*args).compile().as_text())
 @pytest.mark.parametrize("target", ["h100", "h200"])
 def test_targets_carry_the_cuda_runtime_so_float8_dots_can_be_cublaslt_gemms(target):
     """Without Triton's GEMMs, XLA makes a float8 dot a cuBLASLt float8 GEMM only for a CUDA runtime >= 12, which a
-    compile-only target knows only from its ``runtime_version``: without it the operands were upcast to f16."""
+    compile-only target knows only from its ``runtime_version``: without it the operands were upcast to f16. The
+    estimate's FLOP count and plan's float8 note read such a GEMM as a dot (before: no FLOPs at all, so the estimate
+    of a program compiled so was 5x too fast)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"}
     r = subprocess.run([sys.executable, "-c", FLOAT8_GEMM.format(target=target)], capture_output=True, text=True,
                        timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'custom_call_target="__cublas$lt$matmul$f8"' in r.stdout, re.findall(r"custom_call_target=\S+", r.stdout)
+    flops = 2 * 512 * 384 * 256
+    assert reruns.program_work(r.stdout).dot_flops == flops
+    assert hlo.float8_dots(r.stdout) == {"f8e4m3fn x f8e4m3fn": {"dots": 1, "flops": flops}}
 
 
 def test_make_test_gpu_fails_without_a_gpu():

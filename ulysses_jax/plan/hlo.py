@@ -118,26 +118,50 @@ def _dims(type_text: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
+CUBLAS_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")  # XLA's GEMMs as library calls
+
+
+def gemm_contracting(ins: _Instr) -> list[int] | None:
+    """The lhs contracting dimensions of a matmul: a ``dot``, or a cuBLAS GEMM custom call (XLA's GEMMs when Triton's
+    are off, ``--xla_gpu_enable_triton_gemm=false``; their dimension numbers in the backend config); None for any
+    other instruction."""
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        return [int(d) for d in m.group(1).split(",") if d] if m else []
+    target = re.search(r'custom_call_target="([^"]*)"', ins.attrs) if ins.opcode == "custom-call" else None
+    if target is None or target.group(1) not in CUBLAS_GEMMS:
+        return None
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    return [int(d) for d in re.findall(r"\d+", m.group(1))] if m else []
+
+
+def gemm_flops(ins: _Instr, types: dict[str, str]) -> float | None:
+    """``2 x output elements x contracted size`` of a matmul (``gemm_contracting``), its lhs's type read from
+    ``types`` (its computation's); None for any other instruction."""
+    contracting = gemm_contracting(ins)
+    if contracting is None or not ins.operands:
+        return None
+    lhs = _dims(types.get(ins.operands[0], ""))
+    return 2.0 * math.prod(_dims(ins.type)) * math.prod(lhs[i] for i in contracting if i < len(lhs))
+
+
 def float8_dots(hlo_text: str) -> dict[str, dict[str, int]]:
     """The dots whose two operands are float8, by operand types (``"f8e4m3fn x f8e4m3fn"``: ``--fp8``'s forward
     GEMMs; with ``f8e5m2``, the output gradient: its backward's): ``{"dots": count, "flops": FLOPs}``, each dot
     counted once where it appears in the program text (a loop body's once, not per trip; XLA may have merged dots that
-    share an operand, such as q, k and v's). An operand's type is read from its computation."""
+    share an operand, such as q, k and v's; cuBLASLt's float8 GEMMs count as dots). An operand's type is read from its
+    computation."""
     comps, _ = parse(hlo_text)
     out: dict[str, dict[str, int]] = {}
     for instrs in comps.values():
         types = {i.name: i.type for i in instrs}
         for ins in instrs:
-            operands = [types.get(o, "") for o in ins.operands[:2]]
-            kinds = [t.partition("[")[0] for t in operands]
-            if ins.opcode != "dot" or not all(k in FLOAT8 for k in kinds):
+            kinds = [types.get(o, "").partition("[")[0] for o in ins.operands[:2]]
+            if len(kinds) < 2 or not all(k in FLOAT8 for k in kinds) or (f := gemm_flops(ins, types)) is None:
                 continue
-            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-            lhs = _dims(operands[0])
-            k = math.prod(lhs[int(d)] for d in m.group(1).split(",") if d) if m else 1
             row = out.setdefault(" x ".join(kinds), {"dots": 0, "flops": 0})
             row["dots"] += 1
-            row["flops"] += 2 * math.prod(_dims(ins.type)) * k
+            row["flops"] += int(f)
     return out
 
 

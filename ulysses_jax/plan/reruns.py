@@ -1,5 +1,6 @@
-"""What the compiled step actually runs, counted from its optimised HLO: the FLOPs of every matmul and the work of
-every attention forward kernel, each times how often it runs per step (loop trips included, ``hlo.multiplicities``).
+"""What the compiled step actually runs, counted from its optimised HLO: the FLOPs of every matmul (its dots, and the
+cuBLAS GEMM calls XLA makes of them with Triton's GEMMs off: ``hlo.gemm_flops``) and the work of every attention
+forward kernel, each times how often it runs per step (loop trips included, ``hlo.multiplicities``).
 
 The estimate (``estimate.py``) reads the re-runs from these counts instead of from the flags: a flag rule undercounts
 nested checkpoints (``--remat-every k`` re-runs a group's forward and then each layer's inside it), an attention
@@ -33,11 +34,6 @@ class ProgramWork:
 
 def _dims(type_text: str) -> list[int]:
     m = _DIMS.search(type_text)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _contracting(attrs: str) -> list[int]:
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attrs)
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
@@ -90,10 +86,8 @@ def program_work(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | No
             continue
         types = {ins.name: ins.type for ins in instrs}
         for ins in instrs:
-            if ins.opcode == "dot" and ins.operands:
-                lhs = _dims(types.get(ins.operands[0], ""))
-                k = math.prod(lhs[i] for i in _contracting(ins.attrs) if i < len(lhs))
-                flops += times * 2.0 * math.prod(_dims(ins.type)) * k
+            if (gemm := hlo.gemm_flops(ins, types)) is not None:  # a dot, or a cuBLAS GEMM (Triton's GEMMs off)
+                flops += times * gemm
             elif ins.opcode == "custom-call" and "grouped_matmul" in ins.attrs and len(ins.operands) >= 2:
                 # operands (metadata, rows [M, K], ...) -> [M, N] or [E, K, N]: 2 M K N either way
                 grouped += times * 2.0 * math.prod(_dims(types.get(ins.operands[1], ""))) * _dims(ins.type)[-1]
