@@ -241,8 +241,9 @@ def measure(spec: dict, timeout: int) -> dict:
     """One child measurement (``--child``); its RESULT line, or the reason there is none."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if spec["who"] == "peer" else dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device: the peer has one
-    if spec["who"] == "ours" and split_flags(spec["flags"])[1]:
-        env["XLA_FLAGS"] = " ".join(split_flags(spec["flags"])[1])
+    xla = split_flags(spec["flags"])[1] if spec["who"] == "ours" else []
+    if xla:
+        env["XLA_FLAGS"] = " ".join(xla)
     if spec.get("allow_cpu"):
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec)]

@@ -145,11 +145,6 @@ def side_by_side(ws: list[fp8.Quantized], dt) -> fp8.Quantized:
                          ws[0].amax, dt, jnp.concatenate([g.qt.reshape(-1, g.qt.shape[-1]) for g in ws], axis=0))
 
 
-def _shape(w) -> tuple[int, ...]:
-    """A weight's shape, in float8 at rest (``fp8.Quantized``: its ``[in, out...]`` copy's) or not."""
-    return (w.q if isinstance(w, fp8.Quantized) else w).shape
-
-
 def check_mesh(cfg, mesh) -> None:
     """A model with delta-net layers on ``mesh``: no ring, and heads that split over ``sp`` (one line otherwise)."""
     if mesh.shape.get(RING, 1) > 1:
@@ -225,7 +220,7 @@ class DeltaNet(nnx.Module):
         x_in = norm(x_BSD) if adapters or not grouped else x_BSD
         qkv = lora.low_rank(x_in, adapters, "in_proj_qkv", cfg.lora, drop)  # one adapter over q, k, v (Qwen3.5's)
         terms = dict(zip(("q", "k", "v"), [None] * 3 if isinstance(qkv, int) else lora.split_fused(
-            qkv, [_shape(w[n])[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
+            qkv, [w[n].shape[-2:] for n in ("wq_DJQ", "wk_DJQ", "wv_DUW")])))
         for name, target in (("z", "in_proj_z"), ("b", "in_proj_b"), ("a", "in_proj_a")):
             term = lora.low_rank(x_in, adapters, target, cfg.lora, drop)
             terms[name] = None if isinstance(term, int) else term
@@ -247,13 +242,13 @@ class DeltaNet(nnx.Module):
             if cfg.fp8:  # q, k, v, z side by side, one float8 GEMM (one scale each for x, the weights, dy); b, a not
                 y = fp8.einsum("bsd,dn->bsn", x, side_by_side(ws[:4], dt) if frozen else jnp.concatenate(
                     [a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1), on=True, gather=whole)
-                flat = (*jnp.split(y, np.cumsum([math.prod(_shape(a)[1:]) for a in ws[:3]]), axis=-1),
+                flat = (*jnp.split(y, np.cumsum([math.prod(a.shape[1:]) for a in ws[:3]]), axis=-1),
                         *project(x, tuple(a.reshape(a.shape[0], -1) for a in ws[4:])))
             else:
                 flat = project(x, tuple(a.reshape(a.shape[0], -1) for a in ws))
             got = {}
             for (letter, _, idx), wt, piece in zip(used, ws, flat):
-                piece = piece.reshape(*piece.shape[:2], *_shape(wt)[1:])
+                piece = piece.reshape(*piece.shape[:2], *wt.shape[1:])
                 if terms[letter] is not None:  # LoRA's term of these heads
                     piece = piece + cut(terms[letter], 2, idx)
                 got[letter] = constrain(piece, mesh, ("batch", "seq") + (None,) * (piece.ndim - 2))

@@ -141,9 +141,8 @@ def backward_f32(spec, res, dy, weight_grad: bool = True):
 def grads(spec, x, w, dy, history=None):
     """``backward_f32`` of ``x``, ``w`` (for a backward written by hand: the tiled attention's output projection);
     ``w`` an array, quantised here, or a ``Quantized`` one, taken as it is."""
-    if isinstance(w, Quantized):
-        return backward_f32(spec, _residuals(x, w, history), dy)
-    return backward_f32(spec, quantized(x, w, history), dy)
+    res = _residuals(x, w, history) if isinstance(w, Quantized) else quantized(x, w, history)
+    return backward_f32(spec, res, dy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
@@ -185,6 +184,7 @@ class Quantized:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The weight's shape (``q``'s: inputs first)."""
         return self.q.shape
 
 

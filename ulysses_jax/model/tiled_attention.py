@@ -133,11 +133,10 @@ def group_weights(w: dict, groups: HeadGroups, t) -> dict:
                              f"without one (fp8.prequantize makes none)")
         a = value.q if isinstance(value, fp8.Quantized) else value
         cut = jnp.take(a, jnp.maximum(idx, 0), axis=axis)
-        if table.min() < 0:
+        if table.min() < 0:  # dummy heads zero (a select: float8 has no multiply)
             shape = [1] * cut.ndim
             shape[axis] = -1
-            real = (idx >= 0).reshape(shape)
-            cut = jnp.where(real, cut, jnp.zeros((), cut.dtype)) if a is not value else cut * real.astype(cut.dtype)
+            cut = jnp.where((idx >= 0).reshape(shape), cut, jnp.zeros((), cut.dtype))
         out[name] = dataclasses.replace(value, q=cut) if a is not value else cut
     return out
 
@@ -412,11 +411,11 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     def local(x, pos, seg, *ws):
         at_rest = dict(zip(names, ws))
         hist = at_rest[fp8.HISTORY_KEY][0] if fp8.HISTORY_KEY in at_rest else None  # this device's copy
-        w, q8 = {} if hist is None else {fp8.HISTORY_KEY: hist}, {}
+        w, q8 = {}, {}
         for k, v in at_rest.items():
             axis = PARAMS[k][1]
-            if axis is None:
-                w.setdefault(k, v)
+            if axis is None:  # whole on every device (the history: this device's copy, taken above)
+                w[k] = hist if k == fp8.HISTORY_KEY else v
                 continue
             gather = functools.partial(jax.lax.all_gather, axis_name=fsdp_axes(over_data), axis=axis, tiled=True)
             if cfg.fp8 and k in FLOAT8:  # quantised where it rests, gathered in float8; zeros take its gradient
