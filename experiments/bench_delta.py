@@ -9,12 +9,13 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
 
 Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
 from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
-`flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels; fla 0.6.0 refuses Hopper GPUs under Triton
-3.4-3.7.0, so on the lent image's Triton 3.6 it needs a Triton >= 3.7.1 or a tilelang wheel, each larger than one call
-may carry: experiments/results/gpu_h100_20261127), in a child process (torch) fed the same
-inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both: cuDNN's causal attention
-(`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the same sequence. Each time
-is the median of --iters after --warmup, forward + backward of sum(o * do). A row per sequence length and our
+`flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels; fla 0.6.0 refuses its backward on Hopper GPUs
+under Triton 3.4-3.7.0, so on the lent image's Triton 3.6 only its forward is timed: the backward needs a Triton >=
+3.7.1 or tilelang with nvcc, each larger than one call may carry: experiments/results/gpu_h100_20261127), in a child
+process (torch) fed the same inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside
+both: cuDNN's causal attention (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim
+128, the same sequence. Each time is the median of --iters after --warmup, forward + backward of sum(o * do), and of
+the forward alone (`*_fwd_s`: fla's forward runs where its backward is refused, and its output is the one compared). A row per sequence length and our
 `precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk products on bf16 operands with
 float32 results, as fla computes them) and `impl` (`xla`: the walk over chunks a lax.scan; `pallas`: the two Pallas
 kernels of `kernels/gated_delta_scan.py`), with the max abs difference of the outputs from fla's (bf16 tolerance:
@@ -83,7 +84,8 @@ def _time(fn, *args, iters: int, warmup: int):
 
 
 def ours(x: dict, args, precision: str = "highest", impl: str = "xla"):
-    """``(seconds, output, gates)`` of our forward + backward (bfloat16 inputs) at ``precision`` with ``impl``."""
+    """``(seconds, forward seconds, output, gates)`` of our forward + backward and of the forward alone (bfloat16
+    inputs) at ``precision`` with ``impl``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -98,9 +100,12 @@ def ours(x: dict, args, precision: str = "highest", impl: str = "xla"):
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
-    t = _time(step, bf["q"], bf["k"], bf["v"], g, beta, bf["do"], iters=args.iters, warmup=args.warmup)
-    out = step(bf["q"], bf["k"], bf["v"], g, beta, bf["do"])[1]
-    return t, np.asarray(out.astype(jnp.float32)), (np.asarray(g), np.asarray(beta))
+    forward = jax.jit(lambda *a: loss(*a)[1])
+    operands = (bf["q"], bf["k"], bf["v"], g, beta, bf["do"])
+    t = _time(step, *operands, iters=args.iters, warmup=args.warmup)
+    t_fwd = _time(forward, *operands, iters=args.iters, warmup=args.warmup)
+    out = forward(*operands)
+    return t, t_fwd, np.asarray(out.astype(jnp.float32)), (np.asarray(g), np.asarray(beta))
 
 
 def cudnn(seq: int, hv: int, d: int, args):
@@ -119,38 +124,56 @@ def cudnn(seq: int, hv: int, d: int, args):
 
 
 def fla_child(spec: dict) -> int:
-    """In its own process: fla's chunk_gated_delta_rule on the saved inputs; prints its time and saves its output."""
+    """In its own process: fla's chunk_gated_delta_rule on the saved inputs; prints the forward's time, then the
+    forward + backward's (or why fla refused the backward: fla >= 0.5 refuses its gated backward on Hopper under
+    Triton 3.4-3.7.0, fla issue 640, while its forward runs), and saves the output."""
     import numpy as np
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     folder = pathlib.Path(spec["dir"])
-    t = {k: torch.from_numpy(np.load(folder / f"{k}.npy")).cuda() for k in ("q", "k", "v", "do", "g", "beta")}
+    cuda = torch.cuda.is_available()  # the CPU only in the tests, with a stand-in fla
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    t = {k: torch.from_numpy(np.load(folder / f"{k}.npy")).to("cuda" if cuda else "cpu")
+         for k in ("q", "k", "v", "do", "g", "beta")}
     rep = t["v"].shape[2] // t["q"].shape[2]  # fla wants as many q/k heads as v heads
     q, k = (t[n].repeat_interleave(rep, dim=2).bfloat16().requires_grad_() for n in ("q", "k"))
     v = t["v"].bfloat16().requires_grad_()
     g, beta = t["g"].float().requires_grad_(), t["beta"].bfloat16().requires_grad_()
 
-    def run():
+    def forward():
+        with torch.no_grad():
+            return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def both():
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         (o.float() * t["do"]).sum().backward()
         return o
 
-    for _ in range(spec["warmup"]):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(spec["iters"]):
-        t0 = time.perf_counter()
-        o = run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    np.save(folder / "fla_out.npy", o.detach().float().cpu().numpy())
-    print("RESULT " + json.dumps({"seconds": statistics.median(times)}), flush=True)
+    def timed(fn):
+        for _ in range(spec["warmup"]):
+            fn()
+        sync()
+        times = []
+        for _ in range(spec["iters"]):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    result = {"forward_seconds": timed(forward), "seconds": None, "note": ""}
+    np.save(folder / "fla_out.npy", forward().float().cpu().numpy())
+    try:
+        result["seconds"] = timed(both)
+    except RuntimeError as e:  # the backward refused: the forward's time and output still stand
+        result["note"] = f"fla backward: {str(e).splitlines()[0][:200]}"
+    print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
-def fla(x: dict, g, beta, args) -> tuple[float | None, object, str]:
+def fla(x: dict, g, beta, args) -> tuple[float | None, float | None, object, str]:
+    """``(forward + backward seconds, forward seconds, output, note)`` of fla on ``x``; None: what did not run."""
     import numpy as np
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,8 +188,9 @@ def fla(x: dict, g, beta, args) -> tuple[float | None, object, str]:
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return None, None, f"fla: {tail[0][:160]}"
-        return json.loads(line[7:])["seconds"], np.load(pathlib.Path(tmp) / "fla_out.npy"), ""
+            return None, None, None, f"fla: {tail[0][:160]}"
+        r = json.loads(line[7:])
+        return r["seconds"], r["forward_seconds"], np.load(pathlib.Path(tmp) / "fla_out.npy"), r["note"]
 
 
 def main(argv=None) -> int:
@@ -191,20 +215,24 @@ def main(argv=None) -> int:
         peers = None  # fla and cuDNN, timed once per length beside the first of our rows
         xla_out = {}  # the XLA walk's output per precision, what the Pallas rows are compared with
         for precision, impl in ((p, i) for p in args.precision for i in args.impl):
-            t_ours, o_ours, (g, beta) = ours(x, args, precision, impl)
+            t_ours, t_ours_fwd, o_ours, (g, beta) = ours(x, args, precision, impl)
             if impl == "xla":
                 xla_out[precision] = o_ours
             vs_xla = (f"{float(np.abs(o_ours - xla_out[precision]).max()):.3g}"
                       if impl != "xla" and precision in xla_out else "")
             if peers is None:
-                t_fla, o_fla, note = fla(x, g, beta, args) if gpu else (None, None, "fla: needs a GPU")
-                peers = (t_fla, o_fla, note, cudnn(seq, hv, args.dim, args) if gpu else None)
-            t_fla, o_fla, note, t_cudnn = peers
+                t_fla, t_fla_fwd, o_fla, note = (fla(x, g, beta, args) if gpu
+                                                 else (None, None, None, "fla: needs a GPU"))
+                peers = (t_fla, t_fla_fwd, o_fla, note, cudnn(seq, hv, args.dim, args) if gpu else None)
+            t_fla, t_fla_fwd, o_fla, note, t_cudnn = peers
             diff = float(np.abs(o_ours - o_fla).max()) if o_fla is not None else None
             scale = float(np.abs(o_ours).max())
             rows.append({"seq_len": seq, "heads": f"{hk}/{hv}", "dim": args.dim, "precision": precision, "impl": impl,
                          "ours_s": f"{t_ours:.4f}", "fla_s": "" if t_fla is None else f"{t_fla:.4f}",
                          "ours_over_fla": "" if t_fla is None else f"{t_ours / t_fla:.2f}",
+                         "ours_fwd_s": f"{t_ours_fwd:.4f}",
+                         "fla_fwd_s": "" if t_fla_fwd is None else f"{t_fla_fwd:.4f}",
+                         "fwd_ours_over_fla": "" if t_fla_fwd is None else f"{t_ours_fwd / t_fla_fwd:.2f}",
                          "cudnn_attention_s": "" if t_cudnn is None else f"{t_cudnn:.4f}",
                          "max_abs_diff": "" if diff is None else f"{diff:.3g} (outputs up to {scale:.3g})",
                          "max_abs_diff_vs_xla": vs_xla,
@@ -213,7 +241,8 @@ def main(argv=None) -> int:
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
     meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
-    cols = ["seq_len", "heads", "dim", "precision", "impl", "ours_s", "fla_s", "ours_over_fla", "cudnn_attention_s",
+    cols = ["seq_len", "heads", "dim", "precision", "impl", "ours_s", "fla_s", "ours_over_fla", "ours_fwd_s",
+            "fla_fwd_s", "fwd_ours_over_fla", "cudnn_attention_s",
             "max_abs_diff", "max_abs_diff_vs_xla", "note"]
     print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
     return 0

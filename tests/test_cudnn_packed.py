@@ -24,6 +24,12 @@ from ulysses_jax.kernels.cudnn_packed import (
 from ulysses_jax.kernels.segments import document_starts, documents_per_row, padding, split_documents
 from ulysses_jax.model.config import ModelConfig
 
+# jitted here: op by op, each call compiled a program per operation (27 s of a cold run on one core, 3 s jitted)
+_to_ragged = jax.jit(segments_to_ragged, static_argnums=1)
+_ragged_mask = jax.jit(ragged_mask, static_argnums=2, static_argnames=("causal", "window"))
+_segment_mask = jax.jit(attention_mask, static_argnums=0, static_argnames=("causal", "window"))
+_not_described = jax.jit(rows_not_described, static_argnums=1)
+
 
 def packed_rows(rng, rows: int, s: int) -> np.ndarray:
     """Rows as the packer writes them, drawn at random: documents 1, 2, ... of random lengths (length 1 often), then
@@ -47,14 +53,14 @@ def test_ragged_offsets_stand_for_the_segment_mask(causal, seed):
     for s, m in [(1, 1), (5, 5), (33, 33)] * 3 + [(33, None)] * 3:  # few shapes (each compiles once); M exact too
         seg = jnp.asarray(packed_rows(rng, 4, s))
         m = m or max(int(documents_per_row(np.asarray(seg)).max(initial=0)), 1)
-        seqlen, offsets, count = segments_to_ragged(seg, m)
+        seqlen, offsets, count = _to_ragged(seg, m)
         zeros_row = ~np.asarray(seg).any(axis=1)  # a row of zeros is one document to cuDNN, as to the other kernels
         np.testing.assert_array_equal(count, documents_per_row(np.asarray(seg)))  # the data path's count, the same
         real = np.asarray(seg != 0) | zeros_row[:, None]
         for window in (None, 3):
-            want = np.asarray(attention_mask(s, causal=causal, segment_ids=seg, window=window))
+            want = np.asarray(_segment_mask(s, causal=causal, segment_ids=seg, window=window))
             want = want & real[:, None, None, :, None] & real[:, None, None, None, :]
-            got = np.asarray(ragged_mask(seqlen, offsets, s, causal=causal, window=window))
+            got = np.asarray(_ragged_mask(seqlen, offsets, s, causal=causal, window=window))
             np.testing.assert_array_equal(got, want)
 
 
@@ -62,17 +68,17 @@ def test_ragged_layout_is_what_cudnn_reads():
     """Two rows of 3 and 2 one-token documents, M = 3 (jax's docstring example): offsets [[0, 1, 2, -1], [0, 1, -1,
     -1]], lengths 1 padded with -1; a row of one document then padding; ids need not start at 1."""
     seg = jnp.asarray([[1, 2, 3, 0], [7, 9, 0, 0], [5, 5, 5, 0]], jnp.int32)
-    seqlen, offsets, count = segments_to_ragged(seg, 3)
+    seqlen, offsets, count = _to_ragged(seg, 3)
     np.testing.assert_array_equal(offsets, [[0, 1, 2, -1], [0, 1, -1, -1], [0, -1, -1, -1]])
     np.testing.assert_array_equal(seqlen, [[1, 1, 1], [1, 1, -1], [3, -1, -1]])
     np.testing.assert_array_equal(count, [3, 2, 1])
-    assert not bool(rows_not_described(seg, 3)) and bool(rows_not_described(seg, 2))
+    assert not bool(_not_described(seg, 3)) and bool(_not_described(seg, 2))
     # a change of id marks a new document even between equal neighbours further apart
-    np.testing.assert_array_equal(document_starts(jnp.asarray([[4, 4, 6, 4, 0]])), [[1, 0, 1, 1, 0]])
+    np.testing.assert_array_equal(jax.jit(document_starts)(jnp.asarray([[4, 4, 6, 4, 0]])), [[1, 0, 1, 1, 0]])
     # ids counted from 0: only the zeros after the last nonzero id are padding; a row of zeros is one document
     seg = jnp.asarray([[0, 0, 1, 1, 2], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]], jnp.int32)
-    np.testing.assert_array_equal(padding(seg), [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
-    seqlen, offsets, count = segments_to_ragged(seg, 3)
+    np.testing.assert_array_equal(jax.jit(padding)(seg), [[0, 0, 0, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    seqlen, offsets, count = _to_ragged(seg, 3)
     np.testing.assert_array_equal(offsets, [[0, 2, 4, -1], [0, 2, -1, -1], [0, -1, -1, -1]])
     np.testing.assert_array_equal(seqlen, [[2, 2, 1], [2, 1, -1], [5, -1, -1]])
 
@@ -97,9 +103,9 @@ def test_the_data_path_and_cudnn_count_documents_alike(row):
     padding): a bound equal to the data path's count describes the row (no NaN), one less is refused up front."""
     seg = np.asarray([row], np.int32)
     n = int(documents_per_row(seg)[0])
-    assert n == int(segments_to_ragged(jnp.asarray(seg), 8)[2][0])
+    assert n == int(_to_ragged(jnp.asarray(seg), 8)[2][0])
     for m in {1, n, 8}:
-        beyond = bool(rows_not_described(jnp.asarray(seg), m))
+        beyond = bool(_not_described(jnp.asarray(seg), m))
         assert beyond == (n > m)
         if beyond:
             with pytest.raises(ValueError, match=f"^a row holds {n} documents, more than --attn-max-documents {m} "):
@@ -124,8 +130,8 @@ def test_one_id_for_two_runs_is_refused_everywhere():
             attention(q, q, q, segment_ids=jnp.asarray(seg), impl=impl)
     attention(q, q, q, segment_ids=jnp.asarray(seg[1:2].repeat(2, 0)), impl="xla")  # contiguous documents pass
     for m in (1, 3, 16):
-        assert bool(jax.jit(rows_not_described, static_argnums=1)(jnp.asarray(seg[:1]), m))
-        assert not bool(rows_not_described(jnp.asarray(seg[1:]), max(m, 3)))
+        assert bool(_not_described(jnp.asarray(seg[:1]), m))
+        assert not bool(_not_described(jnp.asarray(seg[1:]), max(m, 3)))
 
 
 def test_rows_cudnn_cannot_describe_turn_the_output_nan():
