@@ -7,20 +7,20 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
     python experiments/bench_delta.py --precision bf16                  # ours with bf16 chunk products only
     python experiments/bench_delta.py --impl pallas                     # ours with the Pallas walk only
 
-Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates
-from random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
+Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates from
+random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
 `flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels; fla 0.6.0 refuses its backward on Hopper GPUs
 under Triton 3.4-3.7.0, so on the lent image's Triton 3.6 only its forward is timed: the backward needs a Triton >=
 3.7.1 or tilelang with nvcc, each larger than one call may carry: experiments/results/gpu_h100_20261127), in a child
-process (torch) fed the same inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside
-both: cuDNN's causal attention (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim
-128, the same sequence. Each time is the median of --iters after --warmup, forward + backward of sum(o * do), and of
-the forward alone (`*_fwd_s`: fla's forward runs where its backward is refused, and its output is the one compared). A row per sequence length and our
-`precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk products on bf16 operands with
-float32 results, as fla computes them) and `impl` (`xla`: the walk over chunks a lax.scan; `pallas`: the two Pallas
-kernels of `kernels/gated_delta_scan.py`), with the max abs difference of the outputs from fla's (bf16 tolerance:
-~1e-2 of the outputs' scale) and, for the Pallas rows, from the XLA walk's at the same precision. Results: markdown +
-CSV in --out-dir.
+process (torch) fed the same inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both:
+cuDNN's causal attention (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the
+same sequence. Each time is the median of --iters after --warmup, forward + backward of sum(o * do), and of the forward
+alone (`*_fwd_s`: fla's forward runs where its backward is refused, and its output is the one compared). A row per
+sequence length and our `precision` (`highest`: every product float32 at HIGHEST, the default; `bf16`: the chunk
+products on bf16 operands with float32 results, as fla computes them) and `impl` (`xla`: the walk over chunks a
+lax.scan; `pallas`: the two Pallas kernels of `kernels/gated_delta_scan.py`), with the max abs difference of the outputs
+from fla's (bf16 tolerance: ~1e-2 of the outputs' scale) and, for the Pallas rows, from the XLA walk's at the same
+precision. Results: markdown + CSV in --out-dir.
 """
 
 from __future__ import annotations
