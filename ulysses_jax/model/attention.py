@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulysses_jax.model import fp8, fp8_base, lora
+from ulysses_jax.model import fp8, fp8_base, fp8_stack, lora
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, rope_factor, rope_frequencies, use, use_parts
 from ulysses_jax.parallel.mesh import RING, SP
 from ulysses_jax.parallel.sharding import constrain
@@ -50,9 +50,10 @@ class Attention(nnx.Module):
         if (history := fp8.make_history(cfg, make.mesh, 4, make.stack)) is not None:  # q, k, v, o (delayed float8)
             self.fp8_history = history
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0, adapters=None, drop=None):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind: int = 0, adapters=None, drop=None, ready=None):
         """``kind``: static index into ``cfg.window_kinds`` (the window, and the local RoPE base for a local one).
-        ``adapters``: LoRA's ``{target: (A, B)}`` (``lora.pairs``), ``drop`` its dropout's ``(key, token ids)``."""
+        ``adapters``: LoRA's ``{target: (A, B)}`` (``lora.pairs``), ``drop`` its dropout's ``(key, token ids)``.
+        ``ready``: this layer's float8 weights quantised before the layer loop (``fp8_stack``), or None."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         window = cfg.window_kinds[kind]
         adapted = functools.partial(lora.low_rank, adapters=adapters, lora=cfg.lora, drop=drop)  # LoRA's terms, or 0
@@ -62,7 +63,8 @@ class Attention(nnx.Module):
             if fp8_base.frozen(self, attr):  # LoRA's base, float8 at rest
                 return fp8.einsum(spec, x, fp8_base.gathered(self, attr, mesh, dt), on=True, history=fp8.row(hist, i))
             w, gather = use_parts(getattr(self, attr), mesh, dt)
-            return fp8.einsum(spec, x, w, on=cfg.fp8, history=fp8.row(hist, i), gather=gather)
+            return fp8.einsum(spec, x, fp8_stack.carried(w, ready, attr), on=cfg.fp8, history=fp8.row(hist, i),
+                              gather=gather)
 
         q_BSNH = proj("bsd,dnh->bsnh", x_BSD, "wq_DNH", 0) + adapted(x_BSD, target="q")
         k_BSKH = proj("bsd,dkh->bskh", x_BSD, "wk_DKH", 1) + adapted(x_BSD, target="k")

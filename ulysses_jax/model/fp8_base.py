@@ -58,7 +58,7 @@ def applies(cfg) -> bool:
     return bool(cfg.fp8) and cfg.lora is not None
 
 
-def _order(ndim: int, n_in: int) -> tuple[int, ...]:
+def output_first(ndim: int, n_in: int) -> tuple[int, ...]:
     """The axes of a stacked weight ``[L, in..., out...]`` taken as ``[L, out..., in...]``."""
     return (0, *range(1 + n_in, ndim), *range(1, 1 + n_in))
 
@@ -107,7 +107,7 @@ def freeze(block, cfg, mesh: Mesh) -> None:
         for attr, n_in in weights:
             var = getattr(module, attr)
             names = tuple(var.get_metadata()["logical_axes"])
-            order = _order(len(names), n_in)
+            order = output_first(len(names), n_in)
             all_names = (names, tuple(names[i] for i in order), ("layers",))
             shape = var.get_value().shape
             specs = [P(None, *rest_spec(tuple(shape[i] for i in o[1:]), n[1:], mesh, cfg.shard_params_over_data))

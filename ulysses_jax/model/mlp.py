@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import fp8, fp8_base, lora
+from ulysses_jax.model import fp8, fp8_base, fp8_stack, lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use_parts
@@ -44,7 +44,7 @@ def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None,
 def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int, over_data: bool,
                  norm: tuple[jax.Array, float] | None = None, post_norm: jax.Array | None = None,
                  activation=jax.nn.silu, adapters=None, lora_cfg=None, drop=None, fp8_on: bool = False,
-                 history=None):
+                 history=None, ready=None):
     """SwiGLU over chunks of ``chunk`` tokens of each device's local sequence, each chunk rematerialised.
 
     Runs in ``shard_map``: the input stays ``[B/(data*fsdp), S/sp, D]`` per device and is cut locally, so
@@ -65,7 +65,9 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     ``[3, 3, HISTORY]``) rides with the differentiated weights, a copy per device (``fp8.per_device``). Trained weights
     are quantised where they rest and gathered in float8, once per call (``fp8.prequantize``, their gradients through
     ``fp8.Carried``); LoRA's frozen base arrives in float8 already (``fp8.Quantized`` with both layouts, ``fp8_base``)
-    and is gathered as it is. The chunks, forward and backward, take the float8 weights as they are.
+    and is gathered as it is. ``ready`` (``fp8_stack``: weights not split, quantised before the layer loop):
+    ``{"w_gate_DF": fp8.Quantized, ...}`` taken instead of quantising here. The chunks, forward and backward, take the
+    float8 weights as they are.
     """
     if post_norm is not None and norm is None:
         raise ValueError("post_norm tiles the whole sublayer x + post_norm(mlp(norm(x))); pass norm too")
@@ -85,6 +87,8 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     ad_specs = {t: (_rest_spec(t, "a", over_data), _rest_spec(t, "b", over_data)) for t in adapters}
     key, ids = drop if drop is not None else (None, None)  # given only while training with dropout
     hist = None if history is None else fp8.per_device(history, mesh)
+    ready = {k: ready[a] for k, a in zip("gud", ATTRS)} if ready else {}  # whole weights: replicated specs
+    ready_specs = {k: fp8.Quantized(P(), P(), P(), q.dtype, P()) for k, q in ready.items()}
 
     def gather(w, spec):
         axes = [i for i, e in enumerate(spec) if e is not None]
@@ -100,7 +104,7 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
             return y
         return xc + (rms_norm(y, ws["post"], norm[1]) if post_norm is not None else y)
 
-    def local(x_bsD, ids_bs, key, base, adapters, hist):
+    def local(x_bsD, ids_bs, key, base, adapters, hist, ready):
         quantized = {}  # float8: the projections' weights quantised where they rest, gathered in float8 once
         for i, k in enumerate("gud" if fp8_on else ""):
             to_whole = functools.partial(gather, spec=base_specs[k])
@@ -109,7 +113,8 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
                 s = base_specs[k]
                 quantized[k] = fp8.Quantized(gather(w.q, s.q), w.scale, w.amax, w.dtype, gather(w.qt, s.qt))
                 continue
-            quantized[k] = fp8.prequantize(w, fp8.row(None if hist is None else hist[0], i), axes=wa, gather=to_whole)
+            quantized[k] = ready[k] if k in ready else fp8.prequantize(
+                w, fp8.row(None if hist is None else hist[0], i), axes=wa, gather=to_whole)
             if not lora_mode:  # trained: zeros of the gathered shape carry the gradient back through the transpose
                 base[k] = fp8.grad_carrier(w, to_whole)
         base = {k: w if k in quantized else gather(w, base_specs[k]) for k, w in base.items()}
@@ -128,10 +133,10 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
         return chunk_map(lambda xc, ws: sublayer(xc, None, ws, None), n, x_bsD, base)
 
     specs = (act, None if ids is None else P((DATA, FSDP), SEQ), None if key is None else P(),
-             {k: base_specs[k] for k in base}, ad_specs, None if hist is None else fp8.DEVICE_SPEC)
+             {k: base_specs[k] for k in base}, ad_specs, None if hist is None else fp8.DEVICE_SPEC, ready_specs)
     # chunk_map's backward carries no varying-manual-axes types
     fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=act, check_vma=False)
-    return fn(x_BSD, ids, key, base, adapters, hist)
+    return fn(x_BSD, ids, key, base, adapters, hist, ready)
 
 
 def _rest_spec(target: str, side: str, over_data: bool) -> P:
@@ -154,15 +159,17 @@ class MLP(nnx.Module):
         if (history := fp8.make_history(self.cfg, make.mesh, 3, make.stack)) is not None:  # gate, up, down
             self.fp8_history = history
 
-    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None, adapters=None, drop=None):
+    def residual_tiled(self, x_BSD, norm: RMSNorm, post_norm: RMSNorm | None = None, adapters=None, drop=None,
+                       ready=None):
         """``x + mlp(norm(x))`` per chunk of ``mlp_chunk`` tokens (``tiled_swiglu`` with ``norm``); with
-        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``. ``adapters``: LoRA's at rest (``lora.pairs``)."""
+        ``post_norm`` (Gemma 3) ``x + post_norm(mlp(norm(x)))``. ``adapters``: LoRA's at rest (``lora.pairs``);
+        ``ready``: the float8 weights of ``fp8_stack``, or None."""
         cfg, dt = self.cfg, self.cfg.compute_jnp_dtype
         post = None if post_norm is None else norm_scale(post_norm.scale.get_value(), cfg)
         return tiled_swiglu(x_BSD, *self._at_rest(dt), mesh=self.mesh, chunk=cfg.mlp_chunk,
                             over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
                             norm=(norm_scale(norm.scale.get_value(), cfg), cfg.rms_eps), post_norm=post,
-                            fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
+                            fp8_on=cfg.fp8, history=fp8.value(self), ready=ready, **self._lora(adapters, drop))
 
     def _at_rest(self, dt) -> tuple:
         """gate, up and down at rest for ``tiled_swiglu``: in ``dt``, or float8 (``fp8.Quantized``) where LoRA's base
@@ -177,16 +184,18 @@ class MLP(nnx.Module):
             return {}
         return dict(adapters=adapters or {}, lora_cfg=self.cfg.lora, drop=drop)
 
-    def __call__(self, x_BSD, adapters=None, drop=None):
+    def __call__(self, x_BSD, adapters=None, drop=None, ready=None):
+        """``swiglu`` (tiled with ``mlp_chunk``); ``ready``: the float8 weights of ``fp8_stack``, or None."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         if cfg.mlp_chunk:
             return tiled_swiglu(x_BSD, *self._at_rest(dt), mesh=mesh, chunk=cfg.mlp_chunk,
                                 over_data=cfg.shard_params_over_data, activation=mlp_activation(cfg),
-                                fp8_on=cfg.fp8, history=fp8.value(self), **self._lora(adapters, drop))
+                                fp8_on=cfg.fp8, history=fp8.value(self), ready=ready, **self._lora(adapters, drop))
         if fp8_base.frozen(self, ATTRS[0]):  # LoRA's base in float8 at rest: gathered as it is
             ws, gathers = tuple(fp8_base.gathered(self, a, mesh, dt) for a in ATTRS), None
         else:
             ws, gathers = zip(*(use_parts(getattr(self, a), mesh, dt) for a in ATTRS))
+            ws = tuple(fp8_stack.carried(w, ready, a) for w, a in zip(ws, ATTRS))
         return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop,
                                 fp8_on=cfg.fp8, history=fp8.value(self), gathers=gathers), mesh,
                          ("batch", "seq", "embed"))

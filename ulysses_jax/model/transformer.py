@@ -44,9 +44,10 @@ local sequence inside ``shard_map`` (so chunking never moves activations between
 projections and the all-to-alls per chunk; with ``attn_head_chunk``, one group of heads at a time).
 
 Float8 (``fp8``): the q, k, v, o, gate, up and down GEMMs run on float8 operands, forward and backward
-(``model/fp8.py``); the weights are quantised where they rest and gathered in float8 (the tiled sublayers: gathered
-in the compute dtype, cast after). With the delayed recipe,
-``Attention`` and ``MLP`` hold their projections' amax histories (``fp8.History``), stacked like the parameters.
+(``model/fp8.py``); split weights are quantised where they rest and gathered in float8, unsplit ones (one GPU, data
+parallelism alone) quantised for the whole stack before the layer loop, in both layouts (``fp8_stack``), LoRA's frozen
+base stored in float8 (``fp8_base``). With the delayed recipe, ``Attention`` and ``MLP`` hold their projections' amax
+histories (``fp8.History``), stacked like the parameters.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ulysses_jax.kernels.gated_delta import BLOCK_STATES
-from ulysses_jax.model import fp8, fp8_base, host_offload, lora
+from ulysses_jax.model import fp8, fp8_base, fp8_stack, host_offload, lora
 from ulysses_jax.model.attention import Attention
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.delta_net import DeltaNet, check_mesh
@@ -99,16 +100,20 @@ class Block(nnx.Module):
         if make.cfg.lora is not None:  # LoRA adapters on the projections (model/lora.py)
             lora.attach(self, make.cfg, make.mesh, make.rngs)
 
-    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None, drop=None):
+    def __call__(self, x_BSD, positions_BS, segment_ids_BS, kind=None, sparse=None, valid_BS=None, drop=None,
+                 fp8_ready=None):
         """``(x, router sums)``: the layer's output and, with experts, its ``(assigned [E], prob sums [E], tokens)``
         (``moe.py``; ``()`` without experts). ``kind``: this layer's index into ``cfg.window_kinds`` (traced under the
         layer scan): a ``lax.switch`` runs the attention sublayer of that kind; ``None`` with a single kind.
         ``sparse``: whether this layer's MLP is the experts (traced; needed when the model mixes dense and sparse
         layers); ``valid_BS``: the tokens the router statistics count; ``drop``: LoRA dropout's ``(key, token ids)``
-        while training (``lora.low_rank``)."""
+        while training (``lora.low_rank``); ``fp8_ready``: this layer's float8 weights quantised before the layer loop
+        (``fp8_stack.quantized``'s row: ``{module: {weight: fp8.Quantized}}``), or None."""
         cfg = self.attn.cfg
+        ready = fp8_ready or {}
         x_BSD = checkpoint_name(x_BSD, RESIDUAL)
-        branches = [functools.partial(self._attention, kind=i, drop=drop) for i in range(len(cfg.window_kinds))]
+        branches = [functools.partial(self._attention, kind=i, drop=drop, ready=ready.get("attn"))
+                    for i in range(len(cfg.window_kinds))]
         if cfg.linear_layers:  # the delta-net's branch, after the attention kinds (layer_kinds.kind_index)
             branches.append(functools.partial(self._linear, drop=drop))
         if len(branches) == 1:
@@ -120,7 +125,7 @@ class Block(nnx.Module):
             h_BSD = jax.lax.switch(kind, branches, x_BSD, positions_BS, segment_ids_BS)
         h_BSD = constrain(h_BSD, self.mesh, ("batch", "seq", "embed"))
         if not cfg.num_experts:
-            return self._dense(h_BSD, drop), ()
+            return self._dense(h_BSD, drop, ready.get("mlp")), ()
         if valid_BS is None:
             valid_BS = jnp.ones(h_BSD.shape[:2], bool)
 
@@ -138,27 +143,30 @@ class Block(nnx.Module):
         return jax.lax.cond(sparse, experts, lambda h: (self._dense(h, drop), nothing), h_BSD)
 
     @jax.named_scope("mlp")  # a profile's category (experiments/profile_step.py)
-    def _dense(self, h_BSD, drop=None):
-        """``h + mlp(norm(h))`` (with ``post_norms``: ``h + post_norm(mlp(norm(h)))``), tiled with ``mlp_chunk``."""
+    def _dense(self, h_BSD, drop=None, ready=None):
+        """``h + mlp(norm(h))`` (with ``post_norms``: ``h + post_norm(mlp(norm(h)))``), tiled with ``mlp_chunk``;
+        ``ready``: the MLP's float8 weights of ``fp8_stack``, or None."""
         cfg = self.attn.cfg
         if cfg.mlp_chunk:  # the norms and the residual inside the chunks too
             post = self.post_mlp_norm if cfg.post_norms else None
-            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post, lora.pairs(self, "mlp", True), drop),
-                             self.mesh, ("batch", "seq", "embed"))
-        y_BSD = self.mlp(self.mlp_norm(h_BSD), lora.pairs(self, "mlp"), drop)
+            return constrain(self.mlp.residual_tiled(h_BSD, self.mlp_norm, post, lora.pairs(self, "mlp", True), drop,
+                                                     ready), self.mesh, ("batch", "seq", "embed"))
+        y_BSD = self.mlp(self.mlp_norm(h_BSD), lora.pairs(self, "mlp"), drop, ready)
         if cfg.post_norms:
             y_BSD = self.post_mlp_norm(y_BSD)
         return constrain(h_BSD + y_BSD, self.mesh, ("batch", "seq", "embed"))
 
     @jax.named_scope("attention")
-    def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int, drop=None):
-        """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``."""
+    def _attention(self, x_BSD, positions_BS, segment_ids_BS, *, kind: int, drop=None, ready=None):
+        """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``;
+        ``ready``: q, k, v and o's float8 weights of ``fp8_stack``, or None."""
         cfg = self.attn.cfg
         if cfg.attn_chunk:
             return tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(), cfg=cfg,
                                    mesh=self.mesh, chunk=cfg.attn_chunk, head_chunk=cfg.attn_head_chunk,
                                    recompute=cfg.attn_recompute, kind=kind)
-        y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind, lora.pairs(self, "attn"), drop)
+        y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind, lora.pairs(self, "attn"), drop,
+                          ready)
         return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
 
     @jax.named_scope("linear_attention")
@@ -352,8 +360,9 @@ class Transformer(nnx.Module):
         graphdef, blocks, own = split_block(self.blocks, cfg)  # stacked apart: read by row, not scanned
         # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
         sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
+        # --fp8 on unsplit weights: every projection stack quantised here, once, in both layouts (fp8_stack)
         stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L),
-                   jnp.arange(cfg.num_layers, dtype=jnp.int32))
+                   jnp.arange(cfg.num_layers, dtype=jnp.int32), fp8_stack.quantized(blocks, cfg, mesh))
         valid_BS = None if segment_ids_BS is None else segment_ids_BS != 0
         ids_BS = None
         if dropout_key is not None and cfg.lora is not None and cfg.lora.dropout:  # each token's mask: its index
@@ -361,7 +370,7 @@ class Transformer(nnx.Module):
             ids_BS = constrain(ids_BS if perm is None else ids_BS[:, perm], mesh, ("batch", "seq"))
 
         def layer(x_BSD, layer_state, positions_BS, segment_ids_BS):
-            layer_state, kind, sparse, index = layer_state
+            layer_state, kind, sparse, index, fp8_ready = layer_state
             drop = None if ids_BS is None else (jax.random.fold_in(dropout_key, index), ids_BS)
             if cfg.remat != "none":
                 x_BSD = row_major(x_BSD, mesh)
@@ -369,7 +378,7 @@ class Transformer(nnx.Module):
                 layer_state = host_offload.stream_in(layer_state)  # with modules stacked apart: ModelConfig)
             # with the tiled attention, its LoRA targets merged
             block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))
-            return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop)
+            return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop, fp8_ready)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
         if cfg.remat != "none":
