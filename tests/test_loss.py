@@ -116,7 +116,7 @@ def test_gradient_accumulation_normalises_by_tokens(seed):
     """Two micro-batches with very different valid-token counts: summing the micro-batches' ``sum`` (and
     its gradient) and dividing by their added ``count`` gives the whole batch's loss and gradient. The second keeps
     each row's 8 labels of lowest loss, so that the two micro-batches' mean losses differ and averaging their means (the
-    wrong normalisation) is far off: 0.25 over 6 seeds (with the first 8 labels kept, 4.5e-4 in one run of the suite)."""
+    wrong normalisation) is far off: 0.25 over 6 seeds (with the first 8 labels kept, 4.5e-4 in one suite run)."""
     model = build(VARIANTS["gqa-qknorm"](), "sp4", seed)
     graphdef, state = nnx.split(model)
     batch = packed_batch(seed)

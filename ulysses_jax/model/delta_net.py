@@ -127,6 +127,7 @@ project.defvjp(_project_fwd, _project_bwd)
 # --fp8: the delta-net's projections in float8 (current scaling under either recipe): q, k, v and z as one GEMM on
 # their weights side by side, and the output projection; b and a (a few columns each, into the gates) stay as they are
 FP8_WEIGHTS = ("wq_DJQ", "wk_DJQ", "wv_DUW", "wz_DUW", "wo_UWD")
+QKVZ = "qkvz"  # q, k, v and z's weights side by side ([D, n]) as the one GEMM reads them (``fp8_stack``'s key)
 
 
 def cut_frozen(w: fp8.Quantized, idx, axis: int) -> fp8.Quantized:
@@ -195,12 +196,13 @@ class DeltaNet(nnx.Module):
         for name, (shape, names, init) in shapes(self.cfg).items():
             setattr(self, name, make(f"delta.{name.rsplit('_', 1)[0]}", shape, names, init=init))
 
-    def __call__(self, x_BSD, segment_ids_BS, adapters=None, drop=None, norm=None):
+    def __call__(self, x_BSD, segment_ids_BS, adapters=None, drop=None, norm=None, ready=None):
         """The sublayer's output ``[B, S, D]`` for its input (module doc). ``adapters``: LoRA's ``{target: (A, B)}``
         (``lora.pairs(block, "delta")``), ``drop`` its dropout's ``(key, token ids)``. ``norm``: the layer's
         input norm, applied here to the raw input ``x_BSD``; in head groups each group norms it again, so that no
         normed copy of the device's sequence (``[B, S/sp, D]``) outlives the forward (LoRA's terms, computed whole,
-        still take one)."""
+        still take one). ``ready``: this layer's float8 weights quantised before the layer loop (``fp8_stack``:
+        ``{QKVZ: ..., "wo_UWD": ...}``, without head groups), or None."""
         cfg, mesh, dt = self.cfg, self.mesh, self.cfg.compute_jnp_dtype
         frozen = fp8_base.frozen(self, FP8_WEIGHTS[0])
 
@@ -240,8 +242,11 @@ class DeltaNet(nnx.Module):
             ws = [cut_frozen(w[name], idx, 1) if frozen and name in FP8_WEIGHTS else cut(w[name], 1, idx)
                   for _, name, idx in used]
             if cfg.fp8:  # q, k, v, z side by side, one float8 GEMM (one scale each for x, the weights, dy); b, a not
-                y = fp8.einsum("bsd,dn->bsn", x, side_by_side(ws[:4], dt) if frozen else jnp.concatenate(
-                    [a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1), on=True, gather=whole)
+                side = side_by_side(ws[:4], dt) if frozen else jnp.concatenate(
+                    [a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1)
+                if ready is not None:  # quantised before the layer loop (fp8_stack): the weights carry the gradient
+                    side = fp8.Carried(side, ready[QKVZ])
+                y = fp8.einsum("bsd,dn->bsn", x, side, on=True, gather=whole)
                 flat = (*jnp.split(y, np.cumsum([math.prod(a.shape[1:]) for a in ws[:3]]), axis=-1),
                         *project(x, tuple(a.reshape(a.shape[0], -1) for a in ws[4:])))
             else:
@@ -259,6 +264,8 @@ class DeltaNet(nnx.Module):
                                     precision=cfg.delta_precision, impl=cfg.delta_impl)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
             wo = cut_frozen(w["wo_UWD"], val, 0) if frozen else cut(w["wo_UWD"], 0, val)
+            if ready is not None:
+                wo = fp8.Carried(wo, ready["wo_UWD"])
             out = fp8.einsum("bsuw,uwd->bsd", y, wo, on=cfg.fp8, gather=whole if cfg.fp8 and not frozen else None)
             if out_ad is not None:  # the adapter's rows of these heads
                 out = out + lora.low_rank(y, {"out_proj": (cut(out_ad[0], 0, val), out_ad[1])}, "out_proj",

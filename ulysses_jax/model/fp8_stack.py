@@ -16,8 +16,11 @@ own slice carries the weight gradient, so nothing else changes). Two float8 copi
 float32 copy, and the weights are no longer quantised again when remat re-runs a layer. The values are those of the
 loop bit for bit (tests/test_fp8_stack.py).
 
-Applies to the plain attention and MLP sublayers and the tiled MLP of a model without delta-net layers; the tiled
-attention sublayer keeps its own per-layer quantisation, and LoRA's frozen base rests in float8 already.
+Applies to the plain attention and MLP sublayers, the tiled MLP and a hybrid's delta-net (each mixer stacked over its
+own layers is read by row, as its parameters are: ``transformer.layer_rows``). The delta-net's q, k, v and z run as one
+GEMM on their weights side by side with one scale per layer, so they are quantised side by side (``QKVZ``), its output
+projection alone. Not with ``--delta-head-chunk`` (each head group takes its own scale: quantised in the loop), nor the
+tiled attention sublayer (its own per-layer quantisation); LoRA's frozen base rests in float8 already.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ulysses_jax.model import fp8
+from ulysses_jax.model.delta_net import FP8_WEIGHTS, QKVZ, group_heads
 from ulysses_jax.model.fp8_base import WEIGHTS, output_first
 from ulysses_jax.parallel.sharding import axes_size, fsdp_axes
 
@@ -35,30 +40,40 @@ from ulysses_jax.parallel.sharding import axes_size, fsdp_axes
 def modules(cfg, mesh: Mesh) -> tuple[str, ...]:
     """The modules (``fp8_base.WEIGHTS`` keys) whose stacks ``cfg``'s step quantises before the layer loop on ``mesh``:
     none without ``--fp8``, with LoRA (its base rests in float8), ``--offload-params`` (the layers stream in one by
-    one), split weights (each layer's gather moves float8 already), delta-net layers or experts; no ``attn`` with the
-    tiled attention sublayer."""
-    if (not cfg.fp8 or cfg.lora is not None or cfg.offload_params or cfg.linear_layers or cfg.num_experts
+    one), split weights (each layer's gather moves float8 already) or experts; no ``attn`` with the tiled attention
+    sublayer, no ``delta`` in head groups (module doc)."""
+    if (not cfg.fp8 or cfg.lora is not None or cfg.offload_params or cfg.num_experts
             or axes_size(mesh, fsdp_axes(cfg.shard_params_over_data)) != 1):
         return ()
-    return ("mlp",) if cfg.attn_chunk else ("attn", "mlp")
+    attn = ("attn",) if cfg.attention_layers and not cfg.attn_chunk else ()
+    delta = ("delta",) if cfg.linear_layers and len(group_heads(cfg, 1)[0]) == 1 else ()
+    return attn + delta + ("mlp",)
 
 
-def quantized(blocks, cfg, mesh: Mesh) -> dict:
-    """``{module: {weight: fp8.Quantized}}`` of the stacked block state ``blocks`` (``transformer.split_block``): each
-    of ``modules``' projection weights in the compute dtype, quantised per layer (``[L]`` scales and amaxes), in both
-    layouts. ``{}`` when nothing applies."""
+def _stacks(state, module: str, dt) -> dict:
+    """``{weight: fp8.Quantized}`` of ``module``'s stacked state: each projection weight in ``dt``, quantised per row
+    (``[rows]`` scales and amaxes; the delayed recipe's history row of each), in both layouts."""
+    history = state["fp8_history"].get_value() if "fp8_history" in state else None  # [rows, projections, 3, H]
+    weights = {attr: (state[attr].get_value().astype(dt), n_in) for attr, n_in in WEIGHTS[module]}
+    if module == "delta":  # q, k, v, z side by side (one scale per layer, as the one GEMM takes it); no history
+        side = [weights.pop(a)[0] for a in FP8_WEIGHTS[:4]]
+        weights = {QKVZ: (jnp.concatenate([a.reshape(*a.shape[:2], -1) for a in side], axis=2), 1), **weights}
     out = {}
-    dt = cfg.compute_jnp_dtype
-    for module in modules(cfg, mesh):
-        state = blocks[module]
-        history = state["fp8_history"].get_value() if "fp8_history" in state else None  # [L, projections, 3, H]
-        out[module] = {}
-        for i, (attr, n_in) in enumerate(WEIGHTS[module]):
-            w = state[attr].get_value().astype(dt)
-            rows = None if history is None else history[:, i]
-            q = jax.vmap(fp8.prequantize)(w, rows)
-            out[module][attr] = dataclasses.replace(q, qt=q.q.transpose(output_first(w.ndim, n_in)))
+    for i, (attr, (w, n_in)) in enumerate(weights.items()):
+        q = jax.vmap(fp8.prequantize)(w, None if history is None else history[:, i])
+        out[attr] = dataclasses.replace(q, qt=q.q.transpose(output_first(w.ndim, n_in)))
     return out
+
+
+def quantized(blocks, own, cfg, mesh: Mesh) -> tuple[dict, list]:
+    """``(scanned, apart)``: ``modules``' projection stacks quantised (``_stacks``), from ``transformer.split_block``'s
+    state stacked over every layer (``blocks``: ``scanned``, ``{module: {weight: fp8.Quantized}}``, sliced by the layer
+    scan) and its modules stacked over their own layers (``own``: ``apart``, ``[({module: ...}, rows [L])]``, read by
+    row as their parameters are: ``transformer.layer_rows``). Empty when nothing applies."""
+    mods, dt = modules(cfg, mesh), cfg.compute_jnp_dtype
+    scanned = {m: _stacks(blocks[m], m, dt) for m in mods if m not in cfg.stacked_apart}
+    apart = [({m: _stacks(state[m], m, dt)}, rows) for (state, rows), m in zip(own, cfg.stacked_apart) if m in mods]
+    return scanned, apart
 
 
 def carried(w: jax.Array, ready: dict | None, attr: str):

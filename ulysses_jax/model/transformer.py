@@ -115,7 +115,7 @@ class Block(nnx.Module):
         branches = [functools.partial(self._attention, kind=i, drop=drop, ready=ready.get("attn"))
                     for i in range(len(cfg.window_kinds))]
         if cfg.linear_layers:  # the delta-net's branch, after the attention kinds (layer_kinds.kind_index)
-            branches.append(functools.partial(self._linear, drop=drop))
+            branches.append(functools.partial(self._linear, drop=drop, ready=ready.get("delta")))
         if len(branches) == 1:
             h_BSD = branches[0](x_BSD, positions_BS, segment_ids_BS)
         elif kind is None:
@@ -170,13 +170,14 @@ class Block(nnx.Module):
         return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
 
     @jax.named_scope("linear_attention")
-    def _linear(self, x_BSD, positions_BS, segment_ids_BS, *, drop=None):
-        """``x + delta_net(norm(x))``: a gated delta-net layer (``model/delta_net.py``; positions unused)."""
+    def _linear(self, x_BSD, positions_BS, segment_ids_BS, *, drop=None, ready=None):
+        """``x + delta_net(norm(x))``: a gated delta-net layer (``model/delta_net.py``; positions unused); ``ready``:
+        its float8 weights of ``fp8_stack``, or None."""
         # the norm recomputed in the backward: its float32 intermediates of the device's whole sequence were kept
         # (six float32 [S/sp, hidden] buffers in Qwen3.5-9B's compiled step at 1M tokens); the delta-net applies it,
         # in each head group again
         return x_BSD + self.delta(x_BSD, segment_ids_BS, lora.pairs(self, "delta"), drop,
-                                  norm=functools.partial(self.attn_norm, remat=True))
+                                  norm=functools.partial(self.attn_norm, remat=True), ready=ready)
 
     def attention_params(self) -> dict:
         """This layer's attention parameters by ``tiled_attention.PARAMS`` names, at rest, in the compute dtype
@@ -360,9 +361,10 @@ class Transformer(nnx.Module):
         graphdef, blocks, own = split_block(self.blocks, cfg)  # stacked apart: read by row, not scanned
         # each layer's attention kind (model/layer_kinds.py) and MLP kind travel through the scan with its parameters
         sparse_L = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)
-        # --fp8 on unsplit weights: every projection stack quantised here, once, in both layouts (fp8_stack)
+        # --fp8 on unsplit weights: the projection stacks quantised here, once, in both layouts (fp8_stack)
+        ready, ready_apart = fp8_stack.quantized(blocks, own, cfg, mesh)
         stacked = (blocks, jnp.asarray(cfg.kind_of_layer, jnp.int32), jnp.asarray(sparse_L),
-                   jnp.arange(cfg.num_layers, dtype=jnp.int32), fp8_stack.quantized(blocks, cfg, mesh))
+                   jnp.arange(cfg.num_layers, dtype=jnp.int32), ready)
         valid_BS = None if segment_ids_BS is None else segment_ids_BS != 0
         ids_BS = None
         if dropout_key is not None and cfg.lora is not None and cfg.lora.dropout:  # each token's mask: its index
@@ -378,6 +380,8 @@ class Transformer(nnx.Module):
                 layer_state = host_offload.stream_in(layer_state)  # with modules stacked apart: ModelConfig)
             # with the tiled attention, its LoRA targets merged
             block = lora.merged(nnx.merge(graphdef, layer_state, *layer_rows(own, index)))
+            for part in layer_rows(ready_apart, index):  # a module's float8 stacks over its own layers: its row
+                fp8_ready = {**fp8_ready, **part}
             return block(x_BSD, positions_BS, segment_ids_BS, kind, sparse, valid_BS, drop, fp8_ready)
 
         every = cfg.remat_every if cfg.remat != "none" else 1
