@@ -46,12 +46,12 @@ def _float8_transposes(jaxpr) -> int:
     return n
 
 
-# one device, the plain sublayers; data parallelism (2 x 1) with the tiled MLP, the tiled attention (its own
-# quantisation: the MLP's stacks alone are hoisted), remat and the delayed recipe; Gemma 3's mixed window kinds; a
-# hybrid (its attention stacked over its one attention layer, its delta-net over two: both read by row)
+# one device, the plain sublayers; data parallelism (2 x 1) with the tiled MLP, the tiled attention in head groups
+# (q, k, v, o hoisted in one layout), remat and the delayed recipe; Gemma 3's mixed window kinds; a hybrid (its
+# attention stacked over its one attention layer, its delta-net over two: both read by row)
 @pytest.mark.parametrize("recipe, devices, fields", [
     ("current", 1, {}),
-    ("delayed", 2, dict(mlp_chunk=16, attn_chunk=32, remat="full")),
+    ("delayed", 2, dict(mlp_chunk=16, attn_chunk=32, attn_head_chunk=2, remat="full")),
     ("current", 1, dict(sliding_window=16, layer_pattern=("local", "global"), post_norms=True, mlp_chunk=32)),
     ("delayed", 1, dict(HYBRID, num_layers=3, layer_pattern=("linear", "global", "linear"), remat="full")),
 ], ids=["plain", "dp2-tiled-delayed", "mixed-kinds", "hybrid-delayed"])
@@ -61,8 +61,9 @@ def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devi
     cfg = dataclasses.replace(BASE, fp8=True, fp8_recipe=recipe, **fields)
     mesh = make_mesh(data=devices, fsdp=1, sp=1, devices=jax.devices()[:devices])
     mods = fp8_stack.modules(cfg, mesh)
-    assert mods == ("mlp",) if cfg.attn_chunk else ("attn", "delta", "mlp") if cfg.linear_layers else ("attn", "mlp")
-    stacks = {"attn": 4, "delta": 2, "mlp": 3}  # the delta-net's q, k, v, z side by side, and its output
+    assert mods == (("attn", "delta", "mlp") if cfg.linear_layers else ("attn", "mlp"))
+    # the stacks kept in both layouts: the delta-net's q, k, v, z side by side and its output; the tiled attention: none
+    stacks = {"attn": 0 if cfg.attn_chunk else 4, "delta": 2, "mlp": 3}
     stacks = sum(stacks[m] for m in mods)
     graphdef, state = nnx.split(build(cfg, mesh, seed))
     b = batch(seed, b=2 * devices)
@@ -81,13 +82,13 @@ def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devi
 
 def test_where_the_stacks_are_quantised_before_the_loop():
     """Unsplit weights under --fp8 only: not without it, not with LoRA (its base rests in float8), --offload-params,
-    FSDP or sequence devices (the weights split: each layer's gather moves float8) or experts; the tiled attention
-    keeps its own quantisation, and so does the delta-net in head groups (each group its own scale)."""
+    FSDP or sequence devices (the weights split: each layer's gather moves float8) or experts; the delta-net in head
+    groups keeps its own quantisation (each group its own scale)."""
     one = make_mesh(fsdp=1, sp=1, devices=jax.devices()[:1])
     on = dataclasses.replace(BASE, fp8=True)
     assert fp8_stack.modules(on, one) == ("attn", "mlp")
     assert fp8_stack.modules(on, make_mesh(data=8, fsdp=1, sp=1)) == ("attn", "mlp")
-    assert fp8_stack.modules(dataclasses.replace(on, attn_chunk=32), one) == ("mlp",)
+    assert fp8_stack.modules(dataclasses.replace(on, attn_chunk=32), one) == ("attn", "mlp")
     for cfg, mesh in [(BASE, one), (dataclasses.replace(on, lora=LoraConfig(rank=4, alpha=8.0)), one),
                       (dataclasses.replace(on, offload_params=True), one), (on, make_mesh(fsdp=2, sp=4)),
                       (on, make_mesh(data=4, fsdp=1, sp=2)),
@@ -100,17 +101,19 @@ def test_where_the_stacks_are_quantised_before_the_loop():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("hybrid", [False, pytest.param(True, marks=pytest.mark.slow)])  # 20 s more: make test-slow
-def test_the_h100_program_copies_no_stacked_weight(hybrid):
+@pytest.mark.parametrize("model", ["plain", pytest.param("hybrid", marks=pytest.mark.slow),  # 20 s more each:
+                                   pytest.param("tiled", marks=pytest.mark.slow)])  # make test-slow
+def test_the_h100_program_copies_no_stacked_weight(model):
     """Full fine-tuning with --fp8 on one compile-only H100 (float32 parameters, remat full, 4 layers): no stacked
     projection weight is copied into another layout (before: all seven, in float32, each step: 31.7 MiB of temporary
     memory against bf16's 23.0 here; llama3.2-1b at 32K: 3.62 GiB; a hybrid of 3 delta-net layers and 1 attention
-    layer: all twelve stacks, 34.5 MiB against 30.1); the step holds no more than bf16's step and the two float8 copies
-    of each stack."""
+    layer: all twelve stacks, 34.5 MiB against 30.1; the tiled attention, --attn-chunk 256: its four, 30.6 MiB against
+    23.5); the step holds no more than bf16's step and the two float8 copies of each stack."""
     from ulysses_jax.model.flops import layer_matmul_params
     from ulysses_jax.plan import hlo
 
-    kinds = dict(HYBRID, layer_pattern=("linear", "linear", "linear", "global")) if hybrid else {}
+    kinds = {"plain": {}, "tiled": dict(attn_chunk=256),
+             "hybrid": dict(HYBRID, layer_pattern=("linear", "linear", "linear", "global"))}[model]
     cfg = dataclasses.replace(BASE, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=768,
                               attention_impl="cudnn", fp8=True, remat="full", param_dtype="float32",
                               **{**kinds, "num_layers": 4})

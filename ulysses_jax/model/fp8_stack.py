@@ -19,8 +19,9 @@ loop bit for bit (tests/test_fp8_stack.py).
 Applies to the plain attention and MLP sublayers, the tiled MLP and a hybrid's delta-net (each mixer stacked over its
 own layers is read by row, as its parameters are: ``transformer.layer_rows``). The delta-net's q, k, v and z run as one
 GEMM on their weights side by side with one scale per layer, so they are quantised side by side (``QKVZ``), its output
-projection alone. Not with ``--delta-head-chunk`` (each head group takes its own scale: quantised in the loop), nor the
-tiled attention sublayer (its own per-layer quantisation); LoRA's frozen base rests in float8 already.
+projection alone. The tiled attention sublayer takes q, k, v and o in the first layout alone (its head groups cut that
+copy; the other layout XLA makes from the float8 stack, one byte an element). Not with ``--delta-head-chunk`` (each
+head group takes its own scale: quantised in the loop); LoRA's frozen base rests in float8 already.
 """
 
 from __future__ import annotations
@@ -40,19 +41,20 @@ from ulysses_jax.parallel.sharding import axes_size, fsdp_axes
 def modules(cfg, mesh: Mesh) -> tuple[str, ...]:
     """The modules (``fp8_base.WEIGHTS`` keys) whose stacks ``cfg``'s step quantises before the layer loop on ``mesh``:
     none without ``--fp8``, with LoRA (its base rests in float8), ``--offload-params`` (the layers stream in one by
-    one), split weights (each layer's gather moves float8 already) or experts; no ``attn`` with the tiled attention
-    sublayer, no ``delta`` in head groups (module doc)."""
+    one), split weights (each layer's gather moves float8 already) or experts; no ``delta`` in head groups (module
+    doc)."""
     if (not cfg.fp8 or cfg.lora is not None or cfg.offload_params or cfg.num_experts
             or axes_size(mesh, fsdp_axes(cfg.shard_params_over_data)) != 1):
         return ()
-    attn = ("attn",) if cfg.attention_layers and not cfg.attn_chunk else ()
+    attn = ("attn",) if cfg.attention_layers else ()
     delta = ("delta",) if cfg.linear_layers and len(group_heads(cfg, 1)[0]) == 1 else ()
     return attn + delta + ("mlp",)
 
 
-def _stacks(state, module: str, dt) -> dict:
+def _stacks(state, module: str, dt, transposed: bool = True) -> dict:
     """``{weight: fp8.Quantized}`` of ``module``'s stacked state: each projection weight in ``dt``, quantised per row
-    (``[rows]`` scales and amaxes; the delayed recipe's history row of each), in both layouts."""
+    (``[rows]`` scales and amaxes; the delayed recipe's history row of each), in both layouts (``transposed=False``:
+    the first alone, for the tiled attention sublayer, whose head groups cut it)."""
     history = state["fp8_history"].get_value() if "fp8_history" in state else None  # [rows, projections, 3, H]
     weights = {attr: (state[attr].get_value().astype(dt), n_in) for attr, n_in in WEIGHTS[module]}
     if module == "delta":  # q, k, v, z side by side (one scale per layer, as the one GEMM takes it); no history
@@ -61,7 +63,7 @@ def _stacks(state, module: str, dt) -> dict:
     out = {}
     for i, (attr, (w, n_in)) in enumerate(weights.items()):
         q = jax.vmap(fp8.prequantize)(w, None if history is None else history[:, i])
-        out[attr] = dataclasses.replace(q, qt=q.q.transpose(output_first(w.ndim, n_in)))
+        out[attr] = dataclasses.replace(q, qt=q.q.transpose(output_first(w.ndim, n_in))) if transposed else q
     return out
 
 
@@ -71,8 +73,12 @@ def quantized(blocks, own, cfg, mesh: Mesh) -> tuple[dict, list]:
     scan) and its modules stacked over their own layers (``own``: ``apart``, ``[({module: ...}, rows [L])]``, read by
     row as their parameters are: ``transformer.layer_rows``). Empty when nothing applies."""
     mods, dt = modules(cfg, mesh), cfg.compute_jnp_dtype
-    scanned = {m: _stacks(blocks[m], m, dt) for m in mods if m not in cfg.stacked_apart}
-    apart = [({m: _stacks(state[m], m, dt)}, rows) for (state, rows), m in zip(own, cfg.stacked_apart) if m in mods]
+
+    def stacks(state, m):
+        return _stacks(state[m], m, dt, transposed=not (m == "attn" and cfg.attn_chunk))
+
+    scanned = {m: stacks(blocks, m) for m in mods if m not in cfg.stacked_apart}
+    apart = [({m: stacks(state, m)}, rows) for (state, rows), m in zip(own, cfg.stacked_apart) if m in mods]
     return scanned, apart
 
 

@@ -55,7 +55,8 @@ without a ring (a ring device's tokens are the ring's zigzag share, which these 
 transpose.
 
 Float8 (``cfg.fp8``, ``fp8.py``): q, k, v and o's weights are quantised where they rest (one scale per weight, an amax
-over the devices) and gathered in float8 once per layer (``fp8.prequantize``): ``_sublayer`` takes them as
+over the devices) and gathered in float8 once per layer (``fp8.prequantize``; unsplit weights arrive quantised before
+the layer loop, ``fp8_stack``): ``_sublayer`` takes them as
 ``fp8.Quantized`` beside zeros of their gathered shape in ``w`` (``fp8.grad_carrier``), and every chunk and head group
 reads them as they are (a group's cut of a float8 weight keeps its scale). The chunks' projections run through
 ``fp8.einsum`` of ``fp8.Carried`` weights (their backward through ``grad_in``'s ``jax.vjp``: the weight gradient lands
@@ -386,13 +387,16 @@ def check_tiled_attention(chunk: int, mesh: Mesh, local_seq: int, flag: str = "a
 
 
 def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: ModelConfig, mesh: Mesh,
-                    chunk: int, head_chunk: int = 0, recompute: bool = False, kind: int = 0) -> jax.Array:
+                    chunk: int, head_chunk: int = 0, recompute: bool = False, kind: int = 0,
+                    ready: dict | None = None) -> jax.Array:
     """``x + attention(rms_norm(x))`` of one layer (global arrays, ``x [B, S, D]`` sequence-sharded), tiled as in
     the module doc: ``chunk`` tokens of each device's sequence per chunk, ``head_chunk`` query heads of each
     device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
     attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale, ``"post_norm"``
     Gemma 3's post-attention one: ``x + post_norm(attention(norm(x)))``; absent optional ones are left out), in the
-    compute dtype (the norm scales in float32) and at-rest layout."""
+    compute dtype (the norm scales in float32) and at-rest layout. ``ready``: with ``--fp8`` on unsplit weights, q, k,
+    v and o's float8 forms quantised before the layer loop (``fp8_stack``; by ``FLOAT8`` names, no ``qt``: a head
+    group cuts ``q`` alone), taken instead of quantising here."""
     sp = mesh.shape[SP]
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
@@ -407,8 +411,10 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     w_specs = [fp8.DEVICE_SPEC if k == fp8.HISTORY_KEY else param_spec(PARAMS[k][0], over_data=over_data)
                for k in names]
     act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
+    ready = ready or {}  # whole weights (fp8_stack applies to unsplit ones alone): replicated
+    ready_specs = {k: fp8.Quantized(P(), P(), P(), q.dtype) for k, q in ready.items()}
 
-    def local(x, pos, seg, *ws):
+    def local(x, pos, seg, ready, *ws):
         at_rest = dict(zip(names, ws))
         hist = at_rest[fp8.HISTORY_KEY][0] if fp8.HISTORY_KEY in at_rest else None  # this device's copy
         w, q8 = {}, {}
@@ -419,7 +425,8 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
                 continue
             gather = functools.partial(jax.lax.all_gather, axis_name=fsdp_axes(over_data), axis=axis, tiled=True)
             if cfg.fp8 and k in FLOAT8:  # quantised where it rests, gathered in float8; zeros take its gradient
-                q8[k] = fp8.prequantize(v, fp8.row(hist, FLOAT8.index(k)), axes=fsdp_axes(over_data), gather=gather)
+                q8[k] = ready[k] if k in ready else fp8.prequantize(v, fp8.row(hist, FLOAT8.index(k)),
+                                                                    axes=fsdp_axes(over_data), gather=gather)
                 w[k] = fp8.grad_carrier(v, gather)
             else:
                 w[k] = gather(v)
@@ -433,11 +440,11 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
         return _sublayer(spec, x, pos, seg, w, q8)
 
     has_seg = segment_ids_BS is not None
-    args = [x_BSD, positions_BS, *([segment_ids_BS] if has_seg else []), *(params[k] for k in names)]
-    specs = [act, tok, *([tok] if has_seg else []), *w_specs]
+    args = [x_BSD, positions_BS, ready, *([segment_ids_BS] if has_seg else []), *(params[k] for k in names)]
+    specs = [act, tok, ready_specs, *([tok] if has_seg else []), *w_specs]
 
-    def body(x, pos, *rest):
-        return local(x, pos, rest[0], *rest[1:]) if has_seg else local(x, pos, None, *rest)
+    def body(x, pos, ready, *rest):
+        return local(x, pos, rest[0], ready, *rest[1:]) if has_seg else local(x, pos, None, ready, *rest)
 
     # the custom rules and the kernels carry no varying-manual-axes types
     fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=act, check_vma=False)

@@ -70,7 +70,7 @@ from ulysses_jax.model.delta_net import DeltaNet, check_mesh
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
-from ulysses_jax.model.tiled_attention import tiled_attention
+from ulysses_jax.model.tiled_attention import FLOAT8, tiled_attention
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
 from ulysses_jax.parallel.mesh import MESH_AXES, RING
 from ulysses_jax.parallel.sharding import check_batch, check_seq, constrain, row_major
@@ -161,10 +161,11 @@ class Block(nnx.Module):
         """``x + attention(norm(x))`` (normed again before the add with ``post_norms``) of attention kind ``kind``;
         ``ready``: q, k, v and o's float8 weights of ``fp8_stack``, or None."""
         cfg = self.attn.cfg
-        if cfg.attn_chunk:
+        if cfg.attn_chunk:  # fp8_stack's float8 weights by the tiled sublayer's names (wq, wk, wv, wo)
+            ready = ready and {k: ready[attr] for k, (attr, _) in zip(FLOAT8, fp8_base.WEIGHTS["attn"])}
             return tiled_attention(x_BSD, positions_BS, segment_ids_BS, self.attention_params(), cfg=cfg,
                                    mesh=self.mesh, chunk=cfg.attn_chunk, head_chunk=cfg.attn_head_chunk,
-                                   recompute=cfg.attn_recompute, kind=kind)
+                                   recompute=cfg.attn_recompute, kind=kind, ready=ready)
         y_BSD = self.attn(self.attn_norm(x_BSD), positions_BS, segment_ids_BS, kind, lora.pairs(self, "attn"), drop,
                           ready)
         return x_BSD + (self.post_attn_norm(y_BSD) if cfg.post_norms else y_BSD)
