@@ -56,14 +56,14 @@ transpose.
 
 Float8 (``cfg.fp8``, ``fp8.py``): q, k, v and o's weights are quantised where they rest (one scale per weight, an amax
 over the devices) and gathered in float8 once per layer (``fp8.prequantize``; unsplit weights arrive quantised before
-the layer loop, ``fp8_stack``): ``_sublayer`` takes them as
-``fp8.Quantized`` beside zeros of their gathered shape in ``w`` (``fp8.grad_carrier``), and every chunk and head group
-reads them as they are (a group's cut of a float8 weight keeps its scale). The chunks' projections run through
-``fp8.einsum`` of ``fp8.Carried`` weights (their backward through ``grad_in``'s ``jax.vjp``: the weight gradient lands
-on the carrier, and the carrier's backward reduce-scatters it), the output projection's backward through ``fp8.grads``
-(``grad_out``). Activations and output gradients are scaled per chunk and head group. The output gate's weight is cut
-from q's gathered float8 weight (one scale, as the plain path's one GEMM has). The delayed recipe's history rides in
-``params`` (``fp8.HISTORY_KEY``, a copy per device), its new values meeting in a max over chunks, groups and devices.
+the layer loop, ``fp8_stack``): ``_sublayer`` takes them as ``fp8.Quantized`` beside zeros of their gathered shape in
+``w`` (``fp8.grad_carrier``), and every chunk and head group reads them as they are (a group's cut of a float8 weight
+keeps its scale). The chunks' projections run through ``fp8.einsum`` of ``fp8.Carried`` weights (their backward through
+``grad_in``'s ``jax.vjp``: the weight gradient lands on the carrier, and the carrier's backward reduce-scatters it), the
+output projection's backward through ``fp8.grads`` (``grad_out``). Activations and output gradients are scaled per chunk
+and head group. The output gate's weight is cut from q's gathered float8 weight (one scale, as the plain path's one GEMM
+has). The delayed recipe's history rides in ``params`` (``fp8.HISTORY_KEY``, a copy per device), its new values meeting
+in a max over chunks, groups and devices.
 """
 
 from __future__ import annotations
@@ -394,9 +394,8 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
     device per group (0: one group); ``recompute``: keep no output for the backward. ``params``: the layer's
     attention parameters by the names of ``PARAMS`` (``"norm"`` is the pre-attention RMSNorm's scale, ``"post_norm"``
     Gemma 3's post-attention one: ``x + post_norm(attention(norm(x)))``; absent optional ones are left out), in the
-    compute dtype (the norm scales in float32) and at-rest layout. ``ready``: with ``--fp8`` on unsplit weights, q, k,
-    v and o's float8 forms quantised before the layer loop (``fp8_stack``; by ``FLOAT8`` names, no ``qt``: a head
-    group cuts ``q`` alone), taken instead of quantising here."""
+    compute dtype (the norm scales in float32) and at-rest layout. ``ready``: q, k, v, o quantised before the layer
+    loop by ``FLOAT8`` names (``fp8_stack``; no ``qt``: head groups cut ``q``), taken instead of quantising here."""
     sp = mesh.shape[SP]
     n = check_tiled_attention(chunk, mesh, x_BSD.shape[1] // sp)
     platform = device_platform(mesh)
