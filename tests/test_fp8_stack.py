@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_fp8 import BASE, FAST, HYBRID, batch, build, compiled_step, flat
+from test_kept_attention import _count
 
 from ulysses_jax import make_mesh
 from ulysses_jax.model import fp8, fp8_stack
@@ -35,15 +36,7 @@ _loss_and_grads = jax.jit(_loss_and_grads_of, static_argnums=(0, 3), compiler_op
 
 def _float8_transposes(jaxpr) -> int:
     """Transposes with a float8 result in a jaxpr, its sub-jaxprs included (the stacks' second layout)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == "transpose" and eqn.outvars[0].aval.dtype == fp8.E4M3
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    n += _float8_transposes(inner)
-    return n
+    return _count(jaxpr, "transpose", lambda eqn: eqn.outvars[0].aval.dtype == fp8.E4M3)
 
 
 # one device, the plain sublayers; data parallelism (2 x 1) with the tiled MLP, the tiled attention in head groups

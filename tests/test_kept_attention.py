@@ -69,16 +69,17 @@ def test_a_hybrid_keeps_both_mixers_outputs_with_the_same_loss_and_gradients(rem
     assert loops == {False: 4, True: 3}, loops  # the forward, its re-run by remat (not with keep), the backward's two
 
 
-def _count(jaxpr, name: str) -> int:
-    """How many equations of primitive ``name`` a jaxpr holds, inside loops, remat and custom rules included."""
+def _count(jaxpr, name: str, where=lambda eqn: True) -> int:
+    """How many equations of primitive ``name`` (for which ``where(eqn)`` holds) a jaxpr holds, inside loops, remat
+    and custom rules included."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name == name
+        n += eqn.primitive.name == name and bool(where(eqn))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if isinstance(inner, jax.extend.core.Jaxpr):
-                    n += _count(inner, name)
+                    n += _count(inner, name, where)
     return n
 
 

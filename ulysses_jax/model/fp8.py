@@ -188,6 +188,11 @@ class Quantized:
         return self.q.shape
 
 
+def replicated(q: Quantized) -> Quantized:
+    """``q``'s ``shard_map`` spec when every device holds it whole (``fp8_stack``'s weights): each part ``P()``."""
+    return Quantized(P(), P(), P(), q.dtype, None if q.qt is None else P())
+
+
 def prequantize(w: jax.Array, history=None, *, axes: tuple[str, ...] = (), gather=None) -> Quantized:
     """A frozen weight's float8 form for ``frozen_einsum``: inside ``shard_map``, ``w`` is this device's at-rest shard,
     its amax a max over ``axes`` (those it is split on), quantised here and then ``gather``-ed in float8; the values

@@ -56,13 +56,14 @@ def _stacks(state, module: str, dt, transposed: bool = True) -> dict:
     (``[rows]`` scales and amaxes; the delayed recipe's history row of each), in both layouts (``transposed=False``:
     the first alone, for the tiled attention sublayer, whose head groups cut it)."""
     history = state["fp8_history"].get_value() if "fp8_history" in state else None  # [rows, projections, 3, H]
-    weights = {attr: (state[attr].get_value().astype(dt), n_in) for attr, n_in in WEIGHTS[module]}
+    weights = {attr: (state[attr].get_value().astype(dt), n_in, None if history is None else history[:, i])
+               for i, (attr, n_in) in enumerate(WEIGHTS[module])}
     if module == "delta":  # q, k, v, z side by side (one scale per layer, as the one GEMM takes it); no history
         side = [weights.pop(a)[0] for a in FP8_WEIGHTS[:4]]
-        weights = {QKVZ: (jnp.concatenate([a.reshape(*a.shape[:2], -1) for a in side], axis=2), 1), **weights}
+        weights = {QKVZ: (jnp.concatenate([a.reshape(*a.shape[:2], -1) for a in side], axis=2), 1, None), **weights}
     out = {}
-    for i, (attr, (w, n_in)) in enumerate(weights.items()):
-        q = jax.vmap(fp8.prequantize)(w, None if history is None else history[:, i])
+    for attr, (w, n_in, rows) in weights.items():
+        q = jax.vmap(fp8.prequantize)(w, rows)
         out[attr] = dataclasses.replace(q, qt=q.q.transpose(output_first(w.ndim, n_in))) if transposed else q
     return out
 

@@ -88,7 +88,7 @@ def tiled_swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, *, mesh: Mesh, chunk: int
     key, ids = drop if drop is not None else (None, None)  # given only while training with dropout
     hist = None if history is None else fp8.per_device(history, mesh)
     ready = {k: ready[a] for k, a in zip("gud", ATTRS)} if ready else {}  # whole weights: replicated specs
-    ready_specs = {k: fp8.Quantized(P(), P(), P(), q.dtype, P()) for k, q in ready.items()}
+    ready_specs = {k: fp8.replicated(q) for k, q in ready.items()}
 
     def gather(w, spec):
         axes = [i for i, e in enumerate(spec) if e is not None]

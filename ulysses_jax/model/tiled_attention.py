@@ -411,7 +411,7 @@ def tiled_attention(x_BSD, positions_BS, segment_ids_BS, params: dict, *, cfg: M
                for k in names]
     act, tok = P((DATA, FSDP), SEQ, None), P((DATA, FSDP), SEQ)
     ready = ready or {}  # whole weights (fp8_stack applies to unsplit ones alone): replicated
-    ready_specs = {k: fp8.Quantized(P(), P(), P(), q.dtype) for k, q in ready.items()}
+    ready_specs = {k: fp8.replicated(q) for k, q in ready.items()}
 
     def local(x, pos, seg, ready, *ws):
         at_rest = dict(zip(names, ws))
