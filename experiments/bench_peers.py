@@ -95,6 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all; --list shows them)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--flag-sets", default=None, help='our flag sets for every chosen row instead of its own, split by '
+                   '"|" (KEEP, SAVE, BASE stand for the module\'s sets: "SAVE|SAVE --fp8")')
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=600, help="seconds for each child measurement")
@@ -356,6 +358,8 @@ def main(argv=None) -> int:
             print(f"{r.name}: {r.preset} {r.mode} {r.seq_len:,} tokens{docs}; ours: {' | '.join(r.flag_sets)}")
         return 0
     chosen = [r for r in table if args.rows is None or r.name in args.rows.split(",")]
+    if args.flag_sets:
+        chosen = [dataclasses.replace(r, flag_sets=flag_sets(args.flag_sets)) for r in chosen]
     unknown = set(args.rows.split(",")) - {r.name for r in table} if args.rows else set()
     if unknown or not chosen:
         print(f"bench_peers: unknown rows {sorted(unknown)}; choose from {', '.join(r.name for r in table)}",
@@ -380,6 +384,13 @@ def main(argv=None) -> int:
         paths = write(stem, rows, header)
     print("wrote", *paths)
     return 0
+
+
+def flag_sets(text: str) -> tuple[str, ...]:
+    """``--flag-sets``' sets, each a set of flags whose first token may name one of the module's sets (BASE, KEEP,
+    SAVE, HOST_OPTIM, NO_TRITON), expanded."""
+    named = {"BASE": BASE, "KEEP": KEEP, "SAVE": SAVE, "HOST_OPTIM": HOST_OPTIM, "NO_TRITON": NO_TRITON}
+    return tuple(" ".join(named.get(t, t) for t in part.split()) for part in text.split("|") if part.strip())
 
 
 def _gpu_name() -> str | None:

@@ -195,7 +195,10 @@ def main(argv=None) -> int:
         args.preset, args.seq_lens, args.loss_chunk, args.mlp_chunk, args.warmup = "tiny", [512], 64, 64, 1
     seq_len = args.seq_lens[0]
     step, state, batch, local, cfg, mesh = bench_train.build(args, seq_len)
-    categories = hlo_categories(step.lower(state, batch).compile().as_text())
+    # the steps run the executable whose text is categorised: the trace's hlo_op names its instructions
+    step = step.lower(state, batch).compile()
+    hlo_text = step.as_text()
+    categories = hlo_categories(hlo_text)
     for _ in range(args.warmup):
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics["loss"])
@@ -229,9 +232,16 @@ def main(argv=None) -> int:
     by_op = collections.Counter()
     for start, end, name, kind in events:
         by_op[name, kind] += (end - start) * 1e-3 / n
-    for (name, kind), ms in by_op.most_common(15):
+    for (name, kind), ms in by_op.most_common(25):
         cat = "host transfers" if kind == "memcpy" else categories.get(name) or kernel_category(kind)
         lines.append(f"| {ms:.1f} | {cat} | `{name[:60]}` | `{kind[:80]}` |")
+    by_kernel, launches = collections.Counter(), collections.Counter()
+    for start, end, name, kind in events:
+        by_kernel[kind] += (end - start) * 1e-3 / n
+        launches[kind] += 1 / n
+    lines += ["", "The same time by kernel (each kernel's launches a step summed):", "",
+              "| ms per step | launches a step | kernel |", "|---|---|---|"]
+    lines += [f"| {ms:.1f} | {launches[k]:.0f} | `{k[:100]}` |" for k, ms in by_kernel.most_common(25)]
     if args.plan_json:
         parts = json.loads(args.plan_json.read_text())["estimate"]["parts"]
         lines += ["", "| plan's part | estimate ms | measured ms | measured - estimate |", "|---|---|---|---|"]
@@ -250,6 +260,11 @@ def main(argv=None) -> int:
     kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
     out = args.out_dir / f"profile_{cfg.name}_{seq_len}_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}.md"
     out.write_text(text)
+    # beside it, for reading after the call: the compiled module and every op's time (hlo_op, kernel, ms a step)
+    with gzip.open(out.with_suffix(".hlo.txt.gz"), "wt") as f:
+        f.write(hlo_text)
+    with gzip.open(out.with_suffix(".ops.json.gz"), "wt") as f:
+        json.dump([[name, kind, round(ms, 4)] for (name, kind), ms in by_op.most_common()], f)
     print("wrote", out)
     return 0
 

@@ -1,5 +1,6 @@
 """The benchmark scripts run (tiny CPU smoke configurations), so they cannot rot before a GPU session."""
 
+import gzip
 import json
 import os
 import pathlib
@@ -115,6 +116,17 @@ def test_profile_step_dry_run(tmp_path):
         assert c in rows, c
     assert float(rows["MLP chunks"]) > 0 and float(rows["tiled loss"]) > 0 and float(rows["optimizer update"]) > 0
     assert abs(float(rows["**sum**"]) - step_ms) <= 0.2
+    # the steps ran the executable it categorised: every traced op named one of its instructions
+    matched, traced = (int(x.replace(",", "")) for x in text.split(" device ops traced")[0].split("\n")[-1].split(
+        " of the "))
+    assert matched == traced > 0
+    # beside the table: the compiled module and every op's time, whose sum is the device ops' busy time or more
+    (hlo,) = tmp_path.glob("profile_tiny_*.hlo.txt.gz")
+    (ops,) = tmp_path.glob("profile_tiny_*.ops.json.gz")
+    assert "ENTRY" in gzip.open(hlo, "rt").read()
+    busy_ms = float(text.split("device ops busy ")[1].split(" ms")[0])
+    assert sum(ms for _, _, ms in json.load(gzip.open(ops, "rt"))) >= busy_ms - 0.5
+    assert "| ms per step | launches a step | kernel |" in text
 
 
 def test_profile_names_gpu_kernels_it_cannot_match():
@@ -178,6 +190,9 @@ def test_bench_peers_gives_xla_tokens_to_our_child_alone(monkeypatch):
     assert [x for _, x in seen] == ["--xla_gpu_enable_triton_gemm=false", None]
     row = next(r for r in bench_peers.ROWS if r.name == "8b-lora-8k")
     assert any(bench_peers.NO_TRITON in f and "--fp8" in f for f in row.flag_sets)
+    # --flag-sets: the module's named sets expanded, the rest kept as written
+    assert bench_peers.flag_sets("SAVE|SAVE --fp8 NO_TRITON| --remat none ") == (
+        bench_peers.SAVE, bench_peers.SAVE + " --fp8 " + bench_peers.NO_TRITON, "--remat none")
 
 
 def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, monkeypatch):

@@ -9,7 +9,8 @@
 # STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
 # experiments/bench_peers.py with PEER_ROWS, PEER_ARGS (more of its arguments) and PEERS_LIMIT (its seconds, default
 # 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300), experiments/profile_step.py with
-# PROFILE_ARGS); PYTEST_K narrows the GPU tests (pytest -k);
+# PROFILE_ARGS: argument sets split by "|", PROFILE_LIMIT seconds each); PYTEST_K narrows the GPU tests (pytest -k;
+# TESTS_LIMIT their seconds, default 240);
 # TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
 # Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
@@ -84,7 +85,7 @@ except Exception as e:
 EOF
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
 step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
-step tests_gpu 240 "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
+step tests_gpu "${TESTS_LIMIT:-240}" "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
   tests/test_flash_attention.py
 step attention_bench 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
 for attn in ${TRAIN_ATTENTION:-auto}; do
@@ -99,8 +100,12 @@ step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RE
 # beside fla and cuDNN (DELTA_ARGS: more)
 step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
   ${DELTA_ARGS:-}
-step profile 120 "$PY" experiments/profile_step.py --out-dir "$RES" --sp 1 --fsdp 1 --batch-size 1 "${CPU_FLAG[@]}" \
-  "${QUICK[@]}" ${PROFILE_ARGS:---seq-lens 32768 --attn-keep}
+# PROFILE_ARGS: one argument set, or several separated by "|" (one profile each, each under its own limit)
+IFS='|' read -ra PROFILE_SETS <<< "${PROFILE_ARGS:---seq-lens 32768 --attn-keep}"
+for i in "${!PROFILE_SETS[@]}"; do
+  step profile_$i "${PROFILE_LIMIT:-120}" "$PY" experiments/profile_step.py --out-dir "$RES" --sp 1 --fsdp 1 \
+    --batch-size 1 "${CPU_FLAG[@]}" "${QUICK[@]}" ${PROFILE_SETS[$i]}
+done
 
 tar czf "$BASE/results.tgz" -C "$RES" .
 echo "== last lines of each log =="
