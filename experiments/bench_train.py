@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank (alpha 2 x rank, every projection), the base frozen in bf16")
     p.add_argument("--documents", type=int, default=1, help="documents per row (1: one whole-row document)")
+    p.add_argument("--attn-max-documents", type=int, default=0,
+                   help="cuDNN's bound on documents a row (train's --attn-max-documents; 0: by the sequence length; "
+                        "1: one document, cuDNN's padding mask without the packed layout)")
     p.add_argument("--optim-offload", action="store_true",
                    help="bfloat16 parameters, float32 master weights and AdamW state in host memory (--optim.offload)")
     p.add_argument("--fp8", nargs="?", const="on", default="off", choices=("off", "on", "both"),
@@ -105,7 +108,8 @@ def build(args, seq_len: int):
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
                                   attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
                                   delta_precision=getattr(args, "delta_precision", "highest"),
-                                  delta_impl=getattr(args, "delta_impl", "xla"))
+                                  delta_impl=getattr(args, "delta_impl", "xla"),
+                                  attn_max_documents=getattr(args, "attn_max_documents", 0))
     if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
         cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:

@@ -110,6 +110,8 @@ def hlo_categories(text: str) -> dict[str, str]:
             out[name] = "GEMMs"
         else:
             out[name] = "elementwise and copies"
+    # the kernel of a fusion carries its name with underscores for dots (gemm_fusion_dot.25 -> gemm_fusion_dot_25)
+    out.update({k.replace(".", "_"): v for k, v in list(out.items()) if k.replace(".", "_") not in out})
     return out
 
 
@@ -131,6 +133,16 @@ def kernel_category(kernel: str) -> str:
     return "elementwise and copies"
 
 
+def op_category(categories: dict[str, str], name: str, kind: str) -> str:
+    """A traced op's category: host transfers for a memcpy between host and device; else the instruction its
+    ``hlo_op`` names; else the instruction whose name its kernel carries (XLA names a fusion's kernel after the
+    fusion, dots as underscores: the ops inside a command buffer, whose ``hlo_op`` is the buffer); else by the kernel's
+    own name (``kernel_category``)."""
+    if kind == "memcpy":
+        return "host transfers"
+    return categories.get(name) or categories.get(kind) or kernel_category(kind)
+
+
 def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]]:
     """``(start us, end us, hlo_op or event name, kind)`` of the device ops in a perfetto trace: events tagged with
     ``hlo_op`` (kind: the kernel's own name), and memcpy events (kind ``memcpy``)."""
@@ -146,8 +158,9 @@ def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]
         args = e.get("args") or {}
         if "hlo_op" in args:
             out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), args["hlo_op"], e.get("name", "")))
-        elif "memcpy" in e.get("name", "").lower():
-            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], "memcpy"))
+        elif "memcpy" in e.get("name", "").lower():  # device-to-device copies are copies, not host transfers
+            host = any(t in e["name"].lower().replace(" ", "") for t in ("htod", "dtoh", "htoh"))
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], "memcpy" if host else "copy"))
     return out
 
 
@@ -159,7 +172,7 @@ def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], flo
     rank = {c: i for i, c in enumerate(CATEGORIES)}
 
     def category(name, kind):
-        return "host transfers" if kind == "memcpy" else categories.get(name) or kernel_category(kind)
+        return op_category(categories, name, kind)
 
     points = []
     for start, end, name, kind in events:
@@ -233,7 +246,7 @@ def main(argv=None) -> int:
     for start, end, name, kind in events:
         by_op[name, kind] += (end - start) * 1e-3 / n
     for (name, kind), ms in by_op.most_common(25):
-        cat = "host transfers" if kind == "memcpy" else categories.get(name) or kernel_category(kind)
+        cat = op_category(categories, name, kind)
         lines.append(f"| {ms:.1f} | {cat} | `{name[:60]}` | `{kind[:80]}` |")
     by_kernel, launches = collections.Counter(), collections.Counter()
     for start, end, name, kind in events:

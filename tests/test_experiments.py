@@ -147,6 +147,17 @@ def test_profile_names_gpu_kernels_it_cannot_match():
     total, span = breakdown(events, {"add.3": "optimizer update"})  # the module's name first, where it matches
     assert total["attention forward"] == pytest.approx(10e-6) and total["GEMMs"] == pytest.approx(20e-6)
     assert total["optimizer update"] == pytest.approx(1e-6) and span == pytest.approx(31e-6)
+    # inside a command buffer (the H200 profile of 2026-11-28) hlo_op names the buffer: the kernel's name, XLA's
+    # fusion's with underscores, finds the instruction; a device-to-device memcpy is a copy, not a host transfer
+    from profile_step import hlo_categories, op_category
+
+    hlo = ('%gemm_fusion_dot.25 = bf16[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
+           'metadata={op_name="jit(step)/transpose(jvp())/mlp/dot_general"}')
+    cats = hlo_categories(hlo)
+    assert op_category(cats, "command_buffer_3", "gemm_fusion_dot_25") == "MLP chunks"
+    assert op_category(cats, "command_buffer_3", "memcpy32_post") == "elementwise and copies"
+    assert op_category(cats, "MemcpyD2D", "copy") == "elementwise and copies"
+    assert op_category(cats, "MemcpyH2D", "memcpy") == "host transfers"
 
 
 def test_plan_vs_measured_fit_recovers_known_multipliers():

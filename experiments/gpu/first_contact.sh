@@ -7,11 +7,13 @@
 #   4. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens), then again with --attn-keep
 #   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed; in STEPS by name only)
 # STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
-# experiments/bench_peers.py with PEER_ROWS, PEER_ARGS (more of its arguments) and PEERS_LIMIT (its seconds, default
-# 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300), experiments/profile_step.py with
+# experiments/bench_peers.py with PEER_ROWS, PEER_FLAG_SETS (its --flag-sets), PEER_ARGS (more of its arguments) and
+# PEERS_LIMIT (its seconds, default 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300),
+# experiments/profile_step.py with
 # PROFILE_ARGS: argument sets split by "|", PROFILE_LIMIT seconds each); PYTEST_K narrows the GPU tests (pytest -k;
 # TESTS_LIMIT their seconds, default 240);
-# TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each.
+# TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each. baseline:
+# bench_train.py with BASELINE_ARGS on an earlier commit's package in .baseline/ (BASELINE_LIMIT, default 90 s).
 # Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
 #
@@ -93,9 +95,15 @@ for attn in ${TRAIN_ATTENTION:-auto}; do
     "${QUICK[@]}"
 done
 step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
+# the before of a before/after in the same call: bench_train.py with BASELINE_ARGS on the package in .baseline/ (an
+# earlier commit's, made here by `git archive REV ulysses_jax | tar -x -C .baseline`, carried with the call)
+if [ -d .baseline/ulysses_jax ]; then
+  step baseline "${BASELINE_LIMIT:-90}" env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" experiments/bench_train.py \
+    --out-dir "$RES/baseline" "${CPU_FLAG[@]}" "${QUICK[@]}" ${BASELINE_ARGS:-}
+fi
 # issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list)
 step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" \
-  "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_ARGS:-}
+  "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_FLAG_SETS:+--flag-sets "$PEER_FLAG_SETS"} ${PEER_ARGS:-}
 # issue 39: the delta rule, ours at both precisions (highest, bf16 products) and both walks (xla, pallas)
 # beside fla and cuDNN (DELTA_ARGS: more)
 step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \

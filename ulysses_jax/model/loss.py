@@ -22,9 +22,8 @@ once, forward and backward, never ``[B, S, V]``. Sums and counts are ``psum``-ed
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.model.config import local_chunks
+from ulysses_jax.model.layers import wide_dot
 from ulysses_jax.model.moe import aux_loss, expert_load
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
@@ -118,7 +118,7 @@ def tiled_cross_entropy_sum(
 
         @jax.checkpoint
         def chunk_sum(h_bcD, labels_bc, w_VD):
-            logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
+            logits_bcV = wide_dot("bcd,vd->bcv", h_bcD, w_VD)
             return cross_entropy_sum(logits_bcV, labels_bc)[0]
 
         def total(h_nbcD, w_VD, labels_nbc):

@@ -67,7 +67,7 @@ from ulysses_jax.model import fp8, fp8_base, fp8_stack, host_offload, lora
 from ulysses_jax.model.attention import Attention
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.delta_net import DeltaNet, check_mesh
-from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use
+from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use, wide_dot
 from ulysses_jax.model.mlp import MLP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import FLOAT8, tiled_attention
@@ -416,7 +416,7 @@ class Transformer(nnx.Module):
 
     def logits(self, h_BSD: jax.Array) -> jax.Array:
         w_VD = use(self.unembedding, self.mesh, self.config.compute_jnp_dtype)
-        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, w_VD, preferred_element_type=jnp.float32)
+        logits_BSV = wide_dot("bsd,vd->bsv", h_BSD, w_VD)
         return constrain(logits_BSV, self.mesh, ("batch", "seq", "vocab"))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
