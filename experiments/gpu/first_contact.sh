@@ -98,7 +98,8 @@ step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir 
 # the before of a before/after in the same call: bench_train.py with BASELINE_ARGS on the package in .baseline/ (an
 # earlier commit's, made here by `git archive REV ulysses_jax | tar -x -C .baseline`, carried with the call)
 if [ -d .baseline/ulysses_jax ]; then
-  step baseline_package 30 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" -c "import ulysses_jax; print(ulysses_jax.__file__)"
+  step baseline_package 30 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" -P -c \
+    "import ulysses_jax; print(ulysses_jax.__file__)"  # -P: no working directory first on the path, as for a script
   step baseline "${BASELINE_LIMIT:-90}" env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" experiments/bench_train.py \
     --out-dir "$RES/baseline" "${CPU_FLAG[@]}" "${QUICK[@]}" ${BASELINE_ARGS:-}
 fi
