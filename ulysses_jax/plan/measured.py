@@ -35,6 +35,8 @@ _H100 = "experiments/results/gpu_h100_20261126"
 _H200 = "experiments/results/gpu_h200_20261126"
 _PEERS = "experiments/results/peers_h100_20261127.csv"
 _KEEP = _AUTO + " --attn-keep"
+_SAVE = "--attention auto --remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0"
+_PEERS_H200 = "experiments/results/peers_h200_20261128.csv"
 ROWS: tuple[Measured, ...] = (
     Measured("h100", "llama3.2-1b", "full", 8192, 4, _CUDNN, 0.210, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
     Measured("h100", "llama3.2-1b", "full", 32768, 4, _CUDNN, 1.080, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
@@ -51,13 +53,19 @@ ROWS: tuple[Measured, ...] = (
     *(Measured("h100", preset, mode, seq, 1, flags, step, _PEERS) for preset, mode, seq, flags, step in (
         ("llama3.2-1b", "full", 32768, _KEEP.replace(" --attn-keep", ""), 1.478),
         ("llama3.2-1b", "full", 32768, _KEEP, 1.312),
-        ("llama3.2-1b", "full", 32768, "--attention auto --remat save_matmuls --attn-keep --loss-chunk 4096 "
-                                       "--mlp-chunk 0", 1.207),
+        ("llama3.2-1b", "full", 32768, _SAVE, 1.207),
         ("llama3.2-1b", "full", 32768, _KEEP + " --fp8", 1.309),
         ("llama3.2-1b", "full", 131072, _KEEP, 12.375),
         ("llama3.1-8b", "lora16", 8192, _KEEP, 0.833),
         ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8", 0.766),
         ("llama3.1-8b", "lora16", 32768, _KEEP, 4.606))),
+    # the same on an H200 (2026-11-28), after the tiled loss's float32 GEMMs were removed (layers.wide_dot)
+    *(Measured("h200", preset, mode, seq, 1, flags, step, _PEERS_H200) for preset, mode, seq, flags, step in (
+        ("llama3.2-1b", "full", 32768, _SAVE, 1.106),
+        ("llama3.2-1b", "full", 32768, _SAVE + " --attn-max-documents 1", 1.096),
+        ("llama3.1-8b", "lora16", 8192, _KEEP, 0.787),
+        ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8", 0.663),
+        ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8 --attn-max-documents 1", 0.630))),
 )
 
 
