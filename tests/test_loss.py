@@ -197,10 +197,13 @@ def test_wide_dot_backward_runs_on_the_operands_dtype(seed):
 
 
 @pytest.mark.aot
-def test_tiled_loss_backward_has_no_float32_gemm_on_h100():
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-unembedding", "frozen-unembedding"])
+def test_tiled_loss_backward_has_no_float32_gemm_on_h100(frozen):
     """The tiled loss's gradient compiled for a compile-only H100 with bf16 hidden states and unembedding: every GEMM
-    (cuBLAS or XLA's Triton GEMM fusion) takes bf16 operands. Before ``wide_dot`` the two backward GEMMs of each chunk
-    took float32 operands (TF32: 119 of 1,178 ms of llama3.2-1b's 32K step on an H200)."""
+    (cuBLAS or XLA's Triton GEMM fusion) takes bf16 operands (before, the two backward GEMMs of each chunk took float32
+    operands: TF32, 119 of 1,178 ms of llama3.2-1b's 32K step on an H200), and the program holds three GEMMs, the
+    logits and their two gradients, each once in the one loop over chunks (before: four, the backward loop computing
+    the logits again); two where the unembedding is frozen (LoRA: no gradient of it is computed)."""
     import re
 
     from ulysses_jax.model.loss import tiled_cross_entropy_sum
@@ -218,12 +221,14 @@ def test_tiled_loss_backward_has_no_float32_gemm_on_h100():
         return tiled_cross_entropy_sum(h, w, labels, mesh=mesh, chunk=1024)[0]
 
     with jax.default_device(dev[0]):
-        text = jax.jit(jax.grad(loss, (0, 1))).trace(h, w, labels).lower().compile().as_text()
+        step = jax.value_and_grad(loss, (0,) if frozen else (0, 1))  # the value too, as the training step
+        text = jax.jit(step).trace(h, w, labels).lower().compile().as_text()
     assert "gemm_fusion" in text or "__cublas" in text  # compiled for the GPU
     # every dot (inside XLA's GEMM fusions) and every cuBLAS call: operand types looked up by name
     types = dict(re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", text, re.M))
     gemms = re.findall(r"= \w+\[[^\]]*\][^ ]* (?:dot|custom-call)\(([^)]*)\)(.*)$", text, re.M)
     gemms = [ops for ops, rest in gemms if "__cublas" in rest or "custom-call" not in rest]
-    assert len(gemms) >= 3, text  # the logits (forward, recomputed) and the two gradients
+    assert len(gemms) == (2 if frozen else 3), text
     operand_types = [[types[o.strip().lstrip("%")] for o in ops.split(",")] for ops in gemms]
     assert all(t == ["bf16", "bf16"] for t in operand_types), operand_types
+    assert text.count(" while(") == 1  # one loop over the chunks

@@ -16,13 +16,13 @@ gradients of ``sum`` over micro-batches and divide by the added ``count``.
 
 Tiled loss (``ModelConfig.loss_chunk``): inside ``shard_map``, each device cuts its local ``[b, S/sp, D]``
 hidden states into chunks of ``loss_chunk`` tokens and computes logits, log-sum-exp and the label's
-logit one chunk at a time under ``jax.checkpoint``; only ``[b, loss_chunk, V]`` float32 logits exist at
-once, forward and backward, never ``[B, S, V]``. Sums and counts are ``psum``-ed over all mesh axes.
+logit one chunk at a time; only ``[b, loss_chunk, V]`` float32 logits exist at once, never ``[B, S, V]``. Under
+differentiation each chunk's gradients come with its value (``fused_cross_entropy_sum``): the logits are computed
+once. Sums and counts are ``psum``-ed over all mesh axes.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ulysses_jax.kernels.sinks import vary_like
 from ulysses_jax.model.config import local_chunks
-from ulysses_jax.model.layers import wide_dot
 from ulysses_jax.model.moe import aux_loss, expert_load
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
@@ -75,27 +75,68 @@ def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.
     return jnp.sum(token_losses(logits_BSV, labels_BS)), jnp.sum(labels_BS >= 0, dtype=jnp.int32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _loss_first(total, h, w, labels):
-    """``total(h, w)``, whose backward reads ``h`` only after the value is computed. Left to plain autodiff, the
-    forward loop over chunks (the value) and the backward loop (the gradient) are independent, and XLA schedules the
-    value's loop last, after the layers' backward: the final hidden states (one ``[b, s, D]`` buffer) then stay on
-    the device through the whole backward (the H100 buffer assignment, Llama-3.1-8B LoRA at 2M tokens)."""
-    return total(h, w, labels)
+def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):
+    """One chunk of the fused loss: ``(sum of its token losses, d sum / d h, d sum / d w or None)``. The logits'
+    gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to the operands' dtype before its two
+    GEMMs, as ``layers.wide_dot``'s backward does."""
+    logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
+    lse_bc = jax.nn.logsumexp(logits_bcV, axis=-1)
+    valid_bc, target_bc = labels_bc >= 0, jnp.maximum(labels_bc, 0)
+    label_logit_bc = jnp.take_along_axis(logits_bcV, target_bc[..., None], axis=-1)[..., 0]
+    total = jnp.sum(jnp.where(valid_bc, lse_bc - label_logit_bc, 0.0))
+    onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == target_bc[..., None]
+    d_bcV = jnp.exp(logits_bcV - lse_bc[..., None]) - onehot_bcV
+    d_bcV = jnp.where(valid_bc[..., None], d_bcV, 0.0).astype(jnp.result_type(h_bcD, w_VD))
+    dh_bcD = jnp.einsum("bcv,vd->bcd", d_bcV, w_VD, preferred_element_type=jnp.float32).astype(h_bcD.dtype)
+    dw_VD = jnp.einsum("bcv,bcd->vd", d_bcV, h_bcD, preferred_element_type=jnp.float32) if grad_w else None
+    return total, dh_bcD, dw_VD
 
 
-def _loss_first_fwd(total, h, w, labels):
-    value = total(h, w, labels)
-    h, value = jax.lax.optimization_barrier((h, value))
-    return value, (h, w, labels)
+def _fused_loop(h_nbcD, w_VD, labels_nbc, grad_w: bool):
+    """Every chunk in turn: ``(sum, d sum / d h [n, b, c, D], d sum / d w summed over the chunks, or None)``."""
+    def body(carry, xs):
+        total, dw_VD = carry
+        t, dh_bcD, dw = _chunk(*xs[:1], w_VD, xs[1], grad_w)
+        return (total + t, dw_VD if dw is None else dw_VD + dw.astype(dw_VD.dtype)), dh_bcD
+
+    def zeros(shape, dtype):  # typed as the body's sums: varying over the mesh axes h and w vary over
+        return vary_like(vary_like(jnp.zeros(shape, dtype), h_nbcD), w_VD)
+
+    carry = (zeros((), jnp.float32), zeros(w_VD.shape if grad_w else (), w_VD.dtype))
+    (total, dw_VD), dh_nbcD = jax.lax.scan(body, carry, (h_nbcD, labels_nbc))
+    return total, dh_nbcD, dw_VD if grad_w else None
 
 
-def _loss_first_bwd(total, res, ct):
-    h, w, labels = res
-    return (*jax.vjp(lambda h, w: total(h, w, labels), h, w)[1](ct), None)
+@jax.custom_vjp
+def fused_cross_entropy_sum(h_nbcD, w_VD, labels_nbc):
+    """The sum of the token losses of ``h @ w.T`` over chunks ``[n, b, c, D]`` (labels ``[n, b, c]``), one chunk's
+    float32 logits at a time. Under differentiation the forward computes the gradients too, chunk by chunk (the
+    unembedding's only where it trains: LoRA's frozen one gets none), and the backward scales them by the cotangent:
+    the logits are computed once, where autodiff of a checkpointed chunk computed them again in the backward
+    (one GEMM and the log-sum-exp's reductions per chunk more), and the hidden states are read by the forward alone,
+    whose loop XLA then runs before the layers' backward rather than after it."""
+    def body(total, xs):
+        logits_bcV = jnp.einsum("bcd,vd->bcv", xs[0], w_VD, preferred_element_type=jnp.float32)
+        return total + cross_entropy_sum(logits_bcV, xs[1])[0], None
+
+    zero = vary_like(vary_like(jnp.zeros((), jnp.float32), h_nbcD), w_VD)
+    return jax.lax.scan(body, zero, (h_nbcD, labels_nbc))[0]
 
 
-_loss_first.defvjp(_loss_first_fwd, _loss_first_bwd)
+def _fused_fwd(h_nbcD, w_VD, labels_nbc):
+    grad_w = w_VD.perturbed
+    total, dh_nbcD, dw_VD = _fused_loop(h_nbcD.value, w_VD.value, labels_nbc.value, grad_w)
+    return total, (dh_nbcD, dw_VD)
+
+
+def _fused_bwd(res, ct):
+    dh_nbcD, dw_VD = res
+    ct = jnp.zeros((), jnp.float32) if isinstance(ct, jax.custom_derivatives.SymbolicZero) else ct.astype(jnp.float32)
+    scaled_dw = None if dw_VD is None else (ct * dw_VD.astype(jnp.float32)).astype(dw_VD.dtype)
+    return (ct * dh_nbcD.astype(jnp.float32)).astype(dh_nbcD.dtype), scaled_dw, None
+
+
+fused_cross_entropy_sum.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def tiled_cross_entropy_sum(
@@ -116,16 +157,9 @@ def tiled_cross_entropy_sum(
         h_nbcD = h_bsD.reshape(b, n, chunk, d).swapaxes(0, 1)
         labels_nbc = labels_bs.reshape(b, n, chunk).swapaxes(0, 1)
 
-        @jax.checkpoint
-        def chunk_sum(h_bcD, labels_bc, w_VD):
-            logits_bcV = wide_dot("bcd,vd->bcv", h_bcD, w_VD)
-            return cross_entropy_sum(logits_bcV, labels_bc)[0]
-
-        def total(h_nbcD, w_VD, labels_nbc):
-            return jnp.sum(jax.lax.map(lambda xs: chunk_sum(*xs, w_VD), (h_nbcD, labels_nbc)))
-
         count = jnp.sum(labels_bs >= 0, dtype=jnp.int32)
-        return jax.lax.psum(_loss_first(total, h_nbcD, w_VD, labels_nbc), MESH_AXES), jax.lax.psum(count, MESH_AXES)
+        total = fused_cross_entropy_sum(h_nbcD, w_VD, labels_nbc)
+        return jax.lax.psum(total, MESH_AXES), jax.lax.psum(count, MESH_AXES)
 
     fn = jax.shard_map(
         local, mesh=mesh, in_specs=(P(batch, SEQ, None), P(None, wa), P(batch, SEQ)), out_specs=(P(), P())
