@@ -270,10 +270,18 @@ def _gib(x):
 def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[dict]:
     common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=row.documents, steps=args.steps,
                   warmup=args.warmup, allow_cpu=args.allow_cpu)
-    theirs = {p: measure({**common, "who": "peer", "peer": p}, args.timeout) for p in peers}
-    out = []
+    # ours first, then each peer, each measurement printed as it ends: a run stopped at its time limit (a slow or
+    # hanging peer: transformers' Qwen3.5 on the H200 of 2026-11-28) keeps what it measured
+    mines = {}
     for flags in row.flag_sets:
-        mine = measure({**common, "who": "ours", "flags": flags}, args.timeout)
+        mines[flags] = measure({**common, "who": "ours", "flags": flags}, args.timeout)
+        print(json.dumps({"row": row.name, "ours": flags, **mines[flags]}), flush=True)
+    theirs = {}
+    for p in peers:
+        theirs[p] = measure({**common, "who": "peer", "peer": p}, args.timeout)
+        print(json.dumps({"row": row.name, "peer": p, **theirs[p]}), flush=True)
+    out = []
+    for flags, mine in mines.items():
         for p in peers:
             t = theirs[p]
             ours_s, peer_s = mine.get("step_s"), t.get("step_s")
