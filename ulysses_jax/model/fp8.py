@@ -3,7 +3,7 @@
 ``einsum(spec, x, w, on=True)`` is ``jnp.einsum(spec, x, w)`` with a ``jax.custom_vjp``:
 
 * forward: ``x`` and ``w`` quantised to ``float8_e4m3fn`` (max 448), one scale each, the GEMM on the float8 operands
-  accumulating in float32 (``preferred_element_type``), the product rescaled by ``s_x s_w`` and cast to ``x``'s dtype;
+  accumulating in float32, the product rescaled by ``s_x s_w`` in ``x``'s dtype (the GEMM writes it: ``_dot_to``);
 * backward: the output gradient ``dy`` quantised to ``float8_e5m2`` (max 57344: range for gradients) and the two
   GEMMs ``dx = dy w^T`` and ``dw = x^T dy`` on float8 operands (``dy`` e5m2 against the saved e4m3 ``w`` and ``x``),
   rescaled, cast to ``x``'s and ``w``'s dtypes. The residuals are the float8 ``x`` and ``w`` (half of bf16's bytes).
@@ -99,6 +99,16 @@ def _dot(spec, a, b, sa, sb):
     return jnp.einsum(spec, a, b, preferred_element_type=_F32) * (sa * sb)
 
 
+def _dot_to(spec, a, b, sa, sb, dtype):
+    """``_dot`` in ``dtype``. Narrower than float32, the GEMM writes ``dtype`` and the product is rescaled in it (the
+    scale rounded to ``dtype``: 2^-9 in bf16): XLA folds that rescale into cuBLASLt's float8 GEMM, which then writes
+    ``dtype`` itself; a float32 result was written whole and cast by a pass of its own (about 46 ms of llama3.1-8b's
+    LoRA step at 8K on an H200, the profile of 2026-11-28). Triton's GEMM fusions take either form whole."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return _dot(spec, a, b, sa, sb).astype(dtype)
+    return jnp.einsum(spec, a, b, preferred_element_type=dtype) * (sa * sb).astype(dtype)
+
+
 def _used(history, row: int, current: jax.Array) -> jax.Array:
     """The amax a scale is taken from: the current one (no history, or an all-zero one), else the history's max."""
     if history is None:
@@ -128,14 +138,16 @@ def quantized(x, w, history=None, gather=None) -> tuple:
     return xq, wq if gather is None else gather(wq), sx, sw, ax, aw, history
 
 
-def backward_f32(spec, res, dy, weight_grad: bool = True):
-    """``(dx, dw, the history's new value or None)``, the gradients in float32, from ``quantized``'s residuals and
-    the output gradient ``dy`` (quantised to e5m2 here); ``weight_grad=False``: ``dw`` is None (a frozen weight)."""
+def backward_f32(spec, res, dy, weight_grad: bool = True, dtypes=(_F32, _F32)):
+    """``(dx, dw, the history's new value or None)``, the gradients in float32 (``dtypes``: in these two, each GEMM
+    writing its own, ``_dot_to``), from ``quantized``'s residuals and the output gradient ``dy`` (quantised to e5m2
+    here); ``weight_grad=False``: ``dw`` is None (a frozen weight)."""
     xq, wq, sx, sw, ax, aw, history = res
     dyq, sdy, ady = _role(dy, history, 2, E5M2)
     dx_spec, dw_spec = _grad_specs(spec)
     new = None if history is None else rolled(history, (ax, aw, ady))
-    return _dot(dx_spec, dyq, wq, sdy, sw), _dot(dw_spec, xq, dyq, sx, sdy) if weight_grad else None, new
+    dw = _dot_to(dw_spec, xq, dyq, sx, sdy, dtypes[1]) if weight_grad else None
+    return _dot_to(dx_spec, dyq, wq, sdy, sw, dtypes[0]), dw, new
 
 
 def grads(spec, x, w, dy, history=None):
@@ -156,14 +168,13 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, history: jax.Array | None 
 def _fwd(spec, x, w, history, gather=None):
     res = quantized(x, w, history, gather)
     xq, wq, sx, sw = res[:4]
-    y = _dot(spec, xq, wq, sx, sw).astype(jnp.result_type(x, w))
+    y = _dot_to(spec, xq, wq, sx, sw, jnp.result_type(x, w))
     return y, (res, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
 def _bwd(spec, gather, res, dy):
     res, x0, w0 = res
-    dx, dw, new = backward_f32(spec, res, dy)
-    return dx.astype(x0.dtype), dw.astype(w0.dtype), new
+    return backward_f32(spec, res, dy, dtypes=(x0.dtype, w0.dtype))
 
 
 fp8_einsum.defvjp(_fwd, _bwd)
@@ -220,7 +231,7 @@ def _quantized_forward(spec, x, q: Quantized, history):
     ``q.qt`` where it is kept)."""
     res = _residuals(x, q, history)
     w, spec_w = (q.q, spec) if q.qt is None else (q.qt, _output_first(spec))
-    y = _dot(spec_w, res[0], w, res[2], q.scale).astype(jnp.promote_types(x.dtype, q.dtype))
+    y = _dot_to(spec_w, res[0], w, res[2], q.scale, jnp.promote_types(x.dtype, q.dtype))
     return y, res
 
 
@@ -238,8 +249,8 @@ def _frozen_fwd(spec, x, w, history):
 
 def _frozen_bwd(spec, res, dy):
     res, x0 = res
-    dx, _, new = backward_f32(spec, res, dy, weight_grad=False)
-    return dx.astype(x0.dtype), None, new
+    dx, _, new = backward_f32(spec, res, dy, weight_grad=False, dtypes=(x0.dtype, None))
+    return dx, None, new
 
 
 frozen_einsum.defvjp(_frozen_fwd, _frozen_bwd)
@@ -289,8 +300,8 @@ def _carried_fwd(spec, x, carrier, q, history):
 
 def _carried_bwd(spec, res, dy):
     res, x0, c0 = res
-    dx, dw, new = backward_f32(spec, res, dy)
-    return dx.astype(x0.dtype), dw.astype(c0.dtype), None, new
+    dx, dw, new = backward_f32(spec, res, dy, dtypes=(x0.dtype, c0.dtype))
+    return dx, dw, None, new
 
 
 carried_einsum.defvjp(_carried_fwd, _carried_bwd)
