@@ -9,8 +9,9 @@ at the row's end), several rows with different document counts (cudnn-frontend #
 across rows), documents of length 1, GQA, a window, head_dim 64 and 128. Output and dQ at the real (non-padding) tokens,
 dK and dV everywhere, against the float32 XLA reference, the cotangent zero at padding; the tolerance is the GPU tests' bf16 one.
 Timing: forward and forward+backward medians (``jax.block_until_ready`` after each call), causal, H=32 / Hkv=8 /
-D=128, one row; cuDNN unpacked, cuDNN packed (8 documents; the bound M on documents per row at 8, 32, 128), ours
-packed; the temp memory of each compiled forward+backward. Writes ``cudnn_packed.md`` and ``.csv`` into --out-dir.
+D=128 (--head-dims), one row; cuDNN unpacked, one document at M=1 (the padding mask) and M=8, cuDNN packed (8
+documents; the bound M on documents per row at 8, 32, 128), ours packed; the temp memory of each compiled
+forward+backward. Writes ``cudnn_packed.md`` and ``.csv`` into --out-dir.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def timing(s, *, h=32, hkv=8, d=128, docs=8, iters=5):
         "cudnn unpacked": lambda q, k, v: attention(q, k, v, causal=True, impl="cudnn"),
         "cudnn packed 1 doc, M=8": lambda q, k, v: cudnn_packed_attention(q, k, v, one, causal=True, scale=d ** -0.5,
                                                                           max_segments=8),
+        # --attn-max-documents 1: cuDNN's padding mask, no packed layout (the H200's training steps of 2026-11-28
+        # ran faster with it than with the default bound; unpacked is the kernel without any mask but causality)
+        "cudnn 1 doc, M=1 (padding mask)": lambda q, k, v: cudnn_packed_attention(q, k, v, one, causal=True,
+                                                                                  scale=d ** -0.5, max_segments=1),
     }
     for m in (8, 32, 128):
         variants[f"cudnn packed {docs} docs, M={m}"] = (
@@ -107,10 +112,10 @@ def timing(s, *, h=32, hkv=8, d=128, docs=8, iters=5):
             temp = compiled.memory_analysis().temp_size_in_bytes
             t_f = median_seconds(jax.jit(fn), q, k, v, warmup=2, iters=iters)
             t_fb = median_seconds(compiled, q, k, v, do, warmup=2, iters=iters)
-            rows.append({"what": f"S={s} {name}", "fwd_ms": f"{1e3 * t_f:.2f}", "fwd_bwd_ms": f"{1e3 * t_fb:.2f}",
+            rows.append({"what": f"S={s} D={d} {name}", "fwd_ms": f"{1e3 * t_f:.2f}", "fwd_bwd_ms": f"{1e3 * t_fb:.2f}",
                          "temp_gib": f"{temp / 2**30:.2f}"})
         except Exception as e:  # noqa: BLE001 - recorded as a row note
-            rows.append({"what": f"S={s} {name}", "note": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            rows.append({"what": f"S={s} D={d} {name}", "note": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
         print(rows[-1], flush=True)
     return rows
 
@@ -120,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", type=pathlib.Path, required=True)
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--seq-lens", type=lambda x: [int(t) for t in x.split(",")], default=[32768])
+    p.add_argument("--head-dims", type=lambda x: [int(t) for t in x.split(",")], default=[128],
+                   help="the timing's head dims (64: llama3.2-1b's)")
     args = p.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     if not gpu and not args.allow_cpu:
@@ -152,9 +159,10 @@ def main(argv=None) -> int:
         print(row, flush=True)
         rows.append(row)
     if gpu:
-        for sl in args.seq_lens:
-            rows += timing(sl)
-    meta = run_header(workload=f"checks at S={s} bf16; timing causal, 1 row, H=32, Hkv=8, D=128")
+        for d in args.head_dims:
+            for sl in args.seq_lens:
+                rows += timing(sl, d=d)
+    meta = run_header(workload=f"checks at S={s} bf16; timing causal, 1 row, H=32, Hkv=8, D={args.head_dims}")
     cols = ["what", "out", "dq", "dk", "dv", "fwd_ms", "fwd_bwd_ms", "temp_gib", "note"]
     print("wrote", *write_table(args.out_dir / "cudnn_packed", "cuDNN packed attention probe", meta, cols, rows))
     return 0
