@@ -5,7 +5,7 @@
 #   2. the GPU tests (pytest -m gpu: tests/test_gpu.py and the long-sequence ones of tests/test_flash_attention.py)
 #   3. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128, packed and not)
 #   4. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens), then again with --attn-keep
-#   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed; in STEPS by name only)
+#   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed, PROBE_ARGS; in STEPS by name only)
 # STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
 # experiments/bench_peers.py with PEER_ROWS, PEER_FLAG_SETS (its --flag-sets), PEER_ARGS (more of its arguments) and
 # PEERS_LIMIT (its seconds, default 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300),
@@ -86,7 +86,7 @@ except Exception as e:
     print("cudnn version unknown:", e)
 EOF
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
-step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}"
+step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}" ${PROBE_ARGS:-}
 step tests_gpu "${TESTS_LIMIT:-240}" "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
   tests/test_flash_attention.py
 step attention_bench 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
