@@ -212,6 +212,9 @@ def test_packed_cudnn_compiles_for_h100_without_triton(h, hkv, window, m, d):
     assert all("reduce" in line.split("=")[0] for line in triton), triton
     if window:
         assert text.count("sliding_window_length") >= 2
+    # one document a row (M = 1): cuDNN's causal mask alone, no sequence lengths; more: the padded, packed layout
+    masks = re.findall(r'"mask_type":\s*"(\w+)"', text)
+    assert masks == (["CAUSAL"] * 2 if m == 1 else ["PADDING_CAUSAL"] * 2), masks
     auto = _compiled_text(dev, "auto", h=h, hkv=hkv, window=window, max_documents=m, d=d)
     assert re.findall(r'custom_call_target="([^"]*)"', auto) == re.findall(r'custom_call_target="([^"]*)"', text)
 
@@ -304,3 +307,37 @@ def test_around_packed_masks_the_gradients_at_padding_not_the_inputs():
     want = jax.vjp(call, q, k, v)[1](dout)
     for got, full in zip(vjp(dout), want):
         assert bool(jnp.all(got[:, 6:] == 0)) and bool(jnp.all(got[:, :6] == full[:, :6]))
+
+
+def test_one_document_rows_need_no_mask_but_causality(seed):
+    """``M = 1`` (``--attn-max-documents 1``) runs cuDNN with its causal mask alone: a row is one document from its
+    start, then padding, so no token of the document reads a later one. Here with XLA's kernel in cuDNN's place inside
+    ``around_packed``: outputs and the gradients of Q, K, V equal the segment-masked reference at every token (the
+    padding's zeroed, as the reference's cotangent-free rows are masked), fresh rows with trailing padding of random
+    lengths, GQA; a row with padding first, or two documents, makes the output NaN."""
+    from ulysses_jax.kernels.cudnn_packed import around_packed
+
+    b, s, h, hkv, d = 3, 64, 4, 2, 16
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, s + 1, b)
+    seg = jnp.asarray((np.arange(s)[None] < lengths[:, None]).astype(np.int32))
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, s, h, d), jnp.float32)
+    k, v = (jax.random.normal(x, (b, s, hkv, d), jnp.float32) for x in ks[1:3])
+    real = (seg > 0)[:, :, None, None]
+    do = jnp.where(real, jax.random.normal(ks[3], (b, s, h, d), jnp.float32), 0.0)
+
+    def ours(q, k, v, seg=seg):
+        return around_packed(lambda q, k, v: attention(q, k, v, causal=True, impl="xla"), q, k, v, seg, 1)
+
+    def reference(q, k, v):
+        return jnp.where(real, attention(q, k, v, causal=True, segment_ids=seg, impl="xla"), 0.0)
+
+    (o1, vjp1), (o0, vjp0) = jax.vjp(ours, q, k, v), jax.vjp(reference, q, k, v)
+    np.testing.assert_allclose(o1, o0, atol=1e-5, rtol=1e-5)
+    for g1, g0 in zip(vjp1(do), vjp0(do)):
+        np.testing.assert_allclose(g1, g0, atol=1e-5, rtol=1e-5)
+    pad_first = seg.at[0].set(jnp.asarray((np.arange(s) >= 5).astype(np.int32)))
+    two_docs = seg.at[1].set(jnp.asarray((1 + (np.arange(s) >= s // 2)).astype(np.int32)))
+    for bad in (pad_first, two_docs):
+        assert np.isnan(np.asarray(ours(q, k, v, bad))).all()

@@ -131,6 +131,34 @@ def test_packed_cudnn_matches_the_float32_reference(rows, h, hkv, d, docs, pad, 
         assert rel_err(g, w) < TOL_BF16, (name, rel_err(g, w))
 
 
+@pytest.mark.parametrize("d,hkv", [(64, 8), (128, 2)], ids=["hd64-gqa", "hd128-gqa"])
+def test_one_document_rows_on_cudnn_match_the_float32_reference(d, hkv, seed):
+    """``max_documents=1`` (``--attn-max-documents 1``): cuDNN with its causal mask alone (kernels/cudnn_packed.py
+    ``_ragged``) on rows of one document then padding of different lengths, against the float32 reference with the
+    segment ids: output and dQ at real tokens, dK and dV everywhere (zero at padding)."""
+    rng = np.random.default_rng(seed)
+    s, rows, h = 4096, 3, 32
+    q, k, v, do = inputs(seed, s, h=h, hkv=hkv, d=d, b=rows)
+    lengths = np.array([s, *rng.integers(1, s, rows - 1)])
+    seg_np = (np.arange(s)[None] < lengths[:, None]).astype(np.int32)
+    seg, real = jnp.asarray(seg_np), (seg_np != 0)[..., None, None]
+    do = jnp.where(real, do, 0)
+
+    def run(impl, *xs):
+        f = lambda q, k, v: attention(q, k, v, causal=True, segment_ids=seg, impl=impl,  # noqa: E731
+                                      max_documents=1 if impl == "cudnn" else None)
+        out, vjp = jax.vjp(f, *xs)
+        return [out, *vjp(do.astype(out.dtype))]
+
+    got = jax.jit(lambda *x: run("cudnn", *x))(q, k, v)
+    want = jax.jit(lambda *x: run("xla", *x))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if name in ("out", "dq"):
+            g, w = g * real, w * real
+        assert rel_err(g, w) < TOL_BF16, (name, rel_err(g, w))
+
+
 def test_ulysses_on_one_gpu_matches_local(seed):
     mesh = make_mesh(sp=1, devices=jax.devices()[:1])
     q, k, v, _ = inputs(seed, 4096)

@@ -13,10 +13,11 @@ writes nothing meaningful there, so the output is zeroed at padding (their cotan
 ignores them, so their gradients are zero too); the other kernels let padding attend to padding, so outputs at
 padding differ between kernels and mean nothing.
 
-The bound ``M`` is static: ``resolve_max_documents`` (0: by the row's length), ``M = 1`` takes cuDNN's padding mask
-(one document from the row's start) and no packed workspace, whose size ``packed_workspace_bytes`` gives for the
-planner. A row the bound cannot describe makes the output NaN in the program; the data path refuses such a batch
-first (``data.pipeline.check_documents_per_row``), so a wrong mask is never silent. ``cudnn_forward`` /
+The bound ``M`` is static: ``resolve_max_documents`` (0: by the row's length), ``M = 1`` takes cuDNN's causal mask
+alone (one document from the row's start: ``_ragged``; the padding mask when not causal) and no packed workspace,
+whose size ``packed_workspace_bytes`` gives for the planner. A row the bound cannot describe makes the output NaN in
+the program; the data path refuses such a batch first (``data.pipeline.check_documents_per_row``), so a wrong mask is
+never silent. ``cudnn_forward`` /
 ``cudnn_backward`` run cuDNN's two primitives apart, for ``parallel/kept.py``. Measured on an H100 (2026-11-26):
 ``experiments/results/gpu_h100_20261126``.
 """
@@ -88,8 +89,8 @@ def packed_workspace_bytes(batch: int, seq_len: int, heads: int, head_dim: int, 
     """The temporary memory cuDNN's packed forward+backward takes beyond XLA's buffers, which a compile for a
     compile-only GPU does not show (its workspace reads 0 bytes there): two float32 ``[B * M, S, H, D]`` buffers,
     fitted to an H100 (cuDNN 9.19, S = 32768, H = 32, D = 128: 8.31 GiB at M = 8, 32.50 GiB at M = 32, 1.01 GiB
-    unpacked; experiments/results/gpu_h100_20261126). ``M = 1`` takes cuDNN's padding mask instead: no more than an
-    unpacked call, counted as 0 here."""
+    unpacked; experiments/results/gpu_h100_20261126). ``M = 1`` takes no packed layout: no more than an unpacked call,
+    counted as 0 here."""
     if max_documents <= 1:
         return 0
     return 2 * 4 * batch * max_documents * seq_len * heads * head_dim
@@ -109,17 +110,26 @@ def _answer_for_compile_only_targets(platform: str) -> None:
     cudnn_fa._ulysses_target = True
 
 
-def _ragged(segment_ids, max_segments: int | None) -> tuple[dict, jax.Array]:
-    """cuDNN's keyword arguments for the rows of ``segment_ids`` (None: no mask beyond causal), and whether some row
-    cannot be described: more documents than the bound (``M = 1``: more than one), or one id for two separate runs
-    (``kernels/segments.py``), found among the runs listed."""
+def _ragged(segment_ids, max_segments: int | None, causal: bool = False) -> tuple[dict, jax.Array]:
+    """cuDNN's keyword arguments for the rows of ``segment_ids`` (None, or none needed: no mask beyond causal), and
+    whether some row cannot be described: more documents than the bound (``M = 1``: more than one, or padding before
+    the document), or one id for two separate runs (``kernels/segments.py``), found among the runs listed.
+
+    ``M = 1`` and ``causal``: no arguments, cuDNN's causal mask alone. The row is one document from its start, then
+    padding, and under causality no token of the document reads a later token, so the document's outputs and
+    gradients are those of the padding mask exactly; the padding's own rows (they read the document) are zeroed by
+    ``around_packed``, output and gradients. Without causality the padding mask stays."""
     if segment_ids is None:
         return {}, jnp.zeros((), bool)
     m = resolve_max_documents(max_segments, segment_ids.shape[1])
     if m <= 1:
         count = jnp.sum(document_starts(segment_ids), axis=1)
-        seqlen = jnp.sum(~padding(segment_ids), axis=1, dtype=jnp.int32)
-        return dict(q_seqlen=seqlen, kv_seqlen=seqlen), jnp.any(count > 1)
+        pad = padding(segment_ids)
+        bad = jnp.any((count > 1) | (pad[:, 0] & ~jnp.all(pad, axis=1)))
+        if causal:
+            return {}, bad
+        seqlen = jnp.sum(~pad, axis=1, dtype=jnp.int32)
+        return dict(q_seqlen=seqlen, kv_seqlen=seqlen), bad
     seqlen, offsets, count = segments_to_ragged(segment_ids, m)
     listed = offsets[:, :m] >= 0
     ids = jnp.take_along_axis(segment_ids, jnp.maximum(offsets[:, :m], 0), axis=1)  # [B, M]: each run's id
@@ -145,8 +155,9 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
     """cuDNN flash attention over packed rows, ``[B, S, H, D]`` layout (GQA: fewer K/V heads). GPU (Hopper+) only.
 
     ``max_segments`` (M) bounds the documents of a row (None or 0: ``default_max_documents(S)``). ``M = 1``: one
-    document from the row's start, then padding, through cuDNN's padding mask (no packed workspace); ``M > 1``: the
-    packed (ragged) layout, whose workspace grows with M (``packed_workspace_bytes``). Q, K and V are zeroed at
+    document from the row's start, then padding: cuDNN's causal mask alone when causal (exact: ``_ragged``), else its
+    padding mask (no packed workspace either way); ``M > 1``: the packed (ragged) layout, whose workspace grows with M
+    (``packed_workspace_bytes``). Q, K and V are zeroed at
     padding before the call, so the gradients there are exactly zero: measured on an H100 (cuDNN 9.19, jax 0.11.2,
     2026-11-26), cuDNN's packed backward left dK / dV at tokens outside every document wrong with GQA (relative
     errors 0.4-0.8 against the reference until masked). A row the bound cannot describe (more than M documents; with
@@ -156,9 +167,9 @@ def cudnn_packed_attention(q, k, v, segment_ids, *, causal: bool, scale: float, 
     """
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-    ragged, _ = _ragged(segment_ids, max_segments)
+    ragged, _ = _ragged(segment_ids, max_segments, causal)
     _answer_for_compile_only_targets(platform)
-    kind = _mask_type(cudnn_fa, causal, True)
+    kind = _mask_type(cudnn_fa, causal, bool(ragged))
     return around_packed(lambda q, k, v: cudnn_fa.dot_product_attention(
         q, k, v, scale=scale, mask_type=kind, qkv_layout="BTNH", sliding_window_length=window, **ragged),
         q, k, v, segment_ids, max_segments)
@@ -208,7 +219,7 @@ _zero_grad_at.defvjp(_zero_grad_fwd, _zero_grad_bwd)
 
 def _primitive_args(cudnn_fa, q, k, v, segment_ids, causal: bool, window, max_segments, platform):
     _answer_for_compile_only_targets(platform)
-    ragged, _ = _ragged(segment_ids, max_segments)
+    ragged, _ = _ragged(segment_ids, max_segments, causal)
     empty = jnp.zeros(0, dtype=q.dtype)
     layout = cudnn_fa._normalize_layout("BTNH")
     cudnn_fa.check_layout(q, k, v, None, ragged.get("q_seqlen"), ragged.get("kv_seqlen"), ragged.get("q_offsets"),
@@ -216,7 +227,7 @@ def _primitive_args(cudnn_fa, q, k, v, segment_ids, causal: bool, window, max_se
     operands = (q, k, v, empty, ragged.get("q_seqlen", empty), ragged.get("kv_seqlen", empty),
                 ragged.get("q_offsets", empty), ragged.get("kv_offsets", empty), empty, empty)
     params = dict(seed=42, dropout_rate=0.0, variadic_args=(False, False),
-                  mask_type=_mask_type(cudnn_fa, causal, segment_ids is not None), layout=layout.value,
+                  mask_type=_mask_type(cudnn_fa, causal, bool(ragged)), layout=layout.value,
                   sliding_window_length=window)
     packed = cudnn_fa.get_max_seg_per_batch(ragged["q_offsets"]) > 1 if "q_offsets" in ragged else False
     return operands, params, layout, packed
