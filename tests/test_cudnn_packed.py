@@ -314,7 +314,8 @@ def test_one_document_rows_need_no_mask_but_causality(seed):
     start, then padding, so no token of the document reads a later one. Here with XLA's kernel in cuDNN's place inside
     ``around_packed``: outputs and the gradients of Q, K, V equal the segment-masked reference at every token (the
     padding's zeroed, as the reference's cotangent-free rows are masked), fresh rows with trailing padding of random
-    lengths, GQA; a row with padding first, or two documents, makes the output NaN."""
+    lengths, GQA; a row of two documents makes the output NaN (zeros first and a document after them are two:
+    ``kernels/segments.py``)."""
     from ulysses_jax.kernels.cudnn_packed import around_packed
 
     b, s, h, hkv, d = 3, 64, 4, 2, 16

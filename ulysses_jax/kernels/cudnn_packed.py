@@ -112,8 +112,9 @@ def _answer_for_compile_only_targets(platform: str) -> None:
 
 def _ragged(segment_ids, max_segments: int | None, causal: bool = False) -> tuple[dict, jax.Array]:
     """cuDNN's keyword arguments for the rows of ``segment_ids`` (None, or none needed: no mask beyond causal), and
-    whether some row cannot be described: more documents than the bound (``M = 1``: more than one, or padding before
-    the document), or one id for two separate runs (``kernels/segments.py``), found among the runs listed.
+    whether some row cannot be described: more documents than the bound (``M = 1``: more than one; zeros before a
+    document are a document of their own, ``kernels/segments.py``), or one id for two separate runs, found among the
+    runs listed.
 
     ``M = 1`` and ``causal``: no arguments, cuDNN's causal mask alone. The row is one document from its start, then
     padding, and under causality no token of the document reads a later token, so the document's outputs and
@@ -123,12 +124,10 @@ def _ragged(segment_ids, max_segments: int | None, causal: bool = False) -> tupl
         return {}, jnp.zeros((), bool)
     m = resolve_max_documents(max_segments, segment_ids.shape[1])
     if m <= 1:
-        count = jnp.sum(document_starts(segment_ids), axis=1)
-        pad = padding(segment_ids)
-        bad = jnp.any((count > 1) | (pad[:, 0] & ~jnp.all(pad, axis=1)))
+        bad = jnp.any(jnp.sum(document_starts(segment_ids), axis=1) > 1)
         if causal:
             return {}, bad
-        seqlen = jnp.sum(~pad, axis=1, dtype=jnp.int32)
+        seqlen = jnp.sum(~padding(segment_ids), axis=1, dtype=jnp.int32)
         return dict(q_seqlen=seqlen, kv_seqlen=seqlen), bad
     seqlen, offsets, count = segments_to_ragged(segment_ids, m)
     listed = offsets[:, :m] >= 0
