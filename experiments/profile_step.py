@@ -171,12 +171,9 @@ def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], flo
         return {c: 0.0 for c in CATEGORIES}, 0.0
     rank = {c: i for i, c in enumerate(CATEGORIES)}
 
-    def category(name, kind):
-        return op_category(categories, name, kind)
-
     points = []
     for start, end, name, kind in events:
-        c = rank[category(name, kind)]
+        c = rank[op_category(categories, name, kind)]
         points += [(start, 1, c), (end, -1, c)]
     points.sort()
     active = collections.Counter()

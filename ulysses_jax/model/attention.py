@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulysses_jax.model import fp8, fp8_base, fp8_stack, lora
+from ulysses_jax.model import fp8, fp8_base, lora
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, apply_rope, rope_factor, rope_frequencies, use, use_parts
 from ulysses_jax.parallel.mesh import RING, SP
 from ulysses_jax.parallel.sharding import constrain
@@ -63,7 +63,7 @@ class Attention(nnx.Module):
             if fp8_base.frozen(self, attr):  # LoRA's base, float8 at rest
                 return fp8.einsum(spec, x, fp8_base.gathered(self, attr, mesh, dt), on=True, history=fp8.row(hist, i))
             w, gather = use_parts(getattr(self, attr), mesh, dt)
-            return fp8.einsum(spec, x, fp8_stack.carried(w, ready, attr), on=cfg.fp8, history=fp8.row(hist, i),
+            return fp8.einsum(spec, x, fp8.carried(w, ready, attr), on=cfg.fp8, history=fp8.row(hist, i),
                               gather=gather)
 
         q_BSNH = proj("bsd,dnh->bsnh", x_BSD, "wq_DNH", 0) + adapted(x_BSD, target="q")

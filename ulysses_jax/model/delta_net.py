@@ -244,9 +244,8 @@ class DeltaNet(nnx.Module):
             if cfg.fp8:  # q, k, v, z side by side, one float8 GEMM (one scale each for x, the weights, dy); b, a not
                 side = side_by_side(ws[:4], dt) if frozen else jnp.concatenate(
                     [a.reshape(a.shape[0], -1) for a in ws[:4]], axis=1)
-                if ready is not None:  # quantised before the layer loop (fp8_stack): the weights carry the gradient
-                    side = fp8.Carried(side, ready[QKVZ])
-                y = fp8.einsum("bsd,dn->bsn", x, side, on=True, gather=whole)
+                # quantised before the layer loop where fp8_stack applies: the weights carry the gradient
+                y = fp8.einsum("bsd,dn->bsn", x, fp8.carried(side, ready, QKVZ), on=True, gather=whole)
                 flat = (*jnp.split(y, np.cumsum([math.prod(a.shape[1:]) for a in ws[:3]]), axis=-1),
                         *project(x, tuple(a.reshape(a.shape[0], -1) for a in ws[4:])))
             else:
@@ -263,9 +262,7 @@ class DeltaNet(nnx.Module):
                                     mesh=mesh, axis_name=SP, ring_axis=RING, segment_ids=segment_ids_BS,
                                     precision=cfg.delta_precision, impl=cfg.delta_impl)
             y = gated_rms_norm(constrain(o, mesh, ("batch", "seq", None, None)), z, w["norm_W"], cfg.rms_eps)
-            wo = cut_frozen(w["wo_UWD"], val, 0) if frozen else cut(w["wo_UWD"], 0, val)
-            if ready is not None:
-                wo = fp8.Carried(wo, ready["wo_UWD"])
+            wo = fp8.carried(cut_frozen(w["wo_UWD"], val, 0) if frozen else cut(w["wo_UWD"], 0, val), ready, "wo_UWD")
             out = fp8.einsum("bsuw,uwd->bsd", y, wo, on=cfg.fp8, gather=whole if cfg.fp8 and not frozen else None)
             if out_ad is not None:  # the adapter's rows of these heads
                 out = out + lora.low_rank(y, {"out_proj": (cut(out_ad[0], 0, val), out_ad[1])}, "out_proj",

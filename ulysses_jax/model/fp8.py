@@ -268,6 +268,14 @@ class Carried:
     q: Quantized
 
 
+def carried(w: jax.Array, ready: dict | None, key: str):
+    """``w`` (one layer's weight in the compute dtype) as a ``Carried`` with its float8 form ``ready[key]`` (quantised
+    before the layer loop: ``fp8_stack``), or ``w`` itself when ``ready`` has none."""
+    if ready is None or key not in ready:
+        return w
+    return Carried(w, ready[key])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def grad_carrier(w: jax.Array, gather) -> jax.Array:
     """Zeros shaped like ``gather(w)`` (no collective runs); its gradient is the gather's transpose of the incoming one

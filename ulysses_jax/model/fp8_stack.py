@@ -11,7 +11,7 @@ assignment moved the transpose onto the stack again.
 Here the step quantises each stack before the layer loop, each layer with its own scale, exactly as the loop did (the
 compute-dtype weight, ``fp8._role``; the delayed recipe's history row of the layer), into both layouts: ``q`` ``[L,
 in..., out...]`` for the input gradient and ``qt`` ``[L, out..., in...]`` for the forward (``fp8.Quantized``). The loop
-slices them like the parameters and each projection takes its float8 weight as it is (``fp8.Carried``: the parameter's
+slices them like the parameters and each projection takes its float8 weight as it is (``fp8.carried``: the parameter's
 own slice carries the weight gradient, so nothing else changes). Two float8 copies take half the bytes of the one
 float32 copy, and the weights are no longer quantised again when remat re-runs a layer. The values are those of the
 loop bit for bit (tests/test_fp8_stack.py).
@@ -81,11 +81,3 @@ def quantized(blocks, own, cfg, mesh: Mesh) -> tuple[dict, list]:
     scanned = {m: stacks(blocks, m) for m in mods if m not in cfg.stacked_apart}
     apart = [({m: stacks(state, m)}, rows) for (state, rows), m in zip(own, cfg.stacked_apart) if m in mods]
     return scanned, apart
-
-
-def carried(w: jax.Array, ready: dict | None, attr: str):
-    """``w`` (one layer's weight in the compute dtype) as ``fp8.Carried`` with its float8 form from ``ready`` (one
-    layer's row of ``quantized``'s module), or ``w`` itself when ``ready`` has none."""
-    if ready is None or attr not in ready:
-        return w
-    return fp8.Carried(w, ready[attr])

@@ -62,12 +62,17 @@ def shift_labels(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None = None) 
     return labels_BS
 
 
-def token_losses(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
-    """``logsumexp(logits) - logits[label]`` per position in float32; 0 where the label is negative."""
+def _losses_and_lse(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(token_losses, logsumexp(logits))``, float32."""
     logits_BSV = logits_BSV.astype(jnp.float32)
     lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
     label_logit_BS = jnp.take_along_axis(logits_BSV, jnp.maximum(labels_BS, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(labels_BS >= 0, lse_BS - label_logit_BS, 0.0)
+    return jnp.where(labels_BS >= 0, lse_BS - label_logit_BS, 0.0), lse_BS
+
+
+def token_losses(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
+    """``logsumexp(logits) - logits[label]`` per position in float32; 0 where the label is negative."""
+    return _losses_and_lse(logits_BSV, labels_BS)[0]
 
 
 def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -80,23 +85,20 @@ def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):
     gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to the operands' dtype before its two
     GEMMs, as ``layers.wide_dot``'s backward does."""
     logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
-    lse_bc = jax.nn.logsumexp(logits_bcV, axis=-1)
-    valid_bc, target_bc = labels_bc >= 0, jnp.maximum(labels_bc, 0)
-    label_logit_bc = jnp.take_along_axis(logits_bcV, target_bc[..., None], axis=-1)[..., 0]
-    total = jnp.sum(jnp.where(valid_bc, lse_bc - label_logit_bc, 0.0))
-    onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == target_bc[..., None]
+    losses_bc, lse_bc = _losses_and_lse(logits_bcV, labels_bc)
+    onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == jnp.maximum(labels_bc, 0)[..., None]
     d_bcV = jnp.exp(logits_bcV - lse_bc[..., None]) - onehot_bcV
-    d_bcV = jnp.where(valid_bc[..., None], d_bcV, 0.0).astype(jnp.result_type(h_bcD, w_VD))
+    d_bcV = jnp.where((labels_bc >= 0)[..., None], d_bcV, 0.0).astype(jnp.result_type(h_bcD, w_VD))
     dh_bcD = jnp.einsum("bcv,vd->bcd", d_bcV, w_VD, preferred_element_type=jnp.float32).astype(h_bcD.dtype)
     dw_VD = jnp.einsum("bcv,bcd->vd", d_bcV, h_bcD, preferred_element_type=jnp.float32) if grad_w else None
-    return total, dh_bcD, dw_VD
+    return jnp.sum(losses_bc), dh_bcD, dw_VD
 
 
 def _fused_loop(h_nbcD, w_VD, labels_nbc, grad_w: bool):
     """Every chunk in turn: ``(sum, d sum / d h [n, b, c, D], d sum / d w summed over the chunks, or None)``."""
     def body(carry, xs):
-        total, dw_VD = carry
-        t, dh_bcD, dw = _chunk(*xs[:1], w_VD, xs[1], grad_w)
+        (total, dw_VD), (h_bcD, labels_bc) = carry, xs
+        t, dh_bcD, dw = _chunk(h_bcD, w_VD, labels_bc, grad_w)
         return (total + t, dw_VD if dw is None else dw_VD + dw.astype(dw_VD.dtype)), dh_bcD
 
     def zeros(shape, dtype):  # typed as the body's sums: varying over the mesh axes h and w vary over

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.model import fp8, fp8_base, fp8_stack, lora
+from ulysses_jax.model import fp8, fp8_base, lora
 from ulysses_jax.model.chunked import chunk_map
 from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use_parts
@@ -195,7 +195,7 @@ class MLP(nnx.Module):
             ws, gathers = tuple(fp8_base.gathered(self, a, mesh, dt) for a in ATTRS), None
         else:
             ws, gathers = zip(*(use_parts(getattr(self, a), mesh, dt) for a in ATTRS))
-            ws = tuple(fp8_stack.carried(w, ready, a) for w, a in zip(ws, ATTRS))
+            ws = tuple(fp8.carried(w, ready, a) for w, a in zip(ws, ATTRS))
         return constrain(swiglu(x_BSD, *ws, act=mlp_activation(cfg), adapters=adapters, lora_cfg=cfg.lora, drop=drop,
                                 fp8_on=cfg.fp8, history=fp8.value(self), gathers=gathers), mesh,
                          ("batch", "seq", "embed"))
