@@ -81,6 +81,11 @@ ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the sa
                                                               KEEP + " --delta-impl pallas",
                                                               KEEP + " --delta-impl pallas --delta-precision bf16")),
     Row("qwen3.5-9b-lora-32k", "qwen3.5-9b", "lora16", 32768, (KEEP, KEEP + " --delta-precision bf16")),
+    # the small hybrid (the Hub's Qwen3.5-0.8B shapes), full fine-tuning: a peer that finishes its steps in a call
+    # (transformers' torch loop over 64-token chunks did not finish 3 steps of the 9B's LoRA at 8K in 100 s)
+    Row("qwen3.5-0.8b-8k", "qwen3.5-0.8b", "full", 8192, (KEEP, KEEP + " --delta-impl pallas")),
+    Row("qwen3.5-0.8b-32k", "qwen3.5-0.8b", "full", 32768, (KEEP, KEEP + " --delta-impl pallas",
+                                                          KEEP + " --delta-impl pallas --delta-precision bf16")),
 )
 QUICK = (Row("quick", "tiny", "full", 512, ("--remat full --loss-chunk 64 --mlp-chunk 64",
                                             "--remat full --loss-chunk 64 --mlp-chunk 64 --attn-keep")),
@@ -225,7 +230,31 @@ def peer(spec: dict) -> dict:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return {"step_s": statistics.median(times), "peak_gib": peak, "loss": loss}
+    out = {"step_s": statistics.median(times), "peak_gib": peak, "loss": loss}
+    kernel = _delta_kernel(model)
+    if kernel:
+        out["kernel"] = kernel
+    return out
+
+
+def _delta_kernel(model) -> str | None:
+    """Which delta rule the peer's hybrid ran, for the row's note (None without delta-net layers): the layer's own
+    ``chunk_gated_delta_rule`` where transformers keeps one (its 5.17 and earlier), else the modeling module's
+    ``torch_chunk_gated_delta_rule`` and the implementation its kernel-hub wrapper chose (fla's kernel where fla
+    imports, its torch loop where not); and whether flash-linear-attention imports in this process at all."""
+    import importlib.util
+
+    layer = next((m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    if layer is None:
+        return None
+    fn = getattr(layer, "chunk_gated_delta_rule", None) or getattr(
+        sys.modules.get(type(layer).__module__), "torch_chunk_gated_delta_rule", None)
+    code = getattr(fn, "__code__", None)
+    if code is not None and fn.__closure__:  # the wrapper keeps its choice in a closure cell named "implementation"
+        fn = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__))).get("implementation", fn)
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}" if fn is not None else "not found"
+    fla = importlib.util.find_spec("fla") is not None
+    return f"peer's delta rule: {where}; flash-linear-attention {'imports' if fla else 'not installed'}"
 
 
 def child_main(spec: dict) -> int:
@@ -249,15 +278,17 @@ def measure(spec: dict, timeout: int) -> dict:
     if spec.get("allow_cpu"):
         env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", json.dumps(spec)]
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout} s"}
+    wall = {"wall_s": round(time.perf_counter() - t0, 1)}  # the child's whole time (start, compile, steps)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return {**json.loads(line[len("RESULT "):]), **wall}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-    return {"error": f"exit {proc.returncode}: {tail[0][:200]}"}
+    return {"error": f"exit {proc.returncode}: {tail[0][:200]}", **wall}
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -286,7 +317,7 @@ def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[di
             t = theirs[p]
             ours_s, peer_s = mine.get("step_s"), t.get("step_s")
             notes = [f"ours: {mine['error']}" if "error" in mine else "",
-                     f"{p}: {t['error']}" if "error" in t else ""]
+                     f"{p}: {t['error']}" if "error" in t else "", t.get("kernel", "")]
             out.append({
                 "model": row.preset, "mode": row.mode, "seq_len": row.seq_len, "documents": row.documents,
                 "flags": flags,

@@ -27,6 +27,8 @@ PUBLISHED = {
     "qwen3.5-9b": 8_953_803_264,
     "qwen3.5-35b-a3b": 34_660_610_688,
     "qwen3-next-80b-a3b": 79_674_391_296,
+    # transformers' count of Qwen3_5TextConfig with the Hub's Qwen/Qwen3.5-0.8B text_config (meta device)
+    "qwen3.5-0.8b": 752_393_024,
 }
 
 
@@ -43,7 +45,7 @@ def test_preset_features():
                             "gpt-oss-120b", "tiny-hybrid", *PUBLISHED}
     gemma = {"gemma3-1b", "gemma3-4b"}
     assert {n for n, c in PRESETS.items() if c.post_norms and c.sliding_window} == gemma
-    hybrids = {"qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-hybrid"}
+    hybrids = {"qwen3.5-9b", "qwen3.5-0.8b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-hybrid"}
     assert {n for n, c in PRESETS.items() if c.qk_norm} == {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b",
                                                             "tiny-moe", *gemma, *hybrids}
     assert {n for n, c in PRESETS.items() if c.linear_layers} == hybrids
@@ -55,7 +57,7 @@ def test_preset_features():
     assert {n for n, c in PRESETS.items() if c.qkv_bias} == {"qwen2.5-0.5b", "qwen2.5-7b", "gpt-oss-20b",
                                                              "gpt-oss-120b"}
     assert {n for n, c in PRESETS.items() if c.tie_embeddings} == {
-        "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b", *gemma
+        "llama3.2-1b", "llama3.2-3b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-4b", "qwen3.5-0.8b", *gemma
     }
     for name in ("llama3.2-1b", "llama3.2-3b"):
         assert PRESETS[name].rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)

@@ -90,7 +90,8 @@ def test_one_scan_whatever_the_depth():
     assert hybrid().kind_of_layer == (1, 0, 1) and hybrid().window_kinds == (None,)
 
 
-@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b", "tiny-hybrid"])
+@pytest.mark.parametrize("preset", ["qwen3.5-9b", "qwen3.5-0.8b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b",
+                                    "tiny-hybrid"])
 def test_each_layer_stores_its_own_mixer_only(preset):
     """Each token mixer is stacked over its own layers (``layer_kinds.mixer_layers``): the model stores exactly the
     parameters its card counts (``param_count``; before, every layer held both mixers: 21.8% more for Qwen3.5-9B), the

@@ -13,7 +13,7 @@ module (``model/families/``) holds its own and tabulates them in its docstring:
 | Mixtral    | mixtral-8x7b (8 experts, top-2, 46.7B / 12.9B active)     | ``families/mixtral.py``      |
 | gpt-oss    | gpt-oss-20b, gpt-oss-120b (sinks, biases, YaRN, windows)  | ``families/gpt_oss.py``      |
 | Gemma 3    | gemma3-1b, gemma3-4b (5 local : 1 global, post-norms)     | ``families/gemma3.py``       |
-| Qwen3.5    | qwen3.5-9b (3 delta-net : 1 gated full-attention layer)   | ``families/qwen3_5.py``      |
+| Qwen3.5    | qwen3.5-9b, qwen3.5-0.8b (3 delta-net : 1 gated attn)     | ``families/qwen3_5.py``      |
 | Qwen3.5-MoE| qwen3.5-35b-a3b (256 experts, top-8, a shared expert)     | ``families/qwen3_5_moe.py``  |
 | Qwen3-Next | qwen3-next-80b-a3b (512 experts, top-10, a shared expert) | ``families/qwen3_next.py``   |
 

@@ -166,4 +166,9 @@ HYBRID = dict(head_dim=256, qk_norm=True, norm_plus_one=True, attn_output_gate=T
 PRESETS = {
     "qwen3.5-9b": dict(vocab_size=248_320, num_layers=32, hidden=4096, num_heads=16, num_kv_heads=4, mlp_dim=12_288,
                        **HYBRID),
+    # the text model of the Hub's Qwen/Qwen3.5-0.8B (its config.json's text_config): the small hybrid the peer
+    # benchmark times beside transformers (its 16 value heads, not the default's 32; embeddings tied; theta 1e7)
+    "qwen3.5-0.8b": dict(HYBRID, vocab_size=248_320, num_layers=24, hidden=1024, num_heads=8, num_kv_heads=2,
+                         mlp_dim=3584, linear_num_value_heads=16, tie_embeddings=True, rope_theta=10_000_000.0,
+                         max_seq_len=262_144),
 }
