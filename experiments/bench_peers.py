@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -399,6 +400,8 @@ def main(argv=None) -> int:
     chosen = [r for r in table if args.rows is None or r.name in args.rows.split(",")]
     if args.flag_sets:
         chosen = [dataclasses.replace(r, flag_sets=flag_sets(args.flag_sets)) for r in chosen]
+    if args.quick:  # a dry run of a GPU call's flag sets: their chunks cut to the tiny rows' 512 tokens
+        chosen = [dataclasses.replace(r, flag_sets=tuple(map(quick_chunks, r.flag_sets))) for r in chosen]
     unknown = set(args.rows.split(",")) - {r.name for r in table} if args.rows else set()
     if unknown or not chosen:
         print(f"bench_peers: unknown rows {sorted(unknown)}; choose from {', '.join(r.name for r in table)}",
@@ -423,6 +426,11 @@ def main(argv=None) -> int:
         paths = write(stem, rows, header)
     print("wrote", *paths)
     return 0
+
+
+def quick_chunks(flags: str) -> str:
+    """``flags`` with each nonzero ``--loss-chunk`` / ``--mlp-chunk`` set to 64, which divides the tiny rows."""
+    return re.sub(r"(--(?:loss|mlp)-chunk) ([1-9][0-9]*)", r"\1 64", flags)
 
 
 def flag_sets(text: str) -> tuple[str, ...]:

@@ -208,6 +208,10 @@ def test_bench_peers_gives_xla_tokens_to_our_child_alone(monkeypatch):
     # --flag-sets: the module's named sets expanded, the rest kept as written
     assert bench_peers.flag_sets("SAVE|SAVE --fp8 NO_TRITON| --remat none ") == (
         bench_peers.SAVE, bench_peers.SAVE + " --fp8 " + bench_peers.NO_TRITON, "--remat none")
+    # a dry run (--quick) of a GPU call's sets: nonzero chunks cut to 64 for the tiny rows' 512 tokens, zero kept
+    assert bench_peers.quick_chunks(bench_peers.SAVE + " --fp8") == (
+        "--remat save_matmuls --attn-keep --loss-chunk 64 --mlp-chunk 0 --fp8")
+    assert bench_peers.quick_chunks("--loss-chunk 4096 --mlp-chunk 8192") == "--loss-chunk 64 --mlp-chunk 64"
 
 
 def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, monkeypatch):

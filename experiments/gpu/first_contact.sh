@@ -100,10 +100,15 @@ step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir 
 if [ -d .baseline/ulysses_jax ]; then
   step baseline_package 30 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" -P -c \
     "import ulysses_jax; print(ulysses_jax.__file__)"  # -P: no working directory first on the path, as for a script
-  step baseline "${BASELINE_LIMIT:-90}" env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" experiments/bench_train.py \
+  ONE_CPU=()  # a dry run's baseline on one fake CPU device, as the GPU's (BASELINE_ARGS name --sp 1 --fsdp 1)
+  [ $DRY = 1 ] && ONE_CPU=(XLA_FLAGS=--xla_force_host_platform_device_count=1)
+  step baseline "${BASELINE_LIMIT:-90}" env "${ONE_CPU[@]}" PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" \
+    experiments/bench_train.py \
     --out-dir "$RES/baseline" "${CPU_FLAG[@]}" "${QUICK[@]}" ${BASELINE_ARGS:-}
 fi
-# issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list)
+# issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list;
+# a dry run takes the tiny rows instead, with the same flag sets)
+[ $DRY = 1 ] && PEER_ROWS=
 step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" \
   "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_FLAG_SETS:+--flag-sets "$PEER_FLAG_SETS"} ${PEER_ARGS:-}
 # issue 39: the delta rule, ours at both precisions (highest, bf16 products) and both walks (xla, pallas)
