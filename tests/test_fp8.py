@@ -80,17 +80,18 @@ SPECS = {  # the projections' contractions: q/k/v, o, the MLP
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_projection_equals_the_quantised_reference(name, dtype, seed):
     """Output, dX and dW equal float32 GEMMs of operands quantised by hand with the same scales: to float32 rounding
     (measured <= 2.2e-7 relative); in bfloat16 to four roundings (``fp8._dot_to``: the GEMM writes bfloat16 and the
     product is rescaled in it, the scale rounded too, three roundings where the reference rounds once; on a GPU
     cuBLASLt folds the rescale into the GEMM, two; before, one rounding apart: 2^-8; 20 seeds drew 2.2 x 2^-8);
-    with a history too."""
+    in float16 to two of its roundings (the float32 product rescaled, then cast: its unscaled products, up to 448^2,
+    would overflow float16, whose result was inf when it took bfloat16's path); with a history too."""
     spec, shapes = SPECS[name]
     x, w, dy = operands(seed, shapes, dtype)
-    tol = 1e-6 if dtype == jnp.float32 else 4 * 2.0**-8  # float32 rounding; four bfloat16 roundings at most
+    tol = {jnp.float32: 1e-6, jnp.bfloat16: 4 * 2.0**-8, jnp.float16: 2 * 2.0**-11}[dtype]
     current = [jnp.max(jnp.abs(t)).astype(F32) for t in (x, w, dy)]
     spread = jax.random.uniform(jax.random.key(seed + 1), (3, fp8.HISTORY), F32, 0.5, 1.5)
     history = spread * jnp.stack(current)[:, None]  # some entries above this step's amax, some below

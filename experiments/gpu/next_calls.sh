@@ -16,9 +16,11 @@
 #    llama3.1-8b LoRA r16 at 8K (bf16 and float8 beside Liger; the float8 before/after).
 # B: the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers' Qwen3_5ForCausalLM, the GPU
 #    tests that have not run yet, and llama3.1-8b LoRA r16 at 32K beside Liger.
+# C, D (a later session): llama3.2-1b at 8K beside both peers and at 128K beside Liger; llama3.1-8b LoRA at 64K beside
+#    Liger, and packed rows (4 documents a row) beside transformers on flex attention and Liger.
 set -u
 cd "$(dirname "$0")/../.."
-CALL=${1:?usage: next_calls.sh A|B [--dry-run]}
+CALL=${1:?usage: next_calls.sh A|B|C|D [--dry-run]}
 DRY=${2:-}
 O=${OUT:-$PWD/runs/next_calls}
 S="--steps 3 --warmup 1"
@@ -53,8 +55,19 @@ case $CALL in
     part b_8b_lora_32k STEPS="peers" PEER_ROWS=8b-lora-32k PEER_FLAG_SETS="$KEEP1" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=100
     ;;
+  C)
+    part c_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8" PEER_ARGS="$S" \
+      PEERS_LIMIT=200
+    part c_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1" PEER_ARGS="$S --peers transformers+liger" \
+      PEERS_LIMIT=150
+    ;;
+  D)
+    part d_8b_lora_64k STEPS="peers" PEER_ROWS=8b-lora-64k PEER_FLAG_SETS="$KEEP1" \
+      PEER_ARGS="--steps 2 --warmup 1 --peers transformers+liger" PEERS_LIMIT=150
+    part d_packed STEPS="peers" PEER_ROWS=1b-32k-packed4 PEER_FLAG_SETS="KEEP|SAVE" PEER_ARGS="$S" PEERS_LIMIT=200
+    ;;
   *)
-    echo "next_calls.sh: unknown call $CALL; choose A or B" >&2
+    echo "next_calls.sh: unknown call $CALL; choose A, B, C or D" >&2
     exit 2
     ;;
 esac
