@@ -169,19 +169,21 @@ def test_invalid_inputs():
 def test_wide_dot_backward_runs_on_the_operands_dtype(seed):
     """``layers.wide_dot`` (the logits' product): float32 logits; its gradients those of autodiff's float32-cotangent
     product to bf16 rounding (the cotangent rounded to bf16 first: 1e-2 of the largest), in the operands' dtype; for
-    float32 operands exactly autodiff's."""
+    float32 and float16 operands exactly autodiff's (float16, a mean's small cotangent: rounded to float16 first, its
+    terms would flush to zero)."""
     from ulysses_jax.model.layers import wide_dot
 
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     labels = jax.random.randint(k3, (2, 64), 0, 100)
 
-    def grads(dot, dtype):
+    def grads(dot, dtype, scale=1.0):
         h, w = jax.random.normal(k1, (2, 64, 32), dtype), jax.random.normal(k2, (100, 32), dtype)
 
         def loss(h, w):
             logits = dot(h, w)
             assert logits.dtype == jnp.float32
-            return jnp.sum(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0])
+            nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+            return scale * jnp.sum(nll)
 
         return jax.value_and_grad(loss, (0, 1))(h, w)
 
@@ -194,6 +196,8 @@ def test_wide_dot_backward_runs_on_the_operands_dtype(seed):
         assert np.abs(a - b).max() <= 1e-2 * np.abs(b).max()
     (l1, g1), (l0, g0) = grads(ours, jnp.float32), grads(plain, jnp.float32)
     assert l1 == l0 and all(np.array_equal(a, b) for a, b in zip(g1, g0))
+    (l1, g1), (l0, g0) = grads(ours, jnp.float16, 2.0**-20), grads(plain, jnp.float16, 2.0**-20)  # a mean's scale
+    assert l1 == l0 and all(np.array_equal(a, b) and np.any(a != 0) for a, b in zip(g1, g0))
 
 
 @pytest.mark.aot

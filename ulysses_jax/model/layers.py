@@ -222,9 +222,17 @@ def wide_dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     operands' dtype before its two GEMMs: they run on bf16 operands with float32 accumulation, as the forward's does,
     and return the operands' dtype. Left to autodiff, the float32 cotangent makes each a float32 GEMM (the other
     operand converted up: TF32 on Hopper): the profile of llama3.2-1b at 32K on an H200 (2026-11-28) spent 119 ms of
-    its 1,178 ms step in those GEMMs of the tiled loss (`experiments/results/gpu_h200_20261128`). Float32 operands
-    are left as they are (the same GEMMs as autodiff's)."""
+    its 1,178 ms step in those GEMMs of the tiled loss (`experiments/results/gpu_h200_20261128`). bfloat16 operands
+    alone (``cotangent_dtype``); float32 and float16 ones take autodiff's GEMMs."""
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def cotangent_dtype(*operands) -> jnp.dtype:
+    """The dtype the logits' float32 cotangent is rounded to before the GEMMs of its backward (``wide_dot``, the fused
+    loss): bfloat16 for bfloat16 operands, which holds float32's range, else float32. float16 would flush the small
+    terms (a softmax over 128K entries, divided by the tokens of a mean) to zero."""
+    dtype = jnp.result_type(*operands)
+    return dtype if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
 def _wide_dot_fwd(spec, a, b):
@@ -233,7 +241,7 @@ def _wide_dot_fwd(spec, a, b):
 
 def _wide_dot_bwd(spec, res, ct):
     a, b = res
-    dtype = jnp.result_type(a, b)
+    dtype = cotangent_dtype(a, b)
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=dtype), a, b)
     return vjp(ct.astype(dtype))
 

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.sinks import vary_like
 from ulysses_jax.model.config import local_chunks
+from ulysses_jax.model.layers import cotangent_dtype
 from ulysses_jax.model.moe import aux_loss, expert_load
 from ulysses_jax.parallel.mesh import DATA, FSDP, MESH_AXES, SEQ
 from ulysses_jax.parallel.sharding import fsdp_axes, gather_param
@@ -82,13 +83,13 @@ def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.
 
 def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):
     """One chunk of the fused loss: ``(sum of its token losses, d sum / d h, d sum / d w or None)``. The logits'
-    gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to the operands' dtype before its two
-    GEMMs, as ``layers.wide_dot``'s backward does."""
+    gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to bfloat16 before its two GEMMs where
+    the operands are bfloat16 (``layers.cotangent_dtype``), as ``layers.wide_dot``'s backward does."""
     logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
     losses_bc, lse_bc = _losses_and_lse(logits_bcV, labels_bc)
     onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == jnp.maximum(labels_bc, 0)[..., None]
     d_bcV = jnp.exp(logits_bcV - lse_bc[..., None]) - onehot_bcV
-    d_bcV = jnp.where((labels_bc >= 0)[..., None], d_bcV, 0.0).astype(jnp.result_type(h_bcD, w_VD))
+    d_bcV = jnp.where((labels_bc >= 0)[..., None], d_bcV, 0.0).astype(cotangent_dtype(h_bcD, w_VD))
     dh_bcD = jnp.einsum("bcv,vd->bcd", d_bcV, w_VD, preferred_element_type=jnp.float32).astype(h_bcD.dtype)
     dw_VD = jnp.einsum("bcv,bcd->vd", d_bcV, h_bcD, preferred_element_type=jnp.float32) if grad_w else None
     return jnp.sum(losses_bc), dh_bcD, dw_VD
