@@ -151,6 +151,10 @@ def test_memory_auto_finds_the_longest_within_both_budgets_and_prunes(monkeypatc
     pruned = [a for a in best.alternatives if a["seq_len"] is None]
     assert pruned and all("shorter" in a["note"] for a in pruned)
     assert compiled.count("full") == 3  # the three remat-full sets (one --attn-keep): one compile each at the best so far
+    # from a --seq-len past every set's reach (the OVER plan's "Next" command keeps it): the same answer; each later
+    # set is measured at the length found so far, not at --seq-len (there every set was over, and each was dropped)
+    far = search.auto_memory(dataclasses.replace(cfg, seq_len=16 * 2**20), log=lambda *_: None)
+    assert (far.memory_flags, far.max_seq_len) == (best.memory_flags, best.max_seq_len)
 
 
 def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):

@@ -105,12 +105,13 @@ def find_max_seq_len(cfg: PlanConfig, *, log=print, on_trial=None, floor: int = 
             on_trial(p)
         return usage(p)
 
-    start_units = max(floor // unit, cfg.seq_len // unit, 1)
-    if floor >= unit and measure(start_units) > 1:  # shorter than a length found already: this set cannot win
-        best = trials[start_units]
+    floor_units = -(-floor // unit)  # the shortest length of this set's step at or past the floor
+    if floor >= unit and measure(floor_units) > 1:  # over at a length found already: this set cannot win
+        best = trials[floor_units]
         best.max_seq_len = None
         return best
-    best_units = search_units(measure, start=start_units, max_units=MAX_SEQ_LEN // unit)
+    # from --seq-len where it is longer (it need not fit: the search comes down to the floor, which does)
+    best_units = search_units(measure, start=max(floor_units, cfg.seq_len // unit, 1), max_units=MAX_SEQ_LEN // unit)
     if detail:
         best = plan(cfg, seq_len=max(best_units, 1) * unit)
     else:
