@@ -495,6 +495,41 @@ def test_non_finite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     assert steps == [1, 2] and max(losses(tmp_path / "run")) == 2
 
 
+@pytest.mark.parametrize("poison", ["grad_norm", "params"])
+def test_a_non_finite_update_is_never_saved(tmp_path, poison):
+    """A step whose loss is finite but whose gradient is not (the update then wrote NaN parameters), or whose
+    parameters overflowed (a finite gradient times a huge rate), stops before its checkpoint, naming the last good one
+    (a review found such a step saved and called good: `--optim.lr 1e30` exited 0 with NaN weights)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
+
+    cfg = TrainConfig(preset="tiny", seq_len=128, batch_size=2, steps=4, checkpoint_every=1, progress=False,
+                      attention="xla", mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
+    run = setup_train(cfg)
+    real_step, calls = run.step_fn, []
+
+    def poisoned(state, batch):  # the third step's update goes bad
+        state, metrics = real_step(state, batch)
+        calls.append(1)
+        if len(calls) == 3 and poison == "grad_norm":
+            metrics = {**metrics, "grad_norm": jnp.nan}
+        if len(calls) == 3 and poison == "params":
+            state = {**state, "params": jax.tree.map(lambda x: x * jnp.inf, state["params"])}
+        return state, metrics
+
+    run.step_fn = poisoned
+    what = "the gradient's norm is nan at step 3" if poison == "grad_norm" else (
+        "the parameters are not finite after step 3")
+    with pytest.raises(TrainingDiverged, match=rf"^{what}; stopped without saving \(last good checkpoint: step 2 in "):
+        train_run(run)
+    steps = sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
+    assert steps == [1, 2]
+
+
 def test_damaged_checkpoint_is_named_and_io_errors_are_not_called_damage(existing_run, tmp_path, capsys, monkeypatch):
     run, _ = existing_run
     copy = tmp_path / "copy"

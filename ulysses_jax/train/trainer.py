@@ -22,6 +22,7 @@ import time
 import uuid
 
 import jax
+import jax.numpy as jnp
 
 from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
@@ -351,6 +352,21 @@ def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
     return train_run(setup_train(cfg, loop_eval_setup))
 
 
+def _diverged(run: Run, what: str, last_saved: int | None):
+    """Raise ``TrainingDiverged``: ``what`` went wrong; nothing of this step is saved; the last good checkpoint."""
+    where = (f"step {last_saved} in {run.checkpointer.directory}: continue from it with --resume, or from an earlier "
+             f"one with --resume-from STEP" if last_saved is not None else "none yet")
+    raise TrainingDiverged(f"{what}; stopped without saving (last good checkpoint: {where}); if it recurs, start a "
+                           f"new --run-dir with a lower --optim.lr or more --optim.warmup-steps")
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    """Whether every floating-point parameter is finite (checked before a checkpoint is written)."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
+
+
 def _save(run: Run, step: int, state: dict) -> None:
     run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
 
@@ -382,17 +398,14 @@ def train_run(run: Run) -> dict:
                 dt = time.perf_counter() - t0
                 if run.profile and step + 1 == run.profile[1]:
                     jax.profiler.stop_trace()
-                if not math.isfinite(loss):
-                    where = (f"step {last_saved} in {run.checkpointer.directory}: continue from it with --resume, or "
-                             f"from an earlier one with --resume-from STEP" if last_saved is not None else "none yet")
-                    raise TrainingDiverged(
-                        f"loss is {loss} at step {step + 1}; stopped without saving (last good checkpoint: {where}); "
-                        f"if it recurs, start a new --run-dir with a lower --optim.lr or more --optim.warmup-steps"
-                    )
+                grad_norm = float(metrics["grad_norm"])
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update took a non-finite gradient
+                    what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient's norm is {grad_norm}"
+                    _diverged(run, f"{what} at step {step + 1}", last_saved)
                 record = {
                     "step": step + 1,
                     "loss": loss,
-                    "grad_norm": float(metrics["grad_norm"]),
+                    "grad_norm": grad_norm,
                     "lr": float(metrics["lr"]),
                     "tokens": int(metrics["tokens"]),
                     "step_time_s": dt,
@@ -420,6 +433,8 @@ def train_run(run: Run) -> dict:
                 times.append(dt)
                 stop = signals.stop()
                 if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    if not bool(_all_finite(state["params"])):  # a finite gradient times the rate can overflow
+                        _diverged(run, f"the parameters are not finite after step {step + 1}", last_saved)
                     _save(run, step + 1, state)
                     last_saved = step + 1
                 if stop:
