@@ -597,6 +597,12 @@ TRAIN_ERRORS = {
     "bad choice": (["--attention", "foo"], r"invalid choice 'foo' for argument '--attention'"),
     "zero steps": (["--steps", "0"], r"--steps \(0\) must be at least 1"),
     "zero grad accum": (["--grad-accum", "0"], r"--grad-accum \(0\) must be at least 1"),
+    # one token a row has no next token to predict: it trained on nothing, exit 0 (found by a review)
+    "one token a row": (["--seq-len", "1"], r"--seq-len \(1\) must be at least 2"),
+    # the schedule cut a warmup longer than the decay to decay - 1 while the start line said the given one
+    "warmup past the decay": (["--steps", "4", "--optim.warmup-steps", "10"],
+                              r"--optim.warmup-steps \(10\) must be below the decay steps \(4, --steps\), where the "
+                              r"rate falls from its peak; lower it or raise --steps"),
     "negative eval every": (["--eval-every", "-1"], r"--eval-every \(-1\) must be at least 0"),
     "eval fraction": (["--eval-fraction", "1.5"], r"--eval-fraction 1.5 must be in \[0, 1\)"),
     "missing field": (["--data", "{d}/c.jsonl", "--data-field", "body"], r"has no field 'body'.*--data-field"),

@@ -354,6 +354,11 @@ def test_preset_and_init_from_hf_exclude_each_other(folder, tmp_path, capsys):
     refused(capsys, ["plan", "--config", tmp_path / "run.yaml", "--init-from-hf", folder],
             "--preset and --init-from-hf exclude each other")
     assert not (tmp_path / "r").exists()
+    # the folder's config.json decides the local layers (before: both model configs printed whole, 4,000 characters)
+    refused(capsys, ["train", "--init-from-hf", folder, "--sliding-window", "8", "--run-dir", tmp_path / "r"],
+            "--sliding-window (8) cannot change a model that --init-from-hf imports: its local layers come from the "
+            "folder's config.json; drop the flag")
+    assert not (tmp_path / "r").exists()
 
 
 # ------------------------------------------------------------------------------------ SFT

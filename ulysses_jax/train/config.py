@@ -71,8 +71,8 @@ class TrainConfig:
     """hybrids: the delta rule's walk over chunks as a lax.scan of XLA ops (xla, the one timed) or as two Pallas
     kernels holding the state on chip (pallas: Triton on GPUs; not yet timed); None: the preset's (xla)"""
     sliding_window: int | None = None
-    """tokens a local layer's query sees (the preset's or config.json's local layers; every layer local if the model
-    has none); None: the model's own"""
+    """tokens a local layer's query sees (the preset's local layers; every layer local if the model has none); None:
+    the model's own (not with --init-from-hf: the folder's config.json decides)"""
     attn_recompute: bool = False
     """with --attn-chunk: keep no attention output for the backward, where each head group's kernel forward runs
     again (one more attention forward per layer; one [seq/sp, hidden] buffer less on each device)"""

@@ -180,7 +180,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
         raise ValueError("--eval-by-position and --eval-passkey run in the evaluation layer: start the run with "
                          "`ulysses-jax train` or ulysses_jax.evaluation.loop.train(cfg), not ulysses_jax.train.trainer")
     for name, value, least in (("--steps", cfg.steps, 1), ("--checkpoint-every", cfg.checkpoint_every, 1),
-                               ("--grad-accum", cfg.grad_accum, 1), ("--seq-len", cfg.seq_len, 1),
+                               ("--grad-accum", cfg.grad_accum, 1), ("--seq-len", cfg.seq_len, 2),
                                ("--keep-checkpoints", cfg.keep_checkpoints, 1), ("--eval-every", cfg.eval_every, 0),
                                ("--eval-batches", cfg.eval_batches, 1 if cfg.eval_every else 0)):
         if value < least:
@@ -189,6 +189,9 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
     if cfg.init_from_hf is not None:  # the model, and unless --tokenizer is given the tokenizer, come from the folder
         if cfg.preset not in (None, "tiny"):
             raise ValueError(PRESET_AND_HF)
+        if cfg.sliding_window is not None:  # (before: a 4,000-character mismatch of the two model configs)
+            raise ValueError(f"--sliding-window ({cfg.sliding_window}) cannot change a model that --init-from-hf "
+                             f"imports: its local layers come from the folder's config.json; drop the flag")
         folder = pathlib.Path(cfg.init_from_hf).expanduser().resolve()
         if not folder.is_dir() and not resuming:
             raise ValueError(f"--init-from-hf {cfg.init_from_hf} is not a folder; pass a Hugging Face model folder "
@@ -268,6 +271,10 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
         fine_tuning, adapters = cfg.init_from_hf is not None, model.lora is not None
         start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning, lora=adapters), []
         horizon = optim.decay_steps
+        if cfg.optim.warmup_steps is not None and cfg.optim.warmup_steps >= horizon:  # the schedule would cut it
+            given = "--optim.decay-steps" if cfg.optim.decay_steps is not None else "--steps"
+            raise ValueError(f"--optim.warmup-steps ({cfg.optim.warmup_steps}) must be below the decay steps "
+                             f"({horizon}, {given}), where the rate falls from its peak; lower it or raise {given}")
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
                   cfg.optim.defaults(cfg.steps, fine_tuning, adapters).items()} | memory_chosen
         if adapters:  # the LoRA settings not given, recorded as resolved (a resume compares them)
