@@ -706,3 +706,13 @@ def test_eval_bad_input(tmp_path, capsys):
         assert err.startswith("error: ") and "is not a readable ulysses-jax run record" in err
         assert len(err.splitlines()) == 1
     assert sorted(p.name for p in run.iterdir()) == ["run.json"]
+
+
+def test_a_stray_file_named_like_a_step_is_no_checkpoint(tmp_path):
+    """Checkpoints are folders: a file ``checkpoints/3`` does not make the run look three steps on (a review found
+    "the run is at step 3 ... raise --steps" from one)."""
+    from ulysses_jax.train.runconfig import inspect
+
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "3").write_text("not a checkpoint")
+    assert inspect(tmp_path).steps == (2,)
