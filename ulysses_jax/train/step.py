@@ -131,6 +131,15 @@ def describe_optim(optim: dict, defaults: dict) -> str:
             f"override)")
 
 
+def check_warmup(given: OptimConfig, decay_steps: int) -> None:
+    """Refuse a warmup the user gave (``given.warmup_steps``) at or past the run's decay steps: ``make_schedule``
+    would cut it to ``decay_steps - 1`` while the start line says the given one."""
+    if given.warmup_steps is not None and given.warmup_steps >= decay_steps:
+        flag = "--optim.decay-steps" if given.decay_steps is not None else "--steps"
+        raise ValueError(f"--optim.warmup-steps ({given.warmup_steps}) must be below the decay steps ({decay_steps}, "
+                         f"{flag}), where the rate falls from its peak; lower it or raise {flag}")
+
+
 def make_schedule(cfg: OptimConfig, total_steps: int, replans: tuple[tuple[int, int], ...] = ()) -> optax.Schedule:
     """Linear warmup, cosine decay to ``lr * min_lr_ratio`` at ``decay_steps``, then constant.
 

@@ -22,7 +22,6 @@ import time
 import uuid
 
 import jax
-import jax.numpy as jnp
 
 from ulysses_jax.data import lengths
 from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
@@ -61,6 +60,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     resolve_batch,
     sequence_multiple,
 )
+from ulysses_jax.train.divergence import TrainingDiverged, all_finite, diverged  # noqa: F401 (TrainingDiverged re-exported)
 from ulysses_jax.train.eval_loss import evaluate_loss
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
@@ -68,6 +68,7 @@ from ulysses_jax.train.signals import _StopSignals
 from ulysses_jax.train.step import (
     abstract_state,
     check_offload_params,
+    check_warmup,
     init_state,
     make_eval_step,
     state_shardings,
@@ -271,10 +272,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
         fine_tuning, adapters = cfg.init_from_hf is not None, model.lora is not None
         start, optim, replans = 0, cfg.optim.resolved(cfg.steps, fine_tuning=fine_tuning, lora=adapters), []
         horizon = optim.decay_steps
-        if cfg.optim.warmup_steps is not None and cfg.optim.warmup_steps >= horizon:  # the schedule would cut it
-            given = "--optim.decay-steps" if cfg.optim.decay_steps is not None else "--steps"
-            raise ValueError(f"--optim.warmup-steps ({cfg.optim.warmup_steps}) must be below the decay steps "
-                             f"({horizon}, {given}), where the rate falls from its peak; lower it or raise {given}")
+        check_warmup(cfg.optim, horizon)
         chosen = {f"optim.{k}": {"value": v, "why": why} for k, (v, why) in
                   cfg.optim.defaults(cfg.steps, fine_tuning, adapters).items()} | memory_chosen
         if adapters:  # the LoRA settings not given, recorded as resolved (a resume compares them)
@@ -349,29 +347,10 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
 # ------------------------------------------------------------------------------------ the loop
 
 
-class TrainingDiverged(RuntimeError):
-    pass
-
-
 def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
     """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``). In-training
     evaluations need ``loop_eval_setup`` (``setup_train``): ``ulysses_jax.evaluation.loop.train`` passes it."""
     return train_run(setup_train(cfg, loop_eval_setup))
-
-
-def _diverged(run: Run, what: str, last_saved: int | None):
-    """Raise ``TrainingDiverged``: ``what`` went wrong; nothing of this step is saved; the last good checkpoint."""
-    where = (f"step {last_saved} in {run.checkpointer.directory}: continue from it with --resume, or from an earlier "
-             f"one with --resume-from STEP" if last_saved is not None else "none yet")
-    raise TrainingDiverged(f"{what}; stopped without saving (last good checkpoint: {where}); if it recurs, start a "
-                           f"new --run-dir with a lower --optim.lr or more --optim.warmup-steps")
-
-
-@jax.jit
-def _all_finite(params) -> jax.Array:
-    """Whether every floating-point parameter is finite (checked before a checkpoint is written)."""
-    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
 def _save(run: Run, step: int, state: dict) -> None:
@@ -408,7 +387,7 @@ def train_run(run: Run) -> dict:
                 grad_norm = float(metrics["grad_norm"])
                 if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update took a non-finite gradient
                     what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient's norm is {grad_norm}"
-                    _diverged(run, f"{what} at step {step + 1}", last_saved)
+                    raise diverged(f"{what} at step {step + 1}", last_saved, run.checkpointer.directory)
                 record = {
                     "step": step + 1,
                     "loss": loss,
@@ -440,8 +419,9 @@ def train_run(run: Run) -> dict:
                 times.append(dt)
                 stop = signals.stop()
                 if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                    if not bool(_all_finite(state["params"])):  # a finite gradient times the rate can overflow
-                        _diverged(run, f"the parameters are not finite after step {step + 1}", last_saved)
+                    if not bool(all_finite(state["params"])):  # a finite gradient times the rate can overflow
+                        raise diverged(f"the parameters are not finite after step {step + 1}", last_saved,
+                                       run.checkpointer.directory)
                     _save(run, step + 1, state)
                     last_saved = step + 1
                 if stop:
