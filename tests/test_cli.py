@@ -469,30 +469,41 @@ def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def _poisoned_run(tmp_path, poison, **cfg):
+    """A tiny run (fsdp 2 x sp 4, a checkpoint every step) whose third step's ``(state, metrics)`` pass through
+    ``poison``."""
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import setup_train
+
+    run = setup_train(TrainConfig(preset="tiny", batch_size=2, checkpoint_every=1, progress=False, attention="xla",
+                                  mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"), **cfg))
+    real_step, calls = run.step_fn, []
+
+    def poisoned(state, batch):
+        state, metrics = real_step(state, batch)
+        calls.append(1)
+        return poison(state, metrics) if len(calls) == 3 else (state, metrics)
+
+    run.step_fn = poisoned
+    return run
+
+
+def _saved_steps(tmp_path) -> list[int]:
+    return sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
+
+
 def test_non_finite_loss_stops_and_names_the_last_good_checkpoint(tmp_path):
     import jax.numpy as jnp
 
-    from ulysses_jax.train.config import TrainConfig
-    from ulysses_jax.train.devices import MeshConfig
-    from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
+    from ulysses_jax.train.trainer import TrainingDiverged, train_run
 
-    cfg = TrainConfig(preset="tiny", seq_len=256, batch_size=2, steps=5, checkpoint_every=1, progress=False,
-                      attention="xla", mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
-    run = setup_train(cfg)
-    real_step, calls = run.step_fn, []
-
-    def poisoned(state, batch):  # the third step's loss is NaN
-        state, metrics = real_step(state, batch)
-        calls.append(1)
-        return state, {**metrics, "loss": jnp.nan if len(calls) == 3 else metrics["loss"]}
-
-    run.step_fn = poisoned
+    run = _poisoned_run(tmp_path, lambda state, metrics: (state, {**metrics, "loss": jnp.nan}), seq_len=256, steps=5)
     with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3; stopped without saving \(last good checkpoint: "
                                                r"step 2 in .*checkpoints: continue from it with --resume, or from an "
                                                r"earlier one with --resume-from STEP\)"):
         train_run(run)
-    steps = sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
-    assert steps == [1, 2] and max(losses(tmp_path / "run")) == 2
+    assert _saved_steps(tmp_path) == [1, 2] and max(losses(tmp_path / "run")) == 2
 
 
 @pytest.mark.parametrize("poison", ["grad_norm", "params"])
@@ -503,31 +514,19 @@ def test_a_non_finite_update_is_never_saved(tmp_path, poison):
     import jax
     import jax.numpy as jnp
 
-    from ulysses_jax.train.config import TrainConfig
-    from ulysses_jax.train.devices import MeshConfig
-    from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
+    from ulysses_jax.train.trainer import TrainingDiverged, train_run
 
-    cfg = TrainConfig(preset="tiny", seq_len=128, batch_size=2, steps=4, checkpoint_every=1, progress=False,
-                      attention="xla", mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
-    run = setup_train(cfg)
-    real_step, calls = run.step_fn, []
+    def bad(state, metrics):
+        if poison == "grad_norm":
+            return state, {**metrics, "grad_norm": jnp.nan}
+        return {**state, "params": jax.tree.map(lambda x: x * jnp.inf, state["params"])}, metrics
 
-    def poisoned(state, batch):  # the third step's update goes bad
-        state, metrics = real_step(state, batch)
-        calls.append(1)
-        if len(calls) == 3 and poison == "grad_norm":
-            metrics = {**metrics, "grad_norm": jnp.nan}
-        if len(calls) == 3 and poison == "params":
-            state = {**state, "params": jax.tree.map(lambda x: x * jnp.inf, state["params"])}
-        return state, metrics
-
-    run.step_fn = poisoned
+    run = _poisoned_run(tmp_path, bad, seq_len=128, steps=4)
     what = "the gradient's norm is nan at step 3" if poison == "grad_norm" else (
         "the parameters are not finite after step 3")
     with pytest.raises(TrainingDiverged, match=rf"^{what}; stopped without saving \(last good checkpoint: step 2 in "):
         train_run(run)
-    steps = sorted(int(d.name) for d in (tmp_path / "run" / "checkpoints").iterdir() if d.name.isdigit())
-    assert steps == [1, 2]
+    assert _saved_steps(tmp_path) == [1, 2]
 
 
 def test_damaged_checkpoint_is_named_and_io_errors_are_not_called_damage(existing_run, tmp_path, capsys, monkeypatch):

@@ -265,8 +265,8 @@ def inspect(run_dir: str | os.PathLike) -> RunDir:
     if p.exists() and not p.is_dir():
         raise ValueError(f"--run-dir {run_dir} is a file; choose a directory path with --run-dir")
     ckpts = p / "checkpoints"
-    steps = tuple(sorted(int(c.name) for c in ckpts.iterdir() if c.name.isdigit() and c.is_dir())) if (
-        ckpts.is_dir()) else ()  # a checkpoint is a folder: a stray file named 3 is none
+    found = ckpts.iterdir() if ckpts.is_dir() else ()
+    steps = tuple(sorted(int(c.name) for c in found if c.name.isdigit() and c.is_dir()))  # a stray file is none
     metrics = (p / "metrics.jsonl").exists() or any((p / "tensorboard").glob("events.out.tfevents.*"))
     return RunDir(p, p.is_dir(), (p / RECORD).is_file(), steps, metrics)
 

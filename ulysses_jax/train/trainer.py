@@ -60,7 +60,7 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     resolve_batch,
     sequence_multiple,
 )
-from ulysses_jax.train.divergence import TrainingDiverged, all_finite, diverged  # noqa: F401 (TrainingDiverged re-exported)
+from ulysses_jax.train.divergence import TrainingDiverged, all_finite, diverged  # noqa: F401 (re-exported)
 from ulysses_jax.train.eval_loss import evaluate_loss
 from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
 from ulysses_jax.train.program import optimizer_of, step_program
