@@ -447,6 +447,33 @@ def test_an_automatic_mesh_says_why_sp_fell_and_refusals_advise_a_length_that_ke
     assert _keeps_mesh(96, 8) == "" and _keeps_mesh(99, 1) == ""
 
 
+def test_options_of_a_tool_the_run_does_not_use_are_said_or_dropped():
+    """A cuDNN-only option on another kernel is named unused on the start line (a run that resolves `auto` to cuDNN
+    on a GPU uses it, so it is not refused); eval and export with `--remat none` (or full) on a run recorded with
+    `--remat offload --remat-every 2 --remat-nested` drop the groups and the nesting with the tool, as a resume does,
+    instead of refusing the run's own settings."""
+    import dataclasses
+
+    from ulysses_jax.model.config import ModelConfig
+    from ulysses_jax.train.config import COMPUTE_ONLY, model_config_from_run
+    from ulysses_jax.train.devices import MeshConfig, build_mesh, impl_note
+
+    tiny = ModelConfig.from_preset("tiny", attn_max_documents=1)
+    mesh = build_mesh(MeshConfig(), tiny, 256)
+    assert impl_note(tiny, mesh) == "auto -> blockwise (--attn-max-documents 1 applies to cuDNN only: unused)"
+    assert impl_note(dataclasses.replace(tiny, attention_impl="xla"), mesh) == (
+        "xla; --attn-max-documents 1 applies to cuDNN only: unused")
+    assert impl_note(dataclasses.replace(tiny, attn_max_documents=0), mesh) == "auto -> blockwise"
+    model = dataclasses.asdict(ModelConfig.from_preset("tiny", remat="offload", remat_every=2, remat_nested=True))
+    record = {"model": {k: v for k, v in model.items() if k not in COMPUTE_ONLY},
+              "compute": {k: model[k] for k in COMPUTE_ONLY}}
+    assert model_config_from_run(record).remat_every == 2
+    off = model_config_from_run(record, remat="none")
+    assert (off.remat, off.remat_every, off.remat_nested) == ("none", 1, False)
+    full = model_config_from_run(record, remat="full")
+    assert (full.remat, full.remat_every, full.remat_nested) == ("full", 2, False)
+
+
 # ------------------------------------------------------------------------------------ failures
 
 
@@ -646,6 +673,20 @@ TRAIN_ERRORS = {
     "ring kernel": (["--mesh.ring", "2", "--mesh.sp", "4", "--attention", "cudnn"],
                     r"--attention cudnn has no ring kernel; with --mesh.ring 2 use --attention xla, blockwise, "
                     r"pallas, auto"),
+    # a setting that qualifies a tool the run does not use: accepted and ignored before (found by a review)
+    "remat every without remat": (["--remat", "none", "--remat-every", "2"],
+                                  r"remat_every \(2, --remat-every\) groups the layers that remat re-runs, but remat "
+                                  r"is 'none'; set remat"),
+    "moe impl on a dense model": (["--moe-impl", "pallas"], r"moe_impl \('pallas', --moe-impl\) chooses the experts' "
+                                                            r"grouped matmul, but tiny has no experts"),
+    "eval option without eval": (["--eval-by-position"], r"--eval-by-position qualifies the evaluation during "
+                                                         r"training, but --eval-every is 0 \(off\); add --eval-every"),
+    "eval batches without eval": (["--eval-batches", "4"], r"--eval-batches qualifies the evaluation"),
+    "passkey samples alone": (["--eval-every", "2", "--eval-passkey-samples", "3"],
+                              r"--eval-passkey-samples \(3\) sets the passkey evaluation's samples, but "
+                              r"--eval-passkey is not set"),
+    "sft overlong on text": (["--sft-overlong", "drop"], r"--sft-overlong drop decides what happens to SFT records "
+                                                         r"longer than a row, but --data-format is text"),
 }
 
 

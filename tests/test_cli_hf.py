@@ -274,6 +274,13 @@ def test_resume_merges_flags_the_same_for_presets_and_folders(kind, folder, tmp_
     assert resumed("--config", str(tmp_path / "c.yaml")) == (0, 0, False, "bfloat16", False)
     with pytest.raises(ValueError, match=r"--attn-head-chunk \(1\) groups the heads .* add --attn-chunk"):
         resumed("--attn-chunk", "0", "--attn-head-chunk", "1")  # given anew: refused, as on a new run
+    assert runconfig.drop_qualifiers(dataclasses.replace(start, remat="none", remat_every=2, eval_every=0,
+                                                         eval_passkey=True, eval_passkey_samples=3),
+                                     {"remat", "eval_every"}) == dataclasses.replace(start, remat="none", eval_every=0)
+    assert runconfig.drop_qualifiers(dataclasses.replace(start, eval_every=5, eval_passkey_samples=3),
+                                     {"eval_passkey"}) == dataclasses.replace(start, eval_every=5)
+    kept = dataclasses.replace(start, remat="full", remat_every=2, eval_every=5, eval_by_position=True)
+    assert runconfig.drop_qualifiers(kept, {"remat", "eval_every"}) == kept  # the tools stay on: so do their options
     assert runconfig.given_settings(TrainConfig, ["--no-attn-recompute", "--optim.no-master-weights", "--mesh.sp=4",
                                                   "--attn_chunk", "0", "--steps", "--resume"]) == {
         "attn_recompute", "optim.master_weights", "mesh.sp", "attn_chunk", "steps", "resume"}

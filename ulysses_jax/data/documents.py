@@ -60,6 +60,10 @@ def _check_config(cfg: DataConfig) -> None:
         raise ValueError(f"--data-format {cfg.format!r} must be text or sft")
     if cfg.sft_overlong not in ("refuse", "drop"):
         raise ValueError(f"--sft-overlong {cfg.sft_overlong!r} must be refuse or drop")
+    if cfg.sft_overlong != "refuse" and cfg.format != "sft":
+        raise ValueError(f"--sft-overlong {cfg.sft_overlong} decides what happens to SFT records longer than a row, "
+                         f"but --data-format is {cfg.format} (text documents are cut into rows); add --data-format sft "
+                         f"or drop --sft-overlong")
     for name in ("pack_bins", "shuffle_window", "read_threads", "prefetch"):
         value, least = getattr(cfg, name), 1 if name == "pack_bins" else 0
         if not isinstance(value, int) or value < least:

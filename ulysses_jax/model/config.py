@@ -69,12 +69,11 @@ from ulysses_jax.model.families import (
 )
 from ulysses_jax.model.layer_kinds import check_layers
 from ulysses_jax.model.lora_config import LoraConfig
+from ulysses_jax.model.moe_config import EXPERT_STYLES, MOE_IMPLS, check_experts  # noqa: F401
 
 REMAT_POLICIES = ("none", "full", "save_matmuls", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("llama3", "linear", "yarn")
-EXPERT_STYLES = ("swiglu", "gpt_oss")  # the experts' MLP: SwiGLU (Qwen3-MoE, Mixtral) or gpt-oss's (model/moe.py)
-MOE_IMPLS = ("auto", "pallas", "ragged_dot")  # the experts' grouped matmul (model/moe.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +227,9 @@ class ModelConfig:
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")
+        if self.remat_every > 1 and self.remat == "none":
+            raise ValueError(f"remat_every ({self.remat_every}, --remat-every) groups the layers that remat re-runs, "
+                             f"but remat is 'none'; set remat (--remat full or offload) or drop remat_every")
         for field in ("loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk", "delta_head_chunk"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -275,52 +277,16 @@ class ModelConfig:
         check_layers(self)
         if self.attn_keep and self.remat == "offload" and self.mixed_layer_kinds:
             raise ValueError("attn_keep (--attn-keep) with remat offload is not available for a model that mixes "
-                             "layer kinds (local, global or linear layers) (XLA cannot offload the kept outputs from inside the layer's "
-                             "switch between its attention kinds); use --remat full --attn-keep, or --remat offload "
-                             "without --attn-keep")
-        self._check_experts()
+                             "layer kinds (local, global or linear layers) (XLA cannot offload the kept outputs from "
+                             "inside the layer's switch between its attention kinds); use --remat full --attn-keep, "
+                             "or --remat offload without --attn-keep")
+        check_experts(self)
         if self.offload_params and self.stacked_apart:  # a row's gradient: a whole stack's in device memory
             what = "token mixers" if self.linear_layers else "dense and sparse MLPs"
             raise ValueError(f"offload_params (--offload-params) streams each layer's parameters from host memory "
                              f"through the layer scan, but this model's {what} are stacked over their own layers and "
                              f"read by row, which it cannot stream yet; train this model without --offload-params")
         fp8.check(self)
-
-    def _check_experts(self):
-        e, k = self.num_experts, self.experts_per_token
-        for field in ("num_experts", "experts_per_token", "moe_mlp_dim", "shared_expert_dim"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{field} ({value!r}) must be 0 or a positive integer")
-        if self.shared_expert_dim and not e:
-            raise ValueError(f"shared_expert_dim ({self.shared_expert_dim}) is a shared expert beside routed ones, but "
-                             f"num_experts is 0; set num_experts")
-        if e == 0:
-            if k or self.dense_layers or self.moe_mlp_dim:
-                raise ValueError(f"experts_per_token ({k}), moe_mlp_dim ({self.moe_mlp_dim}) and dense_layers "
-                                 f"({list(self.dense_layers)}) describe experts, but num_experts is 0; set num_experts")
-            return
-        if e < 2:
-            raise ValueError(f"num_experts ({e}) must be at least 2 for a mixture of experts (0: a dense MLP)")
-        if not 1 <= k <= e:
-            raise ValueError(f"experts_per_token ({k}) must be between 1 and num_experts ({e})")
-        bad = [i for i in self.dense_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
-        if bad or len(set(self.dense_layers)) != len(self.dense_layers):
-            raise ValueError(f"dense_layers {list(self.dense_layers)} must be distinct layer indices in "
-                             f"0..{self.num_layers - 1}")
-        if len(self.dense_layers) == self.num_layers:
-            raise ValueError(f"dense_layers lists every layer ({self.num_layers}); set num_experts 0 for a dense model")
-        if self.post_norms:
-            raise ValueError("experts (num_experts) with post_norms (Gemma 3) are not modelled; drop one")
-        if self.expert_style not in EXPERT_STYLES:
-            raise ValueError(f"expert_style {self.expert_style!r} is not one of {', '.join(EXPERT_STYLES)}")
-        if self.expert_style == "gpt_oss" and (self.has_dense_mlp or not self.router_renormalize):
-            raise ValueError("expert_style 'gpt_oss' has every layer sparse and the top-k weights renormalised (a "
-                             "softmax over the top-k logits); drop dense_layers and set router_renormalize")
-        if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl {self.moe_impl!r} is not one of {', '.join(MOE_IMPLS)}")
-        if not self.router_aux_loss_coef >= 0:
-            raise ValueError(f"router_aux_loss_coef ({self.router_aux_loss_coef}) must be >= 0")
 
     @property
     def expert_mlp_dim(self) -> int:

@@ -311,6 +311,9 @@ def model_config_from_run(record: dict, **compute) -> ModelConfig:
     fields = {**record["model"], **record.get("compute", {}), **{k: v for k, v in compute.items() if v is not None}}
     if compute.get("attn_chunk") == 0:  # the tiled attention switched off: its head groups and recompute with it
         fields.update({k: v for k, v in (("attn_head_chunk", 0), ("attn_recompute", False)) if compute.get(k) is None})
+    if compute.get("remat") not in (None, "offload"):  # remat switched off (or offload): its groups, nesting with it
+        off = (("remat_nested", False),) + ((("remat_every", 1),) if compute["remat"] == "none" else ())
+        fields.update({k: v for k, v in off if compute.get(k) is None})
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     try:
@@ -320,7 +323,24 @@ def model_config_from_run(record: dict, **compute) -> ModelConfig:
                          f"wrote the run") from None
 
 
+def check_eval_flags(cfg: TrainConfig) -> None:
+    """``ValueError`` in one line where an evaluation setting is given without the evaluation it qualifies (it would
+    do nothing): ``--eval-batches``, ``--eval-by-position`` and ``--eval-passkey`` need ``--eval-every``,
+    ``--eval-passkey-samples`` needs ``--eval-passkey``."""
+    default = TrainConfig()
+    given = [f for f in ("eval_batches", "eval_by_position", "eval_passkey", "eval_passkey_samples")
+             if getattr(cfg, f) != getattr(default, f)]
+    if given and not cfg.eval_every:
+        flag = runconfig.flag(given[0])
+        raise ValueError(f"{flag} qualifies the evaluation during training, but --eval-every is 0 (off); add "
+                         f"--eval-every N (steps) or drop {flag} (after training: ulysses-jax eval --run-dir ...)")
+    if "eval_passkey_samples" in given and not cfg.eval_passkey:
+        raise ValueError(f"--eval-passkey-samples ({cfg.eval_passkey_samples}) sets the passkey evaluation's samples, "
+                         f"but --eval-passkey is not set; add --eval-passkey or drop --eval-passkey-samples")
+
+
 def data_config(cfg: TrainConfig) -> DataConfig:
+    check_eval_flags(cfg)
     return DataConfig(paths=tuple(cfg.data), tokenizer=cfg.tokenizer, text_field=cfg.data_field,
                       eval_fraction=cfg.eval_fraction, eval_paths=tuple(cfg.eval_data), format=cfg.data_format,
                       frame=cfg.init_from_hf is not None, sft_overlong=cfg.sft_overlong)

@@ -43,9 +43,13 @@ PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps",
                   "num_processes", "process_id", "peer_timeout")
 
 
-# A setting that qualifies a memory tool, inherited from the run only while the tool stays on: a resume that switches
-# the tool off (``--attn-chunk 0``) drops the qualifiers the run gave it, unless they are given anew (then refused).
-QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk"}
+# A setting that qualifies a tool, inherited from the run only while the tool stays on: a resume that switches the
+# tool off (``--attn-chunk 0``, ``--remat none``, ``--eval-every 0``) drops the qualifiers the run gave it, unless they
+# are given anew (then refused).
+QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk", "remat_every": "remat",
+             "eval_batches": "eval_every", "eval_by_position": "eval_every", "eval_passkey": "eval_every",
+             "eval_passkey_samples": ("eval_every", "eval_passkey")}
+OFF = (None, 0, False, "none")  # a tool's values that switch it off
 
 
 def flag(path: str) -> str:
@@ -87,8 +91,11 @@ def drop_qualifiers(cfg, given: set[str]):
     """``cfg`` (a resumed run's settings with this invocation's over them) without the ``QUALIFIES`` settings it
     inherited for a tool that ``given`` (``given_settings``) switches off: they go back to their defaults."""
     defaults = type(cfg)()
-    off = {k: getattr(defaults, k) for k, tool in QUALIFIES.items()
-           if tool in given and not getattr(cfg, tool) and k not in given}
+
+    def switched_off(tools) -> bool:
+        return any(t in given and getattr(cfg, t) in OFF for t in ((tools,) if isinstance(tools, str) else tools))
+
+    off = {k: getattr(defaults, k) for k, tools in QUALIFIES.items() if switched_off(tools) and k not in given}
     return dataclasses.replace(cfg, **off)
 
 
