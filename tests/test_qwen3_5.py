@@ -249,3 +249,14 @@ def test_a_vision_language_folder_trains_through_the_cli_and_exports_its_class(t
     assert {k: v for k, v in info.items() if len(v)} == {}, info
     visual = tensors_of(src, "model.visual.")
     assert all(v.tobytes() == tensors_of(tmp_path / "out", "model.visual.")[k].tobytes() for k, v in visual.items())
+
+
+def test_delta_net_layers_alone_are_refused_in_one_line():
+    """A Qwen3.5 config whose every layer is linear_attention (transformers builds it): the model keeps one attention
+    row, unused, that no tensor of such a folder fills, so import looked for layer 0's self_attn.q_proj and blamed the
+    folder (found by a review); now refused, on import and export alike, naming the fix."""
+    cfg = uj.ModelConfig.from_preset("tiny-hybrid", layer_pattern=("linear",))
+    assert cfg.attention_layers == () and cfg.linear_layers == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match=r"^tiny-hybrid has only delta-net \('linear'\) layers; the "
+                                         r"Qwen3_5ForCausalLM layout here needs at least one full_attention layer"):
+        hf.entries(cfg)

@@ -123,6 +123,9 @@ def check_hybrid(cfg, architecture: str) -> None:
     if not cfg.linear_layers:
         raise ValueError(f"{cfg.name} has no delta-net ('linear') layer, which {architecture} has; no Hugging Face "
                          f"architecture here holds its gated attention alone")
+    if not cfg.attention_layers:  # the model keeps one attention row, unused, that no tensor of the folder fills
+        raise ValueError(f"{cfg.name} has only delta-net ('linear') layers; the {architecture} layout here needs at "
+                         f"least one full_attention layer in layer_types (every published model has one in four)")
 
 
 def claims(cfg, hint) -> bool:
