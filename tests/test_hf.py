@@ -269,6 +269,53 @@ def test_config_layouts_and_refusals(tmp_path):
         uj.ModelConfig.from_hf(tmp_path / "nowhere")
 
 
+def test_keys_left_out_read_as_transformers_reads_them(tmp_path):
+    """A config.json without a key transformers' class gives a default (found by a review: the generic defaults gave
+    silently wrong logits): Mixtral's theta and norm epsilon, gpt-oss's biases, theta, epsilon and head_dim, Gemma 3's
+    query scale and head_dim, Qwen3's head_dim, YaRN's original length (the file's max_position_embeddings, not it
+    over the factor); and Qwen3-MoE's window, which covers every layer (its class reads no layer_types). Each value
+    is the one transformers' own config class reads from the same file."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    experts = dict(num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2)
+    cases = {  # Gemma 3's and Qwen3-MoE's KV heads by default (4), the others' defaults (8, 32) above the 4 heads
+        "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", **experts),
+        "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", **experts, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
+        "gemma3": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window=8),
+        "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2),
+        "yarn": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=2, rope_theta=1e6,
+                     rope_scaling=dict(rope_type="yarn", factor=4.0)),
+        "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=32, num_hidden_layers=3,
+                          use_sliding_window=True, sliding_window=5, max_window_layers=2),
+    }
+    for name, keys in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**shape, **keys}))
+        ours, theirs = uj.ModelConfig.from_hf(folder), transformers.AutoConfig.from_pretrained(folder)
+        rope = theirs.rope_parameters
+        rope = rope.get("full_attention", rope)
+        assert ours.rope_theta == rope["rope_theta"] and ours.rms_eps == theirs.rms_norm_eps, name
+        head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads  # none: divide
+        assert ours.head_dim == head_dim and ours.num_kv_heads == theirs.num_key_value_heads, name
+        if name == "gpt_oss":
+            assert ours.qkv_bias and theirs.attention_bias
+        if name == "gemma3":
+            assert ours.query_pre_attn_scalar == theirs.query_pre_attn_scalar == 256
+        if name == "yarn":
+            assert ours.rope_scaling.original_max_position == rope["original_max_position_embeddings"] == 64
+        if name == "qwen3_moe":
+            assert (ours.sliding_window, ours.layer_pattern, ours.window_kinds) == (5, (), (5,))
+            assert theirs.sliding_window == 5
+    local_global = dataclasses.replace(ours, layer_pattern=("global", "local", "local"))
+    with pytest.raises(ValueError, match="mixes local and global layers, which Qwen3MoeForCausalLM cannot hold"):
+        hf.to_hf(uj.Transformer(local_global, mesh=uj.make_mesh(fsdp=1, sp=1, devices=jax.devices()[:1]),
+                                rngs=nnx.Rngs(0)), tmp_path / "out")
+
+
 @pytest.fixture
 def llama_folder(tmp_path, seed):
     return save(hf_model("llama3-untied", seed), tmp_path / "src", max_shard_size="60KB")

@@ -63,6 +63,7 @@ def config_fields(path) -> dict:
     family = _family(raw, where)
     if hasattr(family, "language_config"):  # a vision-language folder's text model, or a family's own defaults
         raw = family.language_config(raw, where)
+    raw = {**getattr(family, "HF_DEFAULTS", {}), **raw}  # a key left out: its class's default, as transformers reads
 
     def need(key):
         if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):

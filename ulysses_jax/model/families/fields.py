@@ -118,7 +118,7 @@ def _yarn(params: dict, raw: dict, where, field: str) -> dict:
             refuse(where, f"{field}.{key}", params[key], "YaRN's DeepSeek-style mscale")
     try:
         factor = float(params["factor"])
-        original = int(params.get("original_max_position_embeddings") or raw["max_position_embeddings"] / factor)
+        original = int(params.get("original_max_position_embeddings") or raw["max_position_embeddings"])
     except KeyError as e:
         raise ValueError(f"{where}: {field} of rope_type 'yarn' has no {e.args[0]!r}; add it") from None
     return dict(rope_type="yarn", factor=factor, original_max_position=original,

@@ -23,6 +23,8 @@ from ulysses_jax.model.families.tensors import ATTENTION, DENSE_MLP, LAYER, OUTP
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 MODEL_TYPE = "gemma3_text"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256}
 # "post_attention_layernorm" is the norm after the attention here; the MLP's own norms come before and after it
 ENTRIES = (
     *ATTENTION,

@@ -28,6 +28,9 @@ from ulysses_jax.model.families.tensors import LAYER, Entry, llama_entries
 
 ARCHITECTURE = "GptOssForCausalLM"
 MODEL_TYPE = "gpt_oss"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 8, "head_dim": 64, "rope_theta": 150_000.0, "rms_norm_eps": 1e-5,
+               "attention_bias": True}
 # every expert in one tensor per layer, gate and up fused with interleaved columns (X = 2G), biases; on the Hub the
 # two expert matrices are MXFP4 ``_blocks`` + ``_scales`` (interop/mxfp4.py)
 ENTRIES = llama_entries(mlp=(
@@ -44,7 +47,7 @@ def fields(raw: dict, where, num_layers: int, head_dim: int) -> dict:
     # transformers' default layers: sliding 0, 2, 4, ..., full ones between
     derived = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     out = {**layer_fields(raw, where, num_layers, 128, derived), **llama_fields(raw, where, attention_bias=True),
-           "qkv_bias": bool(raw.get("attention_bias")), **expert_fields(raw, where, "num_local_experts")}
+           "qkv_bias": bool(raw["attention_bias"]), **expert_fields(raw, where, "num_local_experts")}
     quant = raw.get("quantization_config") or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
     if method not in (None, "mxfp4"):

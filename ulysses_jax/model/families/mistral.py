@@ -14,6 +14,8 @@ from ulysses_jax.model.families.tensors import llama_entries
 
 ARCHITECTURE = "MistralForCausalLM"
 MODEL_TYPE = "mistral"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 8}
 ENTRIES = llama_entries()
 
 

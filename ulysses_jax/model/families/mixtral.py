@@ -15,6 +15,8 @@ from ulysses_jax.model.families.tensors import LAYER, Entry, llama_entries
 
 ARCHITECTURE = "MixtralForCausalLM"
 MODEL_TYPE = "mixtral"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 8, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5}
 # the router and one tensor per expert {j} (G: an expert's width, mlp_dim here); no dense MLP
 ENTRIES = llama_entries(mlp=(
     Entry("blocks.moe.w_router_DE", "DE", LAYER + "block_sparse_moe.gate.weight", "E,D", "experts"),

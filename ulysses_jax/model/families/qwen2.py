@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): config.json both ways, its export rule, tensor names and presets.
 
 The Llama layout with biases on q, k and v, and Qwen's sliding windows: with ``use_sliding_window``, the layers from
-``max_window_layers`` on are local (or as ``layer_types`` lists them), which Qwen3 and Qwen3-MoE read the same way.
+``max_window_layers`` on are local (or as ``layer_types`` lists them), which Qwen3 reads the same way.
 Presets (theta 1e6, rms_eps 1e-6):
 
 | preset       | layers | hidden | heads | kv | head_dim | mlp   | vocab  | tied |
@@ -17,6 +17,8 @@ from ulysses_jax.model.families.tensors import llama_entries
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 MODEL_TYPE = "qwen2"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 32}
 ENTRIES = llama_entries()
 
 

@@ -18,6 +18,8 @@ from ulysses_jax.model.families.tensors import llama_entries
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MODEL_TYPE = "qwen3"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128}
 ENTRIES = llama_entries()
 
 

@@ -28,6 +28,8 @@ from ulysses_jax.model.families.tensors import ATTENTION, DENSE_MLP, LAYER, MLP_
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 MODEL_TYPE = "qwen3_5_text"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256}
 HF_KINDS = {"linear_attention": "linear", "full_attention": "global"}
 IGNORED_PREFIXES = ("mtp.",)  # multi-token prediction: transformers ignores it too
 

@@ -19,6 +19,8 @@ from ulysses_jax.model.families.tensors import LAYER, Entry
 
 ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 MODEL_TYPE = "qwen3_5_moe_text"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256}
 MODELLED_EXPERT_KEYS = ("shared_expert_intermediate_size",)
 IGNORED_PREFIXES = qwen3_5.IGNORED_PREFIXES
 # the router, one tensor per expert {j} (G: an expert's width), the shared expert (Z: its width) and its gate

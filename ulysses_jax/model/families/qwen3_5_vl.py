@@ -19,6 +19,7 @@ from ulysses_jax.model.families.fields import refuse
 
 ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
 MODEL_TYPE = "qwen3_5"
+HF_DEFAULTS = qwen3_5.HF_DEFAULTS  # of the text model (text_config)
 PASSTHROUGH_PREFIXES = ("model.visual.",)  # not read on import; copied byte for byte on export
 IGNORED_PREFIXES = (*PASSTHROUGH_PREFIXES, *qwen3_5.IGNORED_PREFIXES)
 ENTRIES = tuple(dataclasses.replace(e, hf=e.hf.replace("model.", "model.language_model.", 1))

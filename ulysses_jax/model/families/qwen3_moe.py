@@ -1,21 +1,30 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): config.json both ways, its export rule, tensor names and presets.
 
-Qwen3 (qk-norm, Qwen's windows) with routed experts (``model/moe.py``): ``num_experts`` (transformers 5 writes
-``num_local_experts``), ``num_experts_per_tok``, ``moe_intermediate_size`` (an expert's width; ``intermediate_size``
-is the dense layers'), ``norm_topk_prob`` (renormalised top-k weights), ``router_aux_loss_coef``, and a layer is
-sparse unless it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``. Preset ``qwen3-30b-a3b``: 48
-layers, hidden 2048, 32 heads, 4 KV heads, head_dim 128, 128 experts, top-8 renormalised, expert width 768, vocab
-151936, every layer sparse (30.5B parameters, 3.3B active).
+Qwen3 (qk-norm; its own windows: with ``use_sliding_window`` every layer local) with routed experts
+(``model/moe.py``): ``num_experts`` (transformers 5 writes ``num_local_experts``), ``num_experts_per_tok``,
+``moe_intermediate_size`` (an expert's width; ``intermediate_size`` is the dense layers'), ``norm_topk_prob``
+(renormalised top-k weights), ``router_aux_loss_coef``, and a layer is sparse unless it is in ``mlp_only_layers``
+or ``(i + 1) % decoder_sparse_step != 0``. Preset ``qwen3-30b-a3b``: 48 layers, hidden 2048, 32 heads, 4 KV heads,
+head_dim 128, 128 experts, top-8 renormalised, expert width 768, vocab 151936, every layer sparse (30.5B parameters,
+3.3B active).
 """
 
 from __future__ import annotations
 
 from ulysses_jax.model.families import qwen3
-from ulysses_jax.model.families.fields import expert_fields, expert_json, integer, refuse_gpt_oss_attention
+from ulysses_jax.model.families.fields import (
+    expert_fields,
+    expert_json,
+    integer,
+    layer_fields,
+    refuse_gpt_oss_attention,
+)
 from ulysses_jax.model.families.tensors import DENSE_MLP, LAYER, Entry, llama_entries
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 4}
 # the router and one tensor per expert {j} (G: an expert's width, moe_mlp_dim), after the dense layers' MLP
 ENTRIES = llama_entries(mlp=(
     *DENSE_MLP,
@@ -27,8 +36,17 @@ ENTRIES = llama_entries(mlp=(
 
 
 def fields(raw: dict, where, num_layers: int, head_dim: int) -> dict:
-    """Qwen3's fields and the experts', the dense layers among the sparse ones included."""
-    return {**qwen3.fields(raw, where, num_layers, head_dim), **sparse_fields(raw, where, num_layers)}
+    """Qwen3's fields and the experts', the dense layers among the sparse ones included, with Qwen3-MoE's windows."""
+    return {**qwen3.fields(raw, where, num_layers, head_dim), **windows(raw, where, num_layers),
+            **sparse_fields(raw, where, num_layers)}
+
+
+def windows(raw: dict, where, num_layers: int) -> dict:
+    """Qwen3-MoE's windows: its class reads neither ``layer_types`` nor ``max_window_layers`` (Qwen3's do): with
+    ``use_sliding_window`` and a ``sliding_window``, every layer is local."""
+    local = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
+    return layer_fields({**raw, "layer_types": None}, where, num_layers, None,
+                        ["sliding_attention"] * num_layers if local else None)
 
 
 def sparse_fields(raw: dict, where, num_layers: int) -> dict:
@@ -58,10 +76,14 @@ def claims(cfg, hint) -> bool:
 
 
 def hf_config(cfg, dtype: str) -> dict:
-    return {**qwen3.hf_config(cfg, dtype), "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
-            **expert_json(cfg), "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_mlp_dim,
-            "norm_topk_prob": cfg.router_renormalize, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(cfg.dense_layers)}
+    if cfg.sliding_window and "global" in cfg.layer_pattern:
+        raise ValueError(f"{cfg.name} mixes local and global layers, which {ARCHITECTURE} cannot hold (its window "
+                         f"applies to every layer or to none); export it with sliding_window 0 or every layer local")
+    out = {**qwen3.hf_config(cfg, dtype), "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+           **expert_json(cfg), "num_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_mlp_dim,
+           "norm_topk_prob": cfg.router_renormalize, "decoder_sparse_step": 1,
+           "mlp_only_layers": list(cfg.dense_layers)}
+    return {k: v for k, v in out.items() if k not in ("layer_types", "max_window_layers")}
 
 
 PRESETS = {

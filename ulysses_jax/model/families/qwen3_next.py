@@ -24,6 +24,8 @@ from ulysses_jax.model.families.tensors import DENSE_MLP, LAYER, Entry, Fused
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 MODEL_TYPE = "qwen3_next"
+# config.json keys a folder may leave out, at transformers' defaults for this class where the generic reader's differ
+HF_DEFAULTS = {"num_key_value_heads": 2, "head_dim": 256}
 MODELLED_EXPERT_KEYS = qwen3_5_moe.MODELLED_EXPERT_KEYS
 IGNORED_PREFIXES = qwen3_5.IGNORED_PREFIXES
 _QKVZ, _BA = LAYER + "linear_attn.in_proj_qkvz.weight", LAYER + "linear_attn.in_proj_ba.weight"
