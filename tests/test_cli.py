@@ -295,6 +295,22 @@ def test_run_dir_of_another_run_is_refused(existing_run, tmp_path, capsys):
     assert snapshot(run) == before
 
 
+def test_remat_nesting_is_a_compute_setting_a_resume_may_change():
+    """`--remat-nested` was recorded as a learned model field: a run with it could not resume with another `--remat`
+    (refused as needing offload, then as another model), nor could one without it add it (found by a review). It is
+    compute-only now; a run recorded before, with it among the model's fields, is compared without it."""
+    from ulysses_jax.train.config import TrainConfig
+    from ulysses_jax.train.resume import learned_difference
+    from ulysses_jax.train.runconfig import COMPUTE_ONLY, to_dict
+
+    assert "remat_nested" in COMPUTE_ONLY
+    config = to_dict(TrainConfig())
+    old = {"config": config, "model": {"hidden": 8, "remat_nested": True}}
+    assert learned_difference(old, {"config": config, "model": {"hidden": 8}}) is None
+    assert learned_difference(old, {"config": config, "model": {"hidden": 16}}) == (
+        "the model's hidden is 16 here but 8 in the run")
+
+
 def test_run_dir_without_checkpoints(existing_run, tmp_path, capsys):
     """A directory whose run saved no checkpoint: another run is refused; the same run starts again cleanly."""
     run, corpus = existing_run

@@ -281,6 +281,8 @@ def test_resume_merges_flags_the_same_for_presets_and_folders(kind, folder, tmp_
                                      {"eval_passkey"}) == dataclasses.replace(start, eval_every=5)
     kept = dataclasses.replace(start, remat="full", remat_every=2, eval_every=5, eval_by_position=True)
     assert runconfig.drop_qualifiers(kept, {"remat", "eval_every"}) == kept  # the tools stay on: so do their options
+    nested = dataclasses.replace(start, remat="full", remat_every=2, remat_nested=True)  # --remat full on a nested run
+    assert runconfig.drop_qualifiers(nested, {"remat"}) == dataclasses.replace(nested, remat_nested=False)
     assert runconfig.given_settings(TrainConfig, ["--no-attn-recompute", "--optim.no-master-weights", "--mesh.sp=4",
                                                   "--attn_chunk", "0", "--steps", "--resume"]) == {
         "attn_recompute", "optim.master_weights", "mesh.sp", "attn_chunk", "steps", "resume"}

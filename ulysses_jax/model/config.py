@@ -223,7 +223,7 @@ class ModelConfig:
             raise ValueError(f"remat {self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
         if self.remat_nested and self.remat != "offload":
             raise ValueError(f"remat_nested (--remat-nested) offloads the layer inputs inside a remat_every group: it "
-                             f"needs remat='offload' (--remat offload), not {self.remat!r}")
+                             f"needs remat='offload', not {self.remat!r}")
         if not isinstance(self.remat_every, int) or self.remat_every < 1 or self.num_layers % self.remat_every:
             raise ValueError(f"remat_every ({self.remat_every!r}) must be a positive divisor of num_layers "
                              f"({self.num_layers})")

@@ -12,7 +12,7 @@ import hashlib
 import pathlib
 
 from ulysses_jax.data.documents import sources_differ
-from ulysses_jax.train.runconfig import flag, get
+from ulysses_jax.train.runconfig import COMPUTE_ONLY, flag, get
 
 # TrainConfig fields that change what is learned: refused on resume when they differ from the record. Data and
 # tokenizer are compared by content (fingerprints), not here.
@@ -38,7 +38,7 @@ def learned_difference(recorded: dict, current: dict) -> str | None:
                         f"keep the run's, or start a new --run-dir")
             return f"{flag(path)} is {b!r} here but {a!r} in the run{was}"
     a, b = recorded.get("model", {}), current.get("model", {})
-    for key in sorted(set(a) | set(b)):
+    for key in sorted((set(a) | set(b)) - set(COMPUTE_ONLY)):  # a run recorded before a field became compute-only
         if a.get(key, MODEL_RECORDED_BEFORE.get(key)) != b.get(key, MODEL_RECORDED_BEFORE.get(key)):
             return f"the model's {key} is {b.get(key)!r} here but {a.get(key)!r} in the run"
     if recorded.get("optimizer") != current.get("optimizer"):

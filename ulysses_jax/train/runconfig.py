@@ -31,8 +31,8 @@ from typing import Literal
 
 RECORD = "run.json"
 # Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
-COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
-                "delta_head_chunk", "delta_precision", "delta_impl",
+COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk",
+                "attn_head_chunk", "delta_head_chunk", "delta_precision", "delta_impl",
                 "attn_recompute", "attn_keep", "attn_max_documents", "moe_impl",
                 "compute_dtype")
 CONFIG = "config.yaml"
@@ -47,9 +47,10 @@ PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps",
 # tool off (``--attn-chunk 0``, ``--remat none``, ``--eval-every 0``) drops the qualifiers the run gave it, unless they
 # are given anew (then refused).
 QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk", "remat_every": "remat",
-             "eval_batches": "eval_every", "eval_by_position": "eval_every", "eval_passkey": "eval_every",
-             "eval_passkey_samples": ("eval_every", "eval_passkey")}
+             "remat_nested": "remat", "eval_batches": "eval_every", "eval_by_position": "eval_every",
+             "eval_passkey": "eval_every", "eval_passkey_samples": ("eval_every", "eval_passkey")}
 OFF = (None, 0, False, "none")  # a tool's values that switch it off
+ONLY_WITH = {"remat_nested": "offload"}  # a qualifier of one value of its tool: any other switches it off
 
 
 def flag(path: str) -> str:
@@ -92,10 +93,13 @@ def drop_qualifiers(cfg, given: set[str]):
     inherited for a tool that ``given`` (``given_settings``) switches off: they go back to their defaults."""
     defaults = type(cfg)()
 
-    def switched_off(tools) -> bool:
-        return any(t in given and getattr(cfg, t) in OFF for t in ((tools,) if isinstance(tools, str) else tools))
+    def switched_off(setting, tools) -> bool:
+        def off(value):
+            return value in OFF or (setting in ONLY_WITH and value != ONLY_WITH[setting])
 
-    off = {k: getattr(defaults, k) for k, tools in QUALIFIES.items() if switched_off(tools) and k not in given}
+        return any(t in given and off(getattr(cfg, t)) for t in ((tools,) if isinstance(tools, str) else tools))
+
+    off = {k: getattr(defaults, k) for k, tools in QUALIFIES.items() if switched_off(k, tools) and k not in given}
     return dataclasses.replace(cfg, **off)
 
 
