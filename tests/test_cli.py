@@ -404,6 +404,13 @@ def test_config_file_and_flags(tmp_path, capsys):
     assert record["config"]["optim"]["lr"] == 0.002 and record["config"]["seq_len"] == 256
     again = parse(["train", "--config", str(run / "config.yaml")])  # the run's effective config loads back
     assert again.optim.lr == 0.002 and again.mesh.sp == 4 and again.batch_size == 2 and again.steps == 1
+    # ... but for what the run derived: the decay from --steps 1 (run.json: 1), derived again from a longer --steps
+    # (it was written as given: a new run with --steps 12 held the minimum rate from step 2 on; found by a review)
+    assert record["config"]["optim"]["decay_steps"] == 1 and "optim.decay_steps" in record["defaults"]
+    assert "left to be derived again (run.json has the values it used): optim.decay_steps, optim.weight_decay." in (
+        run / "config.yaml").read_text()
+    longer = parse(["train", "--config", str(run / "config.yaml"), "--steps", "12"])
+    assert longer.optim.decay_steps is None and longer.optim.warmup_steps == 0 and longer.optim.lr == 0.002
     (tmp_path / "llama.yaml").write_text(LLAMA_YAML)  # the README's 8-GPU recipe loads as written
     llama = parse(["train", "--config", str(tmp_path / "llama.yaml")])
     assert (llama.preset, llama.seq_len, llama.mesh.sp, llama.remat, llama.optim.lr) == (

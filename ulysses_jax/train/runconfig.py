@@ -305,17 +305,32 @@ def read_record(run_dir: str | os.PathLike) -> dict:
     return record
 
 
-def write_record(run_dir: str | os.PathLike, record: dict) -> None:
-    """Write ``run.json`` and ``config.yaml`` atomically (process 0 only: the caller checks)."""
+def write_record(run_dir: str | os.PathLike, record: dict, as_given: dict | None = None) -> None:
+    """Write ``run.json`` and ``config.yaml`` atomically (process 0 only: the caller checks). ``as_given``: the
+    settings' defaults (``to_dict`` of a default config): in ``config.yaml`` the optimizer settings the run derived
+    (the record's ``defaults`` of ``optim``: the schedule from ``--steps``, the rates of a fine-tuning run) keep
+    these, so a new run from the file derives them again (a longer ``--steps``: its own schedule); ``run.json``
+    keeps what this run used. What ``--memory auto`` chose stays in the file, as a resume keeps it."""
     import yaml
 
     p = pathlib.Path(run_dir)
     p.mkdir(parents=True, exist_ok=True)
     _atomic_write(p / RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
-    header = ("# The effective configuration of this run (written by `ulysses-jax train`). Repeat it in a new\n"
-              "# directory with `ulysses-jax train --config <this file> --run-dir <new>`; continue it with\n"
+    config = json.loads(json.dumps(record["config"]))
+    derived = sorted(k for k in record.get("defaults", {}) if k.startswith("optim."))
+    for path in derived if as_given is not None else ():
+        *head, last = path.split(".")
+        node = config
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = get(as_given, path)
+    header = ("# The configuration of this run (written by `ulysses-jax train`). Repeat it in a new directory with\n"
+              "# `ulysses-jax train --config <this file> --run-dir <new>`; continue it with\n"
               "# `ulysses-jax train --run-dir <this run> --resume`.\n")
-    _atomic_write(p / CONFIG, header + yaml.safe_dump(record["config"], sort_keys=False))
+    if derived and as_given is not None:
+        header += (f"# Derived by the run, left to be derived again (run.json has the values it used): "
+                   f"{', '.join(derived)}.\n")
+    _atomic_write(p / CONFIG, header + yaml.safe_dump(config, sort_keys=False))
 
 
 def _atomic_write(path: pathlib.Path, text: str) -> None:

@@ -336,7 +336,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
                                   "processes": jax.process_count(), "device": jax.devices()[0].device_kind}]
     record["wandb_id"] = ((recorded or {}).get("wandb_id") if resuming else None) or uuid.uuid4().hex[:12]
     if jax.process_index() == 0:
-        runconfig.write_record(cfg.run_dir, record)
+        runconfig.write_record(cfg.run_dir, record, runconfig.to_dict(TrainConfig(), skip=runconfig.PER_INVOCATION))
     checkpointer = Checkpointer(cfg.run_dir, keep=cfg.keep_checkpoints)
     if resuming and checkpointer.set_aside(after=start) is not None:
         notes.append(f"checkpoints after step {start} moved to {where.path / 'checkpoints-set-aside'}")
