@@ -619,6 +619,7 @@ def _files(tmp_path):
     (tmp_path / "wrongtype.yaml").write_text("steps: many\n")
     (tmp_path / "broken.yaml").write_text("steps: [1\n")
     (tmp_path / "run.ini").write_text("[x]\n")
+    (tmp_path / "resume.yaml").write_text("run_dir: somewhere\nresume: true\n")
     (tmp_path / "afile").write_text("x")
 
 
@@ -667,6 +668,9 @@ TRAIN_ERRORS = {
     "config wrong type": (["--config", "{d}/wrongtype.yaml"], r"wrongtype.yaml: steps is 'many', not an integer"),
     "config not yaml": (["--config", "{d}/broken.yaml"], r"--config .*broken.yaml is not valid YAML"),
     "config extension": (["--config", "{d}/run.ini"], r"unknown extension '.ini'; use a .yaml, .yml or .toml file"),
+    # a run's record was never read for it: its settings fell back to defaults, then refused as changed (a review)
+    "config resumes": (["--config", "{d}/resume.yaml"], r"--config .*resume.yaml sets resume, which continues a run; "
+                                                        r"give it on the command line \(--run-dir R --resume\)"),
     "wandb missing": (["--wandb-project", "p"], r"--wandb-project needs the wandb package: pip install wandb"),
     "run dir is a file": (["--run-dir", "{d}/afile"], r"--run-dir .*afile is a file"),
     "ring zero": (["--mesh.ring", "0"], r"--mesh.ring \(0\) must be a positive number of devices"),

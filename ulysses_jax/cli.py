@@ -160,7 +160,13 @@ def _base(cls, args: list[str], *, resume: bool):
         base = runconfig.apply(base, inherited, where=f"{run_dir}/run.json")
     config = _value(args, "--config")
     if config is not None:
-        base = runconfig.apply(base, runconfig.load_config_file(config), where=config)
+        settings = runconfig.load_config_file(config)
+        keys = {str(k).replace("-", "_"): v for k, v in settings.items()}
+        if given := [k for k in ("resume", "resume_from") if keys.get(k) not in (None, False)]:
+            how = "--resume" if given[0] == "resume" else "--resume-from N"
+            raise ValueError(f"--config {config} sets {given[0]}, which continues a run; give it on the command line "
+                             f"(--run-dir R {how}), where it reads the run's settings first")
+        base = runconfig.apply(base, settings, where=config)
     return base
 
 
