@@ -633,3 +633,17 @@ def test_tokenless_documents_do_not_loop_forever(tmp_path):
     cfg = DataConfig(paths=(str(tmp_path / "c.jsonl"),), tokenizer=str(tmp_path / "tokenizer.json"), eval_fraction=0.0)
     with pytest.raises(ValueError, match=r"7 documents in a row have no tokens; check --tokenizer"):
         next(single(cfg, seq_len=8, global_batch=1, seed=0))
+
+
+def test_an_empty_source_is_named_by_its_flag_and_kind(tmp_path):
+    """A parquet file without rows was said to hold "only blank lines"; an empty --eval-data of `eval` was named
+    --data, "no document to train on" (both found by a review)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "zero.parquet")
+    (tmp_path / "a.txt").write_text("a document")
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"^--data .*zero.parquet has no rows: no document to train on"):
+        validate_sources(DataConfig(paths=(str(tmp_path / "zero.parquet"),)))
+    with pytest.raises(ValueError, match=r"^--eval-data .*e.jsonl is empty \(0 bytes\): no document to evaluate on; "
+                                         r"put documents in it, or leave it out of --eval-data"):
+        validate_sources(DataConfig(paths=(str(tmp_path / "a.txt"),), eval_paths=(str(tmp_path / "e.jsonl"),)))

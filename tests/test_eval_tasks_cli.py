@@ -79,6 +79,16 @@ def test_bad_input_one_line_exit_2_nothing_written(run, args, message, capsys):
     assert snapshot(run) == before
 
 
+def test_an_empty_eval_data_is_named_as_such(run, tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")  # named --data before, "no document to train on" (found by a review)
+    before = snapshot(run)
+    assert main(["eval", "--run-dir", str(run), "--eval-data", str(tmp_path / "empty.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --eval-data {tmp_path / 'empty.jsonl'} is empty (0 bytes): no "
+                                               f"document to evaluate on; put documents in it, or leave it out of "
+                                               f"--eval-data")
+    assert snapshot(run) == before
+
+
 def test_no_checkpoint(tmp_path, capsys):
     assert main(["eval", "--run-dir", str(tmp_path / "none"), "--by-position", "--task", "passkey"]) == 2
     err = capsys.readouterr().err

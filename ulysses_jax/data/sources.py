@@ -436,9 +436,12 @@ def _check_not_empty(index: Index, paths: Sequence[str], flag: str) -> None:
         files = [i for i, f in enumerate(index.files) if f.source == s]
         if files and not sum(index.starts[i + 1] - index.starts[i] for i in files):
             empty = int(index.empty_per_file[files].sum())
-            if not empty:  # not a document at all: no bytes, or blank lines only
-                what = "is empty (0 bytes)" if not sum(index.files[i].size for i in files) else "holds only blank lines"
-                raise ValueError(f"{flag} {given} {what}: no document to train on; put documents in it, or leave it "
+            if not empty:  # not a document at all: no bytes, blank lines only, or a table without rows
+                size = sum(index.files[i].size for i in files)
+                what = ("has no rows" if all(index.files[i].format == "parquet" for i in files) else
+                        "holds only blank lines" if size else "is empty (0 bytes)")
+                use = "evaluate" if flag == "--eval-data" else "train"
+                raise ValueError(f"{flag} {given} {what}: no document to {use} on; put documents in it, or leave it "
                                  f"out of {flag}")
             structured = any(index.files[i].format != "text" for i in files)
             fix = (f"name the field that holds the text with {FIELD_FLAG}, or leave it out of {flag}" if structured
