@@ -181,7 +181,8 @@ def next_token_loss(model, batch: dict, *, hidden: jax.Array | None = None, rout
     ``segment_ids`` and ``positions``. ``hidden``: the model's ``hidden_states`` if already computed (with experts,
     ``router``: the ``RouterStats`` computed with them, else no load-balancing loss). Tiled when
     ``model.config.loss_chunk > 0``. Returns ``LossOutput``: with experts the load-balancing loss too, and ``loss``
-    adds it weighted by ``router_aux_loss_coef``, as transformers' models do. ``dropout_key``: a training step's key
+    adds it weighted by ``router_aux_loss_coef`` (transformers' models add it only with
+    ``output_router_logits=True``; training here always does). ``dropout_key``: a training step's key
     for LoRA's dropout (``Transformer.hidden_and_router``).
     """
     tokens_BS, labels_BS = batch["tokens"], batch["labels"]
