@@ -400,3 +400,26 @@ def runs_steps(run):
     from ulysses_jax.train import runconfig
 
     return runconfig.inspect(run).steps
+
+
+def test_a_merged_folders_longer_context_keeps_the_rope_it_learned():
+    """`export --merge` of a run trained past the folder's max_position_embeddings raises it; a YaRN scaling that
+    leaves out original_max_position_embeddings (transformers derives it from max_position_embeddings) has it pinned
+    to the folder's length first, so the merged model's RoPE stays the one trained (found by a review)."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_jax.interop.peft import merged_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+    base = dict(model_type="qwen3", vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=64)
+    for layout in ({"rope_parameters": yarn}, {"rope_theta": 1e6, "rope_scaling": dict(yarn)}):
+        config = {**base, **json.loads(json.dumps(layout))}
+        merged = merged_config(config, "bfloat16", 256)
+        assert merged["max_position_embeddings"] == 256 and merged["torch_dtype"] == "bfloat16"
+        before, after = (transformers.Qwen3Config(**{k: v for k, v in json.loads(json.dumps(c)).items()
+                                                     if k != "model_type"}) for c in (config, merged))
+        assert before.rope_parameters["original_max_position_embeddings"] == 64
+        assert after.rope_parameters["original_max_position_embeddings"] == 64, layout
+        assert config == {**base, **layout}  # the base folder's own dict is left as it was
+    plain = merged_config(dict(base, rope_theta=1e6), None, 32)  # shorter: nothing changes
+    assert plain == dict(base, rope_theta=1e6)

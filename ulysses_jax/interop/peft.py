@@ -151,6 +151,26 @@ def merged(model):
     return nnx.merge(graphdef, state)
 
 
+def merged_config(config: dict, dtype: str | None, max_position: int | None) -> dict:
+    """The base folder's ``config.json`` for the merged folder: ``dtype`` and a longer ``max_position_embeddings``.
+    A YaRN scaling that leaves out its ``original_max_position_embeddings`` has it pinned to the folder's own length
+    first: transformers derives it from ``max_position_embeddings``, which would move the RoPE the model learned."""
+    config = json.loads(json.dumps(config))
+    if dtype is not None:
+        config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
+    old = config.get("max_position_embeddings", 0)
+    if max_position and max_position > old:
+        for key in ("rope_scaling", "rope_parameters"):
+            params = config.get(key)
+            nested = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
+            for p in (params.values() if nested else [params]):  # Gemma 3's: one per layer type
+                yarn = isinstance(p, dict) and p.get("rope_type", p.get("type")) == "yarn"
+                if yarn and not p.get("original_max_position_embeddings") and old:
+                    p["original_max_position_embeddings"] = old
+        config["max_position_embeddings"] = max_position
+    return config
+
+
 def merge_into_folder(model, base, path, *, dtype: str | None = None, max_position: int | None = None) -> list[str]:
     """Write the Hugging Face folder ``base`` into ``path`` (new or empty) with ``model``'s adapters merged into its
     targeted tensors (module doc); ``dtype``: the floating tensors' dtype in the files (None: each tensor's own);
@@ -199,11 +219,7 @@ def merge_into_folder(model, base, path, *, dtype: str | None = None, max_positi
         raw = hf.read_json(index)
         raw["metadata"] = {**(raw.get("metadata") or {}), "total_size": sum(sizes.values())}
         (out / index.name).write_text(json.dumps(raw, indent=2) + "\n")
-    config = hf.read_json(base / "config.json")
-    if dtype is not None:
-        config.update({k: dtype for k in ("torch_dtype", "dtype") if k in config} or {"torch_dtype": dtype})
-    if max_position and max_position > config.get("max_position_embeddings", 0):
-        config["max_position_embeddings"] = max_position
+    config = merged_config(hf.read_json(base / "config.json"), dtype, max_position)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("generation_config.json", *hf.TOKENIZER_FILES):
         if (base / name).is_file():
