@@ -15,7 +15,7 @@
 # A: llama3.2-1b full at 32K (before/after; ours bf16 and float8 beside transformers and transformers + Liger), then
 #    llama3.1-8b LoRA r16 at 8K (bf16 and float8 beside Liger; the float8 before/after).
 # B: the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers' Qwen3_5ForCausalLM, the GPU
-#    tests that have not run yet, and llama3.1-8b LoRA r16 at 32K beside Liger.
+#    tests that have not run yet, llama3.1-8b LoRA r16 at 32K beside Liger, then the delta rule alone at 32K.
 # C, D (a later session): llama3.2-1b at 8K beside both peers and at 128K beside Liger; llama3.1-8b LoRA at 64K beside
 #    Liger, and packed rows (4 documents a row) beside transformers on flex attention and Liger.
 set -u
@@ -54,6 +54,9 @@ case $CALL in
       PYTEST_K="hybrid or lora_with_fp8 or pallas_delta_walk or kept_cudnn or head_groups or one_document_rows"
     part b_8b_lora_32k STEPS="peers" PEER_ROWS=8b-lora-32k PEER_FLAG_SETS="$KEEP1" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=100
+    # last, where time is left: the delta rule alone at 32K, both walks at both precisions (the Pallas walk and bf16
+    # products never timed), beside cuDNN attention and fla's forward
+    part b_delta STEPS="delta" DELTA_ARGS="--seq-lens 32768 --iters 3 --warmup 1" DELTA_LIMIT=90
     ;;
   C)
     part c_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8" PEER_ARGS="$S" \
