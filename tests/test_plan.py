@@ -342,6 +342,22 @@ def test_offload_params_is_refused_by_plan_with_the_reason():
         plan(cfg)
 
 
+@pytest.mark.parametrize("fields, message", [
+    (dict(steps=0), r"^--steps \(0\) must be at least 1$"),  # it named --optim.decay-steps, not given
+    (dict(grad_accum=0), r"^--grad-accum \(0\) must be at least 1$"),  # a ZeroDivisionError and exit 1 (OVER)
+    (dict(steps=24, optim=dict(warmup_steps=100)), r"^--optim.warmup-steps \(100\) must be below the decay steps"),
+])
+def test_plan_refuses_what_train_refuses(fields, message):
+    """Inputs `train` refuses in one line, `plan` refuses alike, before compiling (found by a review: plan printed
+    `--optim.warmup-steps 100` as the flags to train the planned program with, which `train` then refused)."""
+    from ulysses_jax.train.step import OptimConfig
+
+    fields = {k: OptimConfig(**v) if k == "optim" else v for k, v in fields.items()}
+    cfg = PlanConfig(preset="tiny", seq_len=4096, mesh=MeshConfig(fsdp=1, sp=8), kernels=False, **fields)
+    with pytest.raises(ValueError, match=message):
+        plan(cfg)
+
+
 def _step_memory(cfg: ModelConfig, *, seq: int, optim=None, dump=None):
     """XLA's memory figures of ``cfg``'s train step (batch 1) on one compile-only H100."""
     from ulysses_jax.train.step import (
@@ -458,6 +474,17 @@ def test_train_args_compile_the_planned_program(case):
     assert fingerprint(text) == p.hlo_fingerprint
     assert ("--optim.offload" in p.train_args) == (case == "host optimizer") and "--steps" in p.train_args
     assert bool(p.notes) == (case == "host optimizer") or model.remat == "offload"
+
+
+def test_train_args_keep_the_window():
+    """`--sliding-window` shapes the program (which layers see how far): the plan's train flags carry it, so `train`
+    compiles the planned program (they dropped it: found by a review)."""
+    from ulysses_jax.cli import parse
+    from ulysses_jax.plan.flags import train_args
+
+    cfg = PlanConfig(preset="llama3.2-1b", seq_len=8192, batch_size=1, sliding_window=1024)
+    args = train_args(cfg, seq_len=8192, batch_size=1, mesh=dict(data=1, fsdp=1, ring=1, sp=2), memory_fraction=0.95)
+    assert args[args.index("--sliding-window") + 1] == "1024" and parse(["train", *args]).sliding_window == 1024
 
 
 def test_a_compile_failure_is_its_own_exit_status(monkeypatch, capsys):

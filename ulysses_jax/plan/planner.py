@@ -56,7 +56,7 @@ from ulysses_jax.train.devices import (
     resolve_batch,
 )
 from ulysses_jax.train.program import optimizer_of, step_program
-from ulysses_jax.train.step import abstract_state, check_offload_params
+from ulysses_jax.train.step import abstract_state, check_offload_params, check_warmup
 
 MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M tokens)
 
@@ -268,6 +268,8 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
     ptxas figures); the search for the longest context skips it.
     """
     seq_len = cfg.seq_len if seq_len is None else seq_len
+    if cfg.steps < 1:  # (the schedule would name --optim.decay-steps, which the user did not give)
+        raise ValueError(f"--steps ({cfg.steps}) must be at least 1")
     model = _model(cfg)
     target, mesh = _mesh(cfg, model, seq_len)
     batch_size = resolve_batch(cfg.batch_size, mesh, cfg.grad_accum)
@@ -279,6 +281,7 @@ def plan(cfg: PlanConfig, *, seq_len: int | None = None, with_kernels: bool | No
                          "it on devices with memory kinds: GPUs, and CPUs where it is tested)")
     optim = cfg.optim.resolved(cfg.steps, fine_tuning=cfg.init_from_hf is not None,  # as train resolves it, fresh
                                lora=model.lora is not None)
+    check_warmup(cfg.optim, optim.decay_steps)  # a warmup train refuses: not a program to plan
     tx = optimizer_of(optim, cfg.steps)
     graphdef, state = abstract_state(model, mesh, tx, cfg.seed)
     step, batch = step_program(graphdef, state, tx, optim, steps=cfg.steps, mesh=mesh, batch_size=batch_size,

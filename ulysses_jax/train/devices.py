@@ -128,6 +128,8 @@ def impl_note(m: ModelConfig, mesh) -> str:
 
 def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:
     """``--batch-size``, or by default 2 rows, or one per data x fsdp device (times ``--grad-accum``) if more."""
+    if grad_accum < 1:  # before the default batch divides by it (check_parallel says it for a given batch)
+        raise ValueError(f"--grad-accum ({grad_accum}) must be at least 1")
     if batch_size is not None:
         return batch_size
     rows = mesh.shape["data"] * mesh.shape["fsdp"] * grad_accum
