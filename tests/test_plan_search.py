@@ -157,6 +157,18 @@ def test_memory_auto_finds_the_longest_within_both_budgets_and_prunes(monkeypatc
     assert (far.memory_flags, far.max_seq_len) == (best.memory_flags, best.max_seq_len)
 
 
+def test_memory_auto_plans_its_answer_on_the_mesh_it_searched(monkeypatch):
+    """An automatic --mesh.sp resolves at --seq-len (4,100 tokens: sp 4 on 8 devices, sp 8 would not divide it); each
+    set's search keeps that mesh, and so must the answer's plan, at its longer length (it resolved the mesh again
+    there, sp 8: a plan and train flags of a program the search never measured; found by a review)."""
+    fake, compiled = _fake_plan(device_per_token=20_000, host_per_token=0)
+    monkeypatch.setattr(search, "plan", fake)
+    cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False, seq_len=4100)
+    search.auto_memory(cfg, log=lambda *_: None)
+    meshes = {(c.mesh.fsdp, c.mesh.sp) for c, _, _ in compiled}
+    assert meshes == {(2, 4)} and max(n for _, n, _ in compiled) > 8 * 4100, meshes
+
+
 def test_memory_auto_for_a_length_takes_the_fastest_that_fits(monkeypatch):
     """--memory auto --seq-len N: every set is compiled; among those within both budgets the lowest estimated step
     time wins, the rest are printed as runners-up; none fitting is one clear error."""

@@ -221,6 +221,8 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     sets that reach the same length, the lowest estimated step time."""
     best, results = None, []
     model = _model(cfg)
+    _, mesh = _mesh(cfg, model, cfg.seq_len)  # resolved once, as each set's search does: the answer is planned on it
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
     choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias,
                              mixed_kinds=model.mixed_layer_kinds, delta=bool(model.linear_layers))
     for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
