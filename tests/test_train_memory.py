@@ -208,3 +208,18 @@ def test_the_real_search_on_compile_only_h100s(tmp_path, monkeypatch):
     flags = lines[-1].removeprefix("memory: ").split(" (--memory auto")[0]
     assert why == WHY and flags in (tmp_path / "search.log").read_text()
     assert parse(["train", "--preset", "tiny", "--seq-len", "2048", *flags.split()]) == picked
+
+
+@pytest.mark.parametrize("local, processes", [(8, 1), (1, 8)])
+def test_the_host_budget_is_shared_by_the_hosts_gpus_however_processes_drive_them(monkeypatch, local, processes):
+    """One process driving 8 GPUs and 8 processes of one GPU each share a host's memory over its 8 GPUs alike (one GPU
+    a process took the whole machine's share per GPU: 8x the pinned memory there is; found by a review)."""
+    import numpy as np
+
+    dev = types.SimpleNamespace(device_kind=H100, platform="gpu")
+    mesh = types.SimpleNamespace(devices=np.array([dev] * 8, dtype=object), shape=dict(data=1, fsdp=1, ring=1, sp=8))
+    monkeypatch.setattr(train_memory, "device_platform", lambda m: "gpu")
+    monkeypatch.setattr(jax, "local_device_count", lambda: local)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    job = train_memory.job_of(TrainConfig(), mesh, 1)
+    assert job.hosts == 1 and job.host_memory_gib == pytest.approx(train_memory.host_memory_gib(8))

@@ -80,7 +80,8 @@ def job_of(cfg: TrainConfig, mesh, batch_size: int) -> Job:
     hosts = hosts if mesh.devices.size % hosts == 0 else 1
     return Job(platform=device_platform(mesh), device_kind=kind, devices=mesh.devices.size, hosts=hosts,
                mesh=dict(mesh.shape), batch_size=batch_size,
-               memory_fraction=memory_pool(cfg.memory_fraction, os.environ)[0], host_memory_gib=host_memory_gib(local))
+               memory_fraction=memory_pool(cfg.memory_fraction, os.environ)[0],
+               host_memory_gib=host_memory_gib(max(1, mesh.devices.size // hosts)))  # the host GPUs, not ours
 
 
 def plan_config(cfg: TrainConfig, job: Job, target: str) -> PlanConfig:
