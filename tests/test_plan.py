@@ -234,6 +234,9 @@ def test_cli_plan_writes_json(tmp_path):
     (["--devices", "6", "--mesh.sp", "4"], "--devices 6 does not fit the mesh flags"),
     (["--seq-len", "4098", "--mesh.sp", "4", "--mesh.fsdp", "2"], "--seq-len (4098) must be a positive multiple of"),
     (["--devices", "16", "--hosts", "3"], "--devices (16) must be a multiple of --hosts (3)"),
+    # modelled as one all-NVLink host before (no collective over the network; found by a review)
+    (["--devices", "16"], "--devices (16) over --hosts (1) puts 16 GPUs in a host, but an h100 host holds 8; pass "
+                          "--hosts 2"),
     (["--budget-fraction", "1.5"], "--budget-fraction (1.5) must be in (0, 1]"),
     (["--budget-fraction", "0.97"], "--budget-fraction (0.97) must be at most --memory-fraction (0.95)"),
     (["--memory-fraction", "1.2"], "--memory-fraction (1.2) must be in (0, 1)"),

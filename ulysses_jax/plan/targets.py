@@ -93,6 +93,10 @@ def target_devices(name: str, *, devices: int, hosts: int = 1) -> list[jax.Devic
         raise ValueError(f"--devices ({devices}) and --hosts ({hosts}) must be positive integers")
     if devices % hosts:
         raise ValueError(f"--devices ({devices}) must be a multiple of --hosts ({hosts}): each host holds as many GPUs")
+    if devices // hosts > target.gpus_per_host:  # else more GPUs than a node holds would share its NVLink
+        raise ValueError(f"--devices ({devices}) over --hosts ({hosts}) puts {devices // hosts} GPUs in a host, but an "
+                         f"{target.name} host holds {target.gpus_per_host}; pass --hosts "
+                         f"{-(-devices // target.gpus_per_host)}")
     if not cuda_plugin_installed():
         raise ValueError(f"compiling for {target.name} needs the CUDA plugin of jaxlib, which is not installed: "
                          f"{INSTALL_HINT}")
