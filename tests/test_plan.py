@@ -1,6 +1,7 @@
 """The H100 program compiled without a GPU: `ulysses-jax plan`, the exchange and the train step on compile-only
 H100s (``ulysses_jax.plan.targets``). Marked aot: they need the CUDA plugin (the aot extra; `make test` installs it)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -332,6 +333,19 @@ def test_optimizer_offload_puts_the_state_in_host_memory():
     assert offloaded.memory["total_bytes"] < on_device.memory["total_bytes"] - opt // 2  # less what streams
     assert offloaded.memory["host_transfer_bytes"] == 2 * opt and on_device.memory["host_transfer_bytes"] == 0
     assert "in pinned host memory" in format_plan(offloaded) and "host link floor" in format_plan(offloaded)
+
+
+def test_host_traffic_counts_the_kept_attention_that_remat_offload_sends():
+    """--remat offload --attn-keep sends each layer's kept attention output (bf16) and log-sum-exp (float32) to host
+    memory and back, beside its input: the PCIe floor counted the inputs alone (found by a review)."""
+    from ulysses_jax.plan.planner import host_transfer_bytes
+
+    cfg, mesh, seq = PlanConfig(preset="llama3.2-1b"), dict(data=1, fsdp=1, ring=1, sp=1), 32768
+    model = ModelConfig.from_preset("llama3.2-1b", remat="offload")
+    inputs = host_transfer_bytes(cfg, model, mesh, seq, 1, 0)
+    kept = host_transfer_bytes(cfg, dataclasses.replace(model, attn_keep=True), mesh, seq, 1, 0)
+    assert inputs == 2 * 16 * seq * 2048 * 2  # 16 layer inputs of [S, 2048] bf16, out and back: 4 GiB
+    assert kept - inputs == 2 * 16 * seq * 32 * (64 * 2 + 4)  # 32 heads of 64: the output and the log-sum-exp
 
 
 def test_offload_params_is_refused_by_plan_with_the_reason():

@@ -393,7 +393,8 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
                         optimizer_bytes: int, layer_param_bytes: int = 0) -> int:
     """Bytes one device moves over PCIe per step (both ways): the optimizer state in and out (``--optim.offload``),
     the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers, and with
-    ``--remat-nested`` every layer's again in its group's backward), and with
+    ``--remat-nested`` every layer's again in its group's backward; with ``--attn-keep`` each attention layer's kept
+    output and float32 log-sum-exp too, by their shapes: a hybrid's kept delta-net states are not counted), and with
     ``--offload-params`` the stacked layers' parameters in for the forward (and again for the recomputation under
     remat), their gradients out, in twice for the update (norm, then update) and the new parameters out."""
     total = 2 * optimizer_bytes if cfg.optim.offload else 0
@@ -405,4 +406,7 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
         if model.remat_nested and model.remat_every > 1:  # a group's backward offloads its layers' inputs too
             saved += model.num_layers
         total += 2 * saved * local_tokens * model.hidden * model.compute_jnp_dtype.itemsize
+        if model.attn_keep:  # the policy offloads the kept attention output and log-sum-exp with the layer inputs
+            per_token = model.num_heads * (model.head_dim * model.compute_jnp_dtype.itemsize + 4)
+            total += 2 * len(model.attention_layers) * local_tokens * per_token
     return total
