@@ -204,3 +204,30 @@ def test_blockwise_inside_ulysses(mesh_shape, heads, dtype, causal, seed):
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     assert "blockwise" in str(jax.make_jaxpr(loss)(q, k, v))  # the custom_vjp of the blockwise kernel
     assert_matches_f64(q, k, v, do, out, grads, dtype, causal=causal, segment_ids=seg)
+
+
+def test_rows_refused_padding_apart_and_host_arrays_through_every_entry():
+    """Found by a review: `ulysses_attention` let one id's two runs attend to each other (its kernels see traced ids,
+    which `attention()`'s check passes), where `attention()` refuses the row; without the causal mask, a leading
+    document of 0s attended to the trailing zeros (padding: no document) in every kernel that compares ids; and
+    `attention()` raised AttributeError on NumPy inputs."""
+    q, k, v, _, _ = random_inputs(0, 1, 16, 4, 2, 16, jnp.float32)
+    split = jnp.asarray([[1] * 6 + [2] * 6 + [1] * 4], jnp.int32)
+    for ring, sp in ((1, 4), (2, 2)):
+        mesh = make_mesh(ring=ring, sp=sp, devices=jax.devices()[:ring * sp])
+        with pytest.raises(ValueError, match="row 0 uses segment id 1 for separate runs of tokens"):
+            ulysses_attention(q, k, v, mesh=mesh, segment_ids=split, impl="xla")
+    padded = jnp.asarray([[0] * 6 + [1] * 6 + [0] * 4], jnp.int32)  # ids from 0, then 4 tokens of padding
+    apart = np.asarray([[0] * 6 + [1] * 6 + [2] * 4])  # the reference: padding in no document of the real tokens
+    want = attention_f64(q, k, v, causal=False, segment_ids=apart)[:, :12]
+    outs = {impl: attention(q, k, v, causal=False, segment_ids=padded, impl=impl)
+            for impl in ("xla", "blockwise", "pallas")}
+    for ring, sp in ((1, 4), (2, 2)):
+        mesh = make_mesh(ring=ring, sp=sp, devices=jax.devices()[:ring * sp])
+        outs[f"ring {ring} sp {sp}"] = ulysses_attention(q, k, v, mesh=mesh, causal=False, segment_ids=padded,
+                                                         impl="xla")
+    for name, out in outs.items():
+        assert rel_err(np.asarray(out)[:, :12], want) < TOL["float32"], name
+    host = attention(*(np.asarray(x) for x in (q, k, v)), segment_ids=np.asarray(padded), impl="auto")
+    np.testing.assert_allclose(np.asarray(host), np.asarray(attention(q, k, v, segment_ids=padded, impl="auto")),
+                               rtol=1e-6, atol=1e-6)

@@ -37,8 +37,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ulysses_jax.kernels.segments import check_segment_ids
+from ulysses_jax.kernels.segments import check_segment_ids, padding_apart
 from ulysses_jax.kernels.sinks import check_sinks
 from ulysses_jax.kernels.window import check_window
 
@@ -53,6 +54,8 @@ def device_platform(devices) -> str:
         return devices.devices.flat[0].platform
     if isinstance(devices, jax.Array) and not isinstance(devices, jax.core.Tracer):
         return next(iter(devices.devices())).platform
+    if isinstance(devices, np.ndarray):  # an array of devices, or host values (NumPy), which go to the default one
+        return devices.flat[0].platform if devices.dtype == object else jax.devices()[0].platform
     return next(iter(devices)).platform
 
 
@@ -182,6 +185,8 @@ def attention(
     impl = resolve_impl(impl, dtype=q.dtype, head_dim=q.shape[-1], has_segment_ids=segment_ids is not None,
                         platform=platform, sinks=sinks is not None)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not causal and segment_ids is not None and impl != "cudnn":  # (cuDNN's packed layout leaves padding out)
+        segment_ids = padding_apart(segment_ids)
     if impl == "pallas":
         from ulysses_jax.kernels.flash_attention import flash_attention
 

@@ -6,7 +6,9 @@ the kernels (``kernels/cudnn_packed.py``: the ragged offsets cuDNN reads, in the
 * a **document** is a run of equal ids: it starts at the row's first token and wherever the id differs from the
   token before. Id values carry no meaning beyond that, so ids counted from 0 work (a leading run of 0 is a document,
   and so is a run of 0 between two others);
-* **padding** is the zeros after a row's last nonzero id (none in a row of zeros, which is one document);
+* **padding** is the zeros after a row's last nonzero id (none in a row of zeros, which is one document); the
+  kernels that compare ids give it an id of its own without a causal mask (``padding_apart``), where a leading
+  run of 0s would otherwise see it;
 * a row where one id names two separate runs (``[1, 1, 2, 2, 1, 1]``) is **refused**: the kernels that compare ids
   (``xla``, ``blockwise``, ``pallas``) would let its two runs attend to each other across the gap, cuDNN's ragged
   layout cannot express that, so neither meaning is taken. ``attention()`` raises on such rows when it sees their
@@ -33,6 +35,13 @@ def padding(segment_ids):
     pos = xp.arange(segment_ids.shape[1])
     last = xp.max(xp.where(segment_ids != 0, pos, -1), axis=1, keepdims=True)
     return (pos > last) & (last >= 0)
+
+
+def padding_apart(segment_ids):
+    """``segment_ids`` with its padding (``padding``) given an id no document has (-1): for the kernels that compare
+    ids (``xla``, ``blockwise``, ``pallas``) without a causal mask, where a leading document of 0s would otherwise
+    attend to the trailing zeros. A row's real tokens get the same output; the padding attends to itself."""
+    return _xp(segment_ids).where(padding(segment_ids), -1, segment_ids)
 
 
 def document_starts(segment_ids):

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels.attention import attention, check_qkv, device_platform, resolve_impl
+from ulysses_jax.kernels.segments import check_segment_ids, padding_apart
 from ulysses_jax.kernels.sinks import check_sinks
 from ulysses_jax.kernels.window import check_window
 from ulysses_jax.parallel.exchange import heads_to_seq, local_sinks, seq_to_heads
@@ -144,6 +145,10 @@ def ulysses_attention(
     b, s, h, d = q.shape
     sinks = check_sinks(sinks, h)
     ring = ring_size(mesh, ring_axis)
+    if not permuted:  # rows in token order: refused as attention() refuses them (the kernels see traced ids)
+        check_segment_ids(segment_ids)
+        if not causal and segment_ids is not None and ring > 1:  # the ring's chunks cannot tell padding apart
+            segment_ids = padding_apart(segment_ids)
     if ring > 1:
         if keep:
             raise ValueError("keep=True (attn_keep) is for Ulysses alone: with a ring, each ring step's partial "
