@@ -148,6 +148,12 @@ def _recomputed_forwards(model) -> tuple[int, int]:
     return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
 
 
+def _passes(model) -> int:
+    """Matmul passes of a step without re-runs, in forwards: forward, the input's gradient and the weight's (3); with
+    LoRA 2, the frozen weights having no gradient (the adapters' few FLOPs aside: ``flops.training_flops``)."""
+    return 2 if getattr(model, "lora", None) is not None else 3
+
+
 def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tuple | None:
     """``(matmul FLOPs of the whole step, matmul re-runs of the layers, attention re-runs, note, the FLOPs of those
     in the experts' grouped matmul kernels)`` counted from the compiled program (``p.hlo_text``), or None where the
@@ -166,7 +172,7 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
     if redo_attn is None or not layer_mm:
         return None
     total = work.dot_flops + work.grouped_flops
-    redo_mm = max((total - 3 * (layer_mm + head_mm)) / layer_mm, 0.0)
+    redo_mm = max((total - _passes(model) * (layer_mm + head_mm)) / layer_mm, 0.0)
     note = (f"re-runs counted from the compiled program: attention forward {1 + redo_attn:.2f}x per layer "
             f"({work.attention_forward_calls} kernel runs), matmuls {total / (layer_mm + head_mm):.2f}x the "
             f"model's forward ({redo_mm:.2f} forwards of the layers again)")
@@ -189,7 +195,7 @@ def step_estimate(p, model, kernel: str) -> dict:
     counted = counted_reruns(p, model, kernel, layer_mm, head_mm)
     if counted is None:
         redo_mm, redo_attn = _recomputed_forwards(model)
-        matmul_flops = 3 * (layer_mm + head_mm) + redo_mm * layer_mm
+        matmul_flops = _passes(model) * (layer_mm + head_mm) + redo_mm * layer_mm
         rerun_note = f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention (by the flags' rule)"
         grouped = 0.0
     else:
@@ -198,7 +204,7 @@ def step_estimate(p, model, kernel: str) -> dict:
     rate, rate_note = attention_rate(kernel, model.head_dim, p.seq_len // ring, t.peak_flops)
     attention_s = attn_fwd * (1 + redo_attn) / rate.forward + 2.5 * attn_fwd / rate.backward
     # --fp8: every matmul but the unembedding's (and the experts': refused with --fp8) in float8
-    fp8_flops = max(matmul_flops - grouped - 3 * head_mm, 0.0) if getattr(model, "fp8", False) else 0.0
+    fp8_flops = max(matmul_flops - grouped - _passes(model) * head_mm, 0.0) if getattr(model, "fp8", False) else 0.0
     fp8_s = fp8_flops / (FP8_MATMUL_RATE * MATMUL_EFFICIENCY)
     matmul_s = (matmul_flops - grouped - fp8_flops) / (MATMUL_RATE * MATMUL_EFFICIENCY) + fp8_s + grouped / GROUPED_RATE
     sp = getattr(p, "mesh", {}).get("sp", 1)
