@@ -519,6 +519,56 @@ def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_stop_during_the_last_step_or_its_save_ends_the_run_saved(tmp_path, monkeypatch, capsys):
+    """Found by a review: a SIGTERM while the last checkpoint was written killed the process (status 143, the save
+    lost: the handlers were gone by then); a stop asked during the last step exited 75 and printed a `--resume` that
+    then failed (the run was at --steps). Both now end the run as done, exit 0, its last checkpoint saved."""
+    import threading
+
+    from ulysses_jax.train import signals
+    from ulysses_jax.train.checkpoint import Checkpointer
+    from ulysses_jax.train.runconfig import inspect
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread")
+    real_close = Checkpointer.close
+
+    def close(self):  # the last save is still being written when SIGTERM comes
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        return real_close(self)
+
+    monkeypatch.setattr(Checkpointer, "close", close)
+    monkeypatch.setattr(signals._StopSignals, "stop", lambda self: True)  # a stop asked during every step
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "1", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "Done: " in out and "Stopped by" not in out and inspect(run).steps == (1,)
+
+
+def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_kill(tmp_path):
+    """A run killed after step 3 (checkpoint at 2) whose TensorBoard events never left the writer's queue (its file
+    empty, as kill -9 left it): the resume showed steps 3 on only (a review); it writes the kept records again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ulysses_jax.train.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, total_steps=4, first_step=0, progress=False)
+    for step in (1, 2, 3):
+        log.log({"step": step, "loss": 1.0 / step})
+    log.close()
+    for f in log.tb_dir.glob("events.out.tfevents.*"):
+        f.write_bytes(b"")  # lost with the process
+    resumed = MetricsLogger(tmp_path, total_steps=4, first_step=2, progress=False)
+    for step in (3, 4):
+        resumed.log({"step": step, "loss": 2.0 / step})
+    resumed.close()
+    events = EventAccumulator(str(log.tb_dir))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/loss")]  # float32 values
+    assert got == [(1, 1.0), (2, 0.5), (3, pytest.approx(2 / 3)), (4, 0.5)], got
+
+
 def _poisoned_run(tmp_path, poison, **cfg):
     """A tiny run (fsdp 2 x sp 4, a checkpoint every step) whose third step's ``(state, metrics)`` pass through
     ``poison``."""

@@ -26,8 +26,9 @@ def test_continuing_drops_records_after_the_checkpoint(tmp_path):
 
 
 def test_tensorboard_hides_the_steps_logged_after_the_checkpoint(tmp_path):
-    """A run continued from step 1 starts its event file with a session START at step 2 (tensorboardX's purge_step):
-    TensorBoard then drops the earlier file's events from step 2 on."""
+    """A run continued from step 1 starts its event file with a session START at step 1 (tensorboardX's purge_step):
+    TensorBoard then drops every earlier event, and the file holds the kept steps again (metrics.jsonl's: what a
+    killed run's writer never wrote is not lost)."""
     log = MetricsLogger(tmp_path, total_steps=3, progress=False)
     log.log({"step": 1, "loss": 1.0})
     log.close()
@@ -49,7 +50,9 @@ def test_tensorboard_hides_the_steps_logged_after_the_checkpoint(tmp_path):
         return out
 
     starts = [e for e in events(files[1]) if e.HasField("session_log")]
-    assert starts and starts[0].session_log.status == event_pb2.SessionLog.START and starts[0].step == 2
+    assert starts and starts[0].session_log.status == event_pb2.SessionLog.START and starts[0].step == 1
+    kept = [(e.step, v.simple_value) for e in events(files[1]) for v in e.summary.value if v.tag == "train/loss"]
+    assert kept == [(1, 1.0)]
 
 
 def test_wandb_logging_when_asked(tmp_path, monkeypatch):

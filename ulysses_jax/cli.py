@@ -287,7 +287,9 @@ def _train(cfg: TrainConfig, given: set[str] = frozenset()) -> int:  # given: th
         steps = runconfig.inspect(cfg.run_dir).steps
         print(f"error: stopped at once by a second signal, without saving (last checkpoint: "
               f"{f'step {steps[-1]}' if steps else 'none'} in {run.checkpointer.directory})", file=sys.stderr)
-        return EXIT_ABORTED
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_ABORTED)  # at once: a checkpoint writer's thread would fail noisily at the interpreter's exit
     except ValueError as e:  # a data problem found while running (say an eval split that packs no row)
         return _error(str(e))
     if summary["stopped_by"]:

@@ -2,9 +2,11 @@
 optionally Weights & Biases.
 
 Only process 0 writes. A run that continues from step ``s`` (after a crash, a signal or ``--resume-from``) first drops
-the records after ``s`` from ``metrics.jsonl`` and tells TensorBoard to hide its events from step ``s + 1`` on
-(``purge_step``), so no step is ever logged twice. Evaluation during training (``eval_*`` keys of a step's record)
-goes to TensorBoard under ``eval/``; ``log_eval`` records a standalone ``ulysses-jax eval``.
+the records after ``s`` from ``metrics.jsonl``, tells TensorBoard to hide every earlier event (``purge_step``) and
+writes the kept records again: TensorBoard then shows what ``metrics.jsonl`` holds, so no step is ever logged twice or
+lost (a killed run's last events may still be in the writer's queue, never written). Evaluation during training
+(``eval_*`` keys of a step's record) goes to TensorBoard under ``eval/``; ``log_eval`` records a standalone
+``ulysses-jax eval``.
 """
 
 from __future__ import annotations
@@ -97,8 +99,10 @@ class MetricsLogger:
         self._file = self.jsonl_path.open("a")
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10, purge_step=first_step + 1 if earlier else None,
+        self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10, purge_step=1 if earlier else None,
                                  filename_suffix=f".from-step-{first_step}" if earlier else "")
+        for line in self.jsonl_path.read_text().splitlines() if earlier and self.jsonl_path.exists() else ():
+            self._scalars(json.loads(line))  # the steps kept, as metrics.jsonl has them (_keep_until)
         if wandb_project is not None:
             import wandb
 
@@ -113,10 +117,7 @@ class MetricsLogger:
         step = record["step"]
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                self._tb.add_scalar(name, value, step)
+        self._scalars(record)
         if self._wandb is not None:
             self._wandb.log({(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
                              for k, v in record.items() if k != "step" and v is not None}, step=step)
@@ -130,6 +131,12 @@ class MetricsLogger:
                 shown["eval"] = f"{record['eval_loss']:.4f}"
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+
+    def _scalars(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                self._tb.add_scalar(name, value, record["step"])
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""

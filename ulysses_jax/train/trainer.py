@@ -367,71 +367,72 @@ def train_run(run: Run) -> dict:
     doc_limit = documents_limit(run.model, mesh, cfg.seq_len)
     last_saved = run.start_step if run.start_step else None
     stopped_by, step = None, run.start_step
+    signals = _StopSignals().__enter__()  # until the last save is written (checkpointer.close() below)
     try:
-        with _StopSignals() as signals:
-            for step in range(run.start_step, cfg.steps):
-                if run.profile and step == run.profile[0]:
-                    jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
-                local = next(run.data)
-                # this process's rows (one id for two runs; beyond cuDNN's bound), refused on every process alike
-                cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
-                batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
-                step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
-                                                          global_batch=run.batch_size)  # each document apart
-                t0 = time.perf_counter()
-                state, metrics = run.step_fn(state, batch)
-                loss = float(metrics["loss"])  # waits for the step
-                dt = time.perf_counter() - t0
-                if run.profile and step + 1 == run.profile[1]:
-                    jax.profiler.stop_trace()
-                grad_norm = float(metrics["grad_norm"])
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update took a non-finite gradient
-                    what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient's norm is {grad_norm}"
-                    raise diverged(f"{what} at step {step + 1}", last_saved, run.checkpointer.directory)
-                record = {
-                    "step": step + 1,
-                    "loss": loss,
-                    "grad_norm": grad_norm,
-                    "lr": float(metrics["lr"]),
-                    "tokens": int(metrics["tokens"]),
-                    "step_time_s": dt,
-                    "tokens_per_s": run.batch_size * cfg.seq_len / dt,
-                    "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
-                    "peak_memory_bytes": peak_memory_bytes(),
-                }
-                if "expert_load" in metrics:  # experts: the load-balancing loss and the tokens each expert took
-                    record.update(moe_metrics(metrics))
-                if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
-                    # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
-                    record["planned_bytes"] = run.planned_bytes
-                    measured = record["peak_memory_bytes"]
-                    log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
-                              f"`ulysses-jax plan` reports), measured peak "
-                              f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
-                if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                    ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
-                                       batch_size=run.batch_size, max_batches=cfg.eval_batches, doc_limit=doc_limit)
-                    record.update({f"eval_{k}": v for k, v in ev.items()})
-                    record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
-                    evals.append((step + 1, ev["loss"]))
-                log.log(record)
-                losses.append(loss)
-                times.append(dt)
-                stop = signals.stop()
-                if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                    if not bool(all_finite(state["params"])):  # a finite gradient times the rate can overflow
-                        raise diverged(f"the parameters are not finite after step {step + 1}", last_saved,
-                                       run.checkpointer.directory)
-                    _save(run, step + 1, state)
-                    last_saved = step + 1
-                if stop:
-                    stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
-                    break
+        for step in range(run.start_step, cfg.steps):
+            if run.profile and step == run.profile[0]:
+                jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
+            local = next(run.data)
+            # this process's rows (one id for two runs; beyond cuDNN's bound), refused on every process alike
+            cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
+            batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
+            step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
+                                                      global_batch=run.batch_size)  # each document apart
+            t0 = time.perf_counter()
+            state, metrics = run.step_fn(state, batch)
+            loss = float(metrics["loss"])  # waits for the step
+            dt = time.perf_counter() - t0
+            if run.profile and step + 1 == run.profile[1]:
+                jax.profiler.stop_trace()
+            grad_norm = float(metrics["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update took a non-finite gradient
+                what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient's norm is {grad_norm}"
+                raise diverged(f"{what} at step {step + 1}", last_saved, run.checkpointer.directory)
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": float(metrics["lr"]),
+                "tokens": int(metrics["tokens"]),
+                "step_time_s": dt,
+                "tokens_per_s": run.batch_size * cfg.seq_len / dt,
+                "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
+                "peak_memory_bytes": peak_memory_bytes(),
+            }
+            if "expert_load" in metrics:  # experts: the load-balancing loss and the tokens each expert took
+                record.update(moe_metrics(metrics))
+            if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
+                # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
+                record["planned_bytes"] = run.planned_bytes
+                measured = record["peak_memory_bytes"]
+                log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
+                          f"`ulysses-jax plan` reports), measured peak "
+                          f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
+            if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
+                                   batch_size=run.batch_size, max_batches=cfg.eval_batches, doc_limit=doc_limit)
+                record.update({f"eval_{k}": v for k, v in ev.items()})
+                record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
+                evals.append((step + 1, ev["loss"]))
+            log.log(record)
+            losses.append(loss)
+            times.append(dt)
+            stop = signals.stop()
+            if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                if not bool(all_finite(state["params"])):  # a finite gradient times the rate can overflow
+                    raise diverged(f"the parameters are not finite after step {step + 1}", last_saved,
+                                   run.checkpointer.directory)
+                _save(run, step + 1, state)
+                last_saved = step + 1
+            if stop and step + 1 < cfg.steps:  # (a stop at the last step: the run is done, exit 0)
+                stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
+                break
     except BaseException as e:
         cluster.failing(e)  # a multi-process job: the other processes are told now, not after the cleanup below
         raise
     finally:
-        run.checkpointer.close()
+        run.checkpointer.close()  # a first signal meanwhile waits for the save: the handlers go after it
+        signals.__exit__()
         log.close()
     steady = times[1:] or times  # the first step compiles
     return {
