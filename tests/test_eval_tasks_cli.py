@@ -67,7 +67,7 @@ def test_eval_writes_both_jsons_and_plots(run, capsys):
     (["--task", "passkey", "--lengths", "40"], "--lengths 40 is too short for a passkey sample"),
     (["--task", "passkey", "--lengths", "4k"], "--lengths '4k' must be comma-separated integers"),
     (["--task", "passkey", "--samples", "0"], "--samples (0) must be at least 1"),
-    (["--by-position", "--steps", "1,7"], "--step 7: no such checkpoint"),
+    (["--by-position", "--steps", "1,7"], "--steps 7: no such checkpoint"),  # named --step before (a trial)
     (["--by-position", "--steps", "first"], "'first' is neither a step number nor 'last'"),
     (["--task", "needle"], "Expected one of passkey"),
 ], ids=["depth", "too-long", "too-short", "not-a-number", "samples", "no-such-step", "bad-step", "task"])

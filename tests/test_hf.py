@@ -255,6 +255,9 @@ def test_config_layouts_and_refusals(tmp_path):
         with pytest.raises(ValueError, match=field.replace(".", r"\.")) as err:
             uj.ModelConfig.from_hf(config(**changes))
         assert "\n" not in str(err.value)
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"):  # named before Llama's refusal, Qwen's window switch
+        with pytest.raises(ValueError, match="layer_types has 'chunked_attention', a layer type ulysses_jax does not"):
+            uj.ModelConfig.from_hf(config(architectures=[arch], layer_types=["chunked_attention", "full_attention"]))
     # Mistral without the key: transformers takes a window of 4096 on every layer; Qwen2 windows from max_window_layers
     mistral = uj.ModelConfig.from_hf(config(architectures=["MistralForCausalLM"], model_type="mistral"))
     assert (mistral.sliding_window, mistral.layer_pattern) == (4096, ())

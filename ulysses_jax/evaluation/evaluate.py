@@ -188,7 +188,7 @@ def checkpoint_steps(cfg: EvalConfig, where) -> list[int]:
     for item in passkey_eval.parse_list(cfg.steps, "--steps", str):
         if item != "last" and not item.isdigit():
             raise ValueError(f"--steps {cfg.steps!r}: {item!r} is neither a step number nor 'last'; e.g. 100,200,last")
-        out.append(where.pick_step(None if item == "last" else int(item), none=none))
+        out.append(where.pick_step(None if item == "last" else int(item), none=none, flag="--steps"))
     return sorted(set(out))
 
 

@@ -64,6 +64,10 @@ def config_fields(path) -> dict:
     if hasattr(family, "language_config"):  # a vision-language folder's text model, or a family's own defaults
         raw = family.language_config(raw, where)
     raw = {**getattr(family, "HF_DEFAULTS", {}), **raw}  # a key left out: its class's default, as transformers reads
+    known = ("full_attention", "sliding_attention", "linear_attention")  # before any family's own rule reads them
+    if isinstance(raw.get("layer_types"), list) and (bad := [t for t in raw["layer_types"] if t not in known]):
+        raise ValueError(f"{where}: layer_types has {bad[0]!r}, a layer type ulysses_jax does not know; supported: "
+                         f"{', '.join(known)}")
 
     def need(key):
         if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool):

@@ -63,7 +63,7 @@ MAX_SEQ_LEN = 2**28  # the search for the longest context stops here (268M token
 
 @dataclasses.dataclass(frozen=True)
 class PlanConfig(TrainConfig):
-    """``ulysses-jax plan``: every ``train`` flag (run, data and process flags are ignored), plus the target."""
+    """Plan a run: every `train` flag (run, data and process flags are ignored), plus the target GPUs."""
 
     target: str = "h100"  # compile-only GPU: h100 (SXM 80 GB) or h200 (141 GB)
     devices: int = 8  # GPUs in the planned job

@@ -259,14 +259,15 @@ class RunDir:
     def checkpoints(self) -> pathlib.Path:
         return self.path / "checkpoints"
 
-    def pick_step(self, step: int | None, *, none: str) -> int:
-        """``step`` (None: the latest) if it is a finished checkpoint; ``none``: the error when there is none."""
+    def pick_step(self, step: int | None, *, none: str, flag: str = "--step") -> int:
+        """``step`` (None: the latest) if it is a finished checkpoint; ``none``: the error when there is none;
+        ``flag``: the flag that named ``step``."""
         if not self.steps:
             raise ValueError(none)
         if step is None:
             return self.steps[-1]
         if step not in self.steps:
-            raise ValueError(f"--step {step}: no such checkpoint in {self.checkpoints} (steps: "
+            raise ValueError(f"{flag} {step}: no such checkpoint in {self.checkpoints} (steps: "
                              f"{', '.join(map(str, self.steps))})")
         return step
 
