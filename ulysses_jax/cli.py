@@ -160,13 +160,7 @@ def _base(cls, args: list[str], *, resume: bool):
         base = runconfig.apply(base, inherited, where=f"{run_dir}/run.json")
     config = _value(args, "--config")
     if config is not None:
-        settings = runconfig.load_config_file(config)
-        keys = {str(k).replace("-", "_"): v for k, v in settings.items()}
-        if given := [k for k in ("resume", "resume_from") if keys.get(k) not in (None, False)]:
-            how = "--resume" if given[0] == "resume" else "--resume-from N"
-            raise ValueError(f"--config {config} sets {given[0]}, which continues a run; give it on the command line "
-                             f"(--run-dir R {how}), where it reads the run's settings first")
-        base = runconfig.apply(base, settings, where=config)
+        base = runconfig.apply(base, runconfig.load_config_file(config), where=config)
     return base
 
 
@@ -287,8 +281,7 @@ def _train(cfg: TrainConfig, given: set[str] = frozenset()) -> int:  # given: th
         steps = runconfig.inspect(cfg.run_dir).steps
         print(f"error: stopped at once by a second signal, without saving (last checkpoint: "
               f"{f'step {steps[-1]}' if steps else 'none'} in {run.checkpointer.directory})", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        sys.stdout.flush(), sys.stderr.flush()
         os._exit(EXIT_ABORTED)  # at once: a checkpoint writer's thread would fail noisily at the interpreter's exit
     except ValueError as e:  # a data problem found while running (say an eval split that packs no row)
         return _error(str(e))

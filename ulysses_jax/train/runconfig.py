@@ -137,6 +137,11 @@ def load_config_file(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold a mapping of settings (such as `steps: 100`), not a "
                          f"{type(data).__name__}")
+    keys = {str(k).replace("-", "_"): v for k, v in data.items()}
+    if given := [k for k in ("resume", "resume_from") if keys.get(k) not in (None, False)]:  # read before any file
+        how = "--resume" if given[0] == "resume" else "--resume-from N"
+        raise ValueError(f"--config {path} sets {given[0]}, which continues a run; give it on the command line "
+                         f"(--run-dir R {how}), where it reads the run's settings first")
     return data
 
 
