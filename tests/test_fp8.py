@@ -119,6 +119,10 @@ def test_overflow_saturates_and_a_nan_or_inf_propagates():
         _, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("bd,df->bf", x, w, None), x, w)
         assert all(np.isnan(g).all() for g in vjp(jnp.ones((1, 4)).at[0, 1].set(bad)))
     assert fp8.fp8_einsum("bd,df->bf", jnp.zeros((1, 4)), w, None).tolist() == [[0.0] * 4]  # all-zero: scale 1
+    # a finite, tiny tensor (amax 1e-36: amax / 448 is subnormal, flushed to 0) gave NaN (found by a review)
+    tiny = jnp.array([[1e-36, -1e-36, 5e-37, 0.0]])
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_einsum("bd,df->bf", x, w, None), tiny, w)
+    assert all(np.isfinite(g).all() for g in (y, *vjp(tiny))) and np.abs(np.asarray(y)).max() <= 1e-36
 
 
 def batch(seed, b=4, s=64):

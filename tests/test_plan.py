@@ -490,7 +490,8 @@ def test_train_args_compile_the_planned_program(case):
     text = step.trace(state, batch).lower().compile().as_text()
     assert fingerprint(text) == p.hlo_fingerprint
     assert ("--optim.offload" in p.train_args) == (case == "host optimizer") and "--steps" in p.train_args
-    assert bool(p.notes) == (case == "host optimizer") or model.remat == "offload"
+    # the host optimizer's note (other notes, such as XLA's copies of parameters into another layout, may come too)
+    assert any(n.startswith("--optim.offload") for n in p.notes) == (case == "host optimizer"), p.notes
 
 
 def test_train_args_keep_the_window():

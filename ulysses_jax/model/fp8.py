@@ -78,8 +78,11 @@ def amax(t: jax.Array) -> jax.Array:
 
 
 def scale_of(a: jax.Array, dtype) -> jax.Array:
-    """The scale that maps amax ``a`` onto ``dtype``'s largest value; 1 for an all-zero tensor (NaN, inf propagate)."""
-    return jnp.where(a == 0, jnp.ones((), _F32), a / fmax(dtype))
+    """The scale that maps amax ``a`` onto ``dtype``'s largest value; 1 for an all-zero tensor (NaN, inf propagate).
+    At least float32's smallest normal: an amax below ~5e-36 over the largest value is subnormal, which GPUs and XLA's
+    CPU flush to zero, and ``t / 0`` turned a finite, tiny tensor into NaN (``maximum`` keeps a NaN amax NaN)."""
+    tiny = jnp.asarray(jnp.finfo(_F32).tiny, _F32)
+    return jnp.where(a == 0, jnp.ones((), _F32), jnp.maximum(a / fmax(dtype), tiny))
 
 
 def quantize(t: jax.Array, dtype, scale: jax.Array) -> jax.Array:
