@@ -551,7 +551,7 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_kill(tmp_path):
     empty, as kill -9 left it): the resume showed steps 3 on only (a review); it writes the kept records again."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from ulysses_jax.train.metrics import MetricsLogger
+    from ulysses_jax.train.metrics import MetricsLogger, log_eval
 
     log = MetricsLogger(tmp_path, total_steps=4, first_step=0, progress=False)
     for step in (1, 2, 3):
@@ -559,6 +559,7 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_kill(tmp_path):
     log.close()
     for f in log.tb_dir.glob("events.out.tfevents.*"):
         f.write_bytes(b"")  # lost with the process
+    log_eval(tmp_path, {"step": 2, "loss": 0.25, "perplexity": 1.3})  # a standalone `eval` of checkpoint 2: kept too
     resumed = MetricsLogger(tmp_path, total_steps=4, first_step=2, progress=False)
     for step in (3, 4):
         resumed.log({"step": step, "loss": 2.0 / step})
@@ -567,6 +568,7 @@ def test_tensorboard_shows_what_metrics_jsonl_holds_after_a_kill(tmp_path):
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("train/loss")]  # float32 values
     assert got == [(1, 1.0), (2, 0.5), (3, pytest.approx(2 / 3)), (4, 0.5)], got
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(2, 0.25)]
 
 
 def _poisoned_run(tmp_path, poison, **cfg):

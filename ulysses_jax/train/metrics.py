@@ -101,8 +101,8 @@ class MetricsLogger:
 
         self._tb = SummaryWriter(str(self.tb_dir), flush_secs=10, purge_step=1 if earlier else None,
                                  filename_suffix=f".from-step-{first_step}" if earlier else "")
-        for line in self.jsonl_path.read_text().splitlines() if earlier and self.jsonl_path.exists() else ():
-            self._scalars(json.loads(line))  # the steps kept, as metrics.jsonl has them (_keep_until)
+        if earlier:
+            self._replay(first_step)
         if wandb_project is not None:
             import wandb
 
@@ -131,6 +131,21 @@ class MetricsLogger:
                 shown["eval"] = f"{record['eval_loss']:.4f}"
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+
+    def _replay(self, first_step: int) -> None:
+        """The events of the kept steps again (the file's purge hides every earlier one): the training records, as
+        ``metrics.jsonl`` keeps them (``_keep_until``), and the standalone evaluations of ``eval.jsonl`` up to
+        ``first_step``."""
+        for line in self.jsonl_path.read_text().splitlines() if self.jsonl_path.exists() else ():
+            self._scalars(json.loads(line))
+        evals = self.run_dir / "eval.jsonl"
+        for line in evals.read_text().splitlines() if evals.exists() else ():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if r.get("step", first_step + 1) <= first_step:
+                self._scalars({"step": r["step"], **{f"eval_{k}": r[k] for k in ("loss", "perplexity") if k in r}})
 
     def _scalars(self, record: dict) -> None:
         for key, value in record.items():
