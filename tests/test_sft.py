@@ -113,6 +113,13 @@ def test_generation_markers_agree_with_prefix_rule(tmp_path, seed):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
         assert a.loss_mask.sum() == sum(len(m["content"].split()) + 1 for m in conv if m["role"] == "assistant")
+        # a conversational prompt/completion record whose prompt holds assistant turns: the markers stripped from every
+        # rendering compared (the prompt's kept them, and it was refused, advising the markers it had; a review)
+        cut = 2 * int(rng.integers(1, len(conv) // 2 + 1)) - (0 if conv[0]["role"] == "system" else 1)
+        record = {"prompt": conv[:cut], "completion": conv[cut:cut + 1]}
+        a, b = plain.record(record), marked.record(record)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
 
 
 def test_byte_level_unicode_spans(tmp_path, seed):

@@ -169,14 +169,16 @@ class SFTRenderer:
                     text.append(piece)
                     pos += len(piece)
             return self._tokenize_spans("".join(text), [tuple(s) for s in spans])
-        if _OPEN in full:  # markers, but a prompt/completion split was asked for: drop them
-            full = full.replace(_OPEN, "").replace(_CLOSE, "")
+        def unmarked(text: str) -> str:  # markers, but a prompt/completion split was asked for: drop them everywhere
+            return text.replace(_OPEN, "").replace(_CLOSE, "")
+
+        full = unmarked(full)
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if completion_from is None else [
             completion_from]
         spans = []
         for i in turns:
-            before = self.render(messages[:i], add_generation_prompt=True)
-            upto = full if completion_from is not None else self.render(messages[: i + 1])
+            before = unmarked(self.render(messages[:i], add_generation_prompt=True))
+            upto = full if completion_from is not None else unmarked(self.render(messages[: i + 1]))
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise ValueError(
                     f"the chat template renders message {i} ({messages[i]['role']}) differently once later messages "
