@@ -180,3 +180,26 @@ def test_data_filler_reads_the_held_out_documents(tmp_path):
     assert ByteTokenizer().decode(stream[:17]) == "alpha beta gamma " and len(stream) >= 300
     s = passkey.build_sample(BYTES, stream, length=400, depth=0.5, index=0, seed=0)
     assert "alpha" in ByteTokenizer().decode(s.tokens) and len(s.tokens) == 400
+
+
+def test_data_filler_reads_sft_records_longer_than_the_lengths(tmp_path):
+    """An SFT run's held-out records, each longer than the passkey lengths asked for but within the run's rows: read
+    in rows of the run's length (they were refused as longer than --seq-len 20, a length nobody gave; a review)."""
+    import json
+
+    import test_cli_hf as hf_helpers
+
+    from ulysses_jax.data.documents import DataConfig
+    from ulysses_jax.data.tokenizers import make_tokenizer
+    from ulysses_jax.evaluation.passkey_eval import filler_tokens
+
+    folder = hf_helpers.make_folder(tmp_path / "folder")
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "the sky is blue . " * 6, "completion": "blue"}) + "\n"
+                            for _ in range(3)))
+    cfg = DataConfig(paths=(str(data),), eval_paths=(str(data),), tokenizer=str(folder), format="sft",
+                     eval_fraction=0.0)
+    fmt = passkey.PromptFormat.plain(make_tokenizer(str(folder)))
+    assert len(filler_tokens(fmt, "data", cfg, 20, row=64)) >= 20
+    with pytest.raises(ValueError, match="longer than --seq-len 20"):  # as it read them before
+        filler_tokens(fmt, "data", cfg, 20)

@@ -204,7 +204,7 @@ def _passkey_setup(cfg: EvalConfig, record: dict, tokenizer_path, data_cfg, seq_
         if n < fixed:
             raise ValueError(f"--lengths {n} is too short for a passkey sample (at least {fixed} tokens with this "
                              f"tokenizer); choose longer lengths")
-    filler = passkey_eval.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths))
+    filler = passkey_eval.filler_tokens(fmt, cfg.passkey_filler, data_cfg, max(lengths), row=seq_len)
     return dict(fmt=fmt, filler=filler, lengths=lengths, depths=depths, samples=cfg.samples, seed=cfg.seed,
                 digits=cfg.passkey_digits)
 

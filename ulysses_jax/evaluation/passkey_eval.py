@@ -75,13 +75,14 @@ def prompt_format(record: dict, tokenizer_path: str | None) -> tuple[passkey.Pro
     return passkey.PromptFormat.framed(tokenizer, bos, conventions.eos_id), "BOS/EOS framing of " + hf
 
 
-def filler_tokens(fmt: passkey.PromptFormat, source: str, data_cfg, need: int) -> np.ndarray:
+def filler_tokens(fmt: passkey.PromptFormat, source: str, data_cfg, need: int, row: int = 0) -> np.ndarray:
     """The filler stream: the fixed text's tokens, or ``need`` tokens of the held-out documents (all processes read
-    the same ones)."""
+    the same ones), read in rows of at least ``row`` tokens (the run's ``--seq-len``: an SFT record the run trained
+    on, longer than ``need``, is never refused as longer than a row)."""
     if source == "fixed":
         return np.asarray(fmt.encode(passkey.FIXED_FILLER), np.int32)
     pieces, have = [], 0
-    for b in eval_batches(data_cfg, seq_len=max(need, 16), global_batch=1, process_index=0, process_count=1):
+    for b in eval_batches(data_cfg, seq_len=max(need, row, 16), global_batch=1, process_index=0, process_count=1):
         tokens = b["tokens"][b["segment_ids"] > 0]
         pieces.append(tokens)
         have += len(tokens)
