@@ -469,6 +469,9 @@ def test_estimate_updates_only_what_trains():
     adapters = flops.adapter_matmul_params(lora)
     assert 0 < adapters < flops.param_count(full) / 100
     assert e_lora["parts"]["update_s"] == pytest.approx(estimate.OPTIMIZER_BYTES_PER_PARAM * adapters / hbm)
+    # LoRA's matmuls as performed (no frozen weight's gradient): 2 passes and the re-run forward against 3 and 1
+    # (the flags' rule here: no compiled program; it counted 3 passes for LoRA too, found by a review)
+    assert e_lora["parts"]["matmul_s"] / e_full["parts"]["matmul_s"] == pytest.approx(3 / 4, rel=0.02)
     rate, note = estimate.attention_rate("cudnn", 64)
     assert rate.forward == pytest.approx(estimate.ATTENTION_RATES["cudnn", 128].forward * estimate.HEAD_DIM_FACTOR[64][0])
     assert "fitted on measured steps" in note
