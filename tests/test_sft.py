@@ -250,3 +250,24 @@ def test_masked_loss_and_gradients_equal_across_meshes(tmp_path, seed):
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
         -1, keepdims=True)
     np.testing.assert_allclose(loss1, -logp[b, s, labels[b, s]].mean(), rtol=1e-5)
+
+
+def test_a_generation_prompt_ending_in_a_space_trains_the_answers_first_token(tmp_path):
+    """`ASSISTANT: ` + `hello`: byte-level BPE makes ` hello` one token, whose first character (the space) is the
+    template's; it counts, as transformers' assistant masks count a token with any character in the answer (the
+    first-character rule left every answer's first token untrained; noticed by a review)."""
+    texts = ["USER: hello there\nASSISTANT: hello there\n"] * 20
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{%- for m in messages %}{{ m['role'] | upper + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{ 'ASSISTANT: ' }}{%- endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(eos_token="</s>", chat_template=template)))
+    r = SFTRenderer(folder)
+    ex = r.record({"messages": [dict(role="user", content="hello"), dict(role="assistant", content="hello there")]})
+    assert tok.decode(ex.tokens[1:][ex.loss_mask[:-1]].tolist()) == " hello there\n"

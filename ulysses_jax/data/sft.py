@@ -19,9 +19,11 @@ assistant message ``i``'s text is what ``render(messages[:i + 1])`` adds to ``re
 add_generation_prompt=True)``: its content and the template's end-of-turn tokens (``<|im_end|>``, ``<|eot_id|>``)
 plus whatever the template puts between turns; the header (``<|im_start|>assistant\\n``) is not trained. A
 template that renders earlier turns differently once later ones follow (Qwen3 drops past reasoning) breaks that
-prefix property and is refused with a message: add generation markers to it. A token is trained when its first
-character is in trained text (offsets from tokenizer.json). The rendered text is tokenized without adding
-special tokens: the template writes bos itself, as ``apply_chat_template`` does.
+prefix property and is refused with a message: add generation markers to it. A token is trained when any of its
+characters is in trained text (offsets from tokenizer.json), as transformers' assistant masks map characters to
+tokens: a generation prompt ending in a space (``"ASSISTANT: "``) merges it into the answer's first token. The
+rendered text is tokenized without adding special tokens: the template writes bos itself, as ``apply_chat_template``
+does.
 
 Compared with TRL's ``SFTTrainer`` (its dataset-format docs): TRL names the same record shapes "prompt-completion"
 (standard: strings; conversational: message lists) and "language modeling" (``{"text"}``, or ``{"messages"}``).
@@ -149,10 +151,10 @@ class SFTRenderer:
 
     def _tokenize_spans(self, text: str, spans: list[tuple[int, int]]) -> SFTExample:
         enc = self.tokenizer.encode(text, add_special_tokens=False)
-        starts = np.asarray([a for a, _ in enc.offsets], np.int64)
-        targets = np.zeros(len(starts), bool)
-        for a, b in spans:
-            targets |= (starts >= a) & (starts < b)
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+        targets = np.zeros(len(enc.ids), bool)
+        for a, b in spans:  # any character in the span: " hello" after a prompt ending in a space is the answer's
+            targets |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
         return _from_targets(enc.ids, targets)
 
     def conversation(self, messages: list[dict], *, completion_from: int | None = None) -> SFTExample:
