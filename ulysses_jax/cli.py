@@ -278,10 +278,10 @@ def _train(cfg: TrainConfig, given: set[str] = frozenset()) -> int:  # given: th
         _error(str(e))
         return EXIT_DIVERGED
     except KeyboardInterrupt:
-        steps = runconfig.inspect(cfg.run_dir).steps
-        print(f"error: stopped at once by a second signal, without saving (last checkpoint: "
-              f"{f'step {steps[-1]}' if steps else 'none'} in {run.checkpointer.directory})", file=sys.stderr)
-        sys.stdout.flush(), sys.stderr.flush()
+        last = f"step {steps[-1]}" if (steps := runconfig.inspect(cfg.run_dir).steps) else "none"
+        print(f"error: stopped at once by a second signal, without saving (last checkpoint: {last} in "
+              f"{run.checkpointer.directory})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
         os._exit(EXIT_ABORTED)  # at once: a checkpoint writer's thread would fail noisily at the interpreter's exit
     except ValueError as e:  # a data problem found while running (say an eval split that packs no row)
         return _error(str(e))

@@ -111,9 +111,9 @@ def _indexes(cfg: DataConfig) -> tuple[Index, Index | None]:
     """The training sources' index and, with ``eval_paths``, the validation sources' (cached, see build_index)."""
     _check_config(cfg)
     sft = cfg.format == "sft"
-    train = build_index(cfg.paths, field=cfg.text_field, flag="--data", sft=sft)
+    # the validation sources first: where they are the training ones too (`eval --eval-data`), refusals name that flag
     held = build_index(cfg.eval_paths, field=cfg.text_field, flag="--eval-data", sft=sft) if cfg.eval_paths else None
-    return train, held
+    return build_index(cfg.paths, field=cfg.text_field, flag="--data", sft=sft), held
 
 
 def held_out(digests: np.ndarray, fraction: float) -> np.ndarray:

@@ -24,7 +24,6 @@ import numpy as np
 
 from ulysses_jax.data.documents import DataConfig, describe_sources, sources_differ, validate_sources
 from ulysses_jax.data.pipeline import eval_batches
-from ulysses_jax.data.sources import build_index
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.evaluation import passkey_eval, plots, position
 from ulysses_jax.evaluation.token_scores import make_token_step
@@ -100,9 +99,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     # documents as the run read them: SFT records or text, framed with BOS/EOS when it started from an HF folder
     documents = dict(format=rc.get("data_format", "text"), frame=rc.get("init_from_hf") is not None,
                      sft_overlong=rc.get("sft_overlong", "refuse"))
-    if cfg.eval_data:  # read as --eval-data first, so that a refusal names that flag (the train side is the same)
-        build_index(tuple(cfg.eval_data), field=rc.get("data_field", "text"), flag="--eval-data",
-                    sft=documents["format"] == "sft")
+    if cfg.eval_data:
         data_cfg = DataConfig(paths=tuple(cfg.eval_data), eval_paths=tuple(cfg.eval_data), eval_fraction=0.0,
                               tokenizer=tokenizer["path"], text_field=rc.get("data_field", "text"), **documents)
         validate_sources(data_cfg, need_eval=True)

@@ -309,11 +309,10 @@ def _model_config_of(cfg: TrainConfig, vocab_size: int, *, record: dict | None =
 def model_config_from_run(record: dict, **compute) -> ModelConfig:
     """The run's model, with its compute settings unless ``compute`` (attention_impl, remat, ...) gives others."""
     fields = {**record["model"], **record.get("compute", {}), **{k: v for k, v in compute.items() if v is not None}}
-    if compute.get("attn_chunk") == 0:  # the tiled attention switched off: its head groups and recompute with it
-        fields.update({k: v for k, v in (("attn_head_chunk", 0), ("attn_recompute", False)) if compute.get(k) is None})
-    if compute.get("remat") not in (None, "offload"):  # remat switched off (or offload): its groups, nesting with it
-        off = (("remat_nested", False),) + ((("remat_every", 1),) if compute["remat"] == "none" else ())
-        fields.update({k: v for k, v in off if compute.get(k) is None})
+    # a tool switched off (--attn-chunk 0, --remat none or full) takes the options the run gave it along, as on resume
+    defaults = ModelConfig()
+    off = runconfig.switched_off(compute, {k for k, v in compute.items() if v is not None})
+    fields.update({k: getattr(defaults, k) for k in off if k in fields})
     if fields.get("rope_scaling"):
         fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
     try:

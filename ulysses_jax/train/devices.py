@@ -117,13 +117,14 @@ def impl_note(m: ModelConfig, mesh) -> str:
     platform = device_platform(mesh)
     impl = resolve_impl(m.attention_impl, dtype=m.compute_jnp_dtype, head_dim=m.head_dim, has_segment_ids=True,
                         platform=platform, sinks=m.attn_sinks)
-    unused = (f"; --attn-max-documents {m.attn_max_documents} applies to cuDNN only: unused"
-              if m.attn_max_documents and impl != "cudnn" else "")
+    unused = ([f"--attn-max-documents {m.attn_max_documents} applies to cuDNN only: unused"]
+              if m.attn_max_documents and impl != "cudnn" else [])
     if impl == m.attention_impl:
-        return impl + unused
+        return "; ".join([impl, *unused])
     why = auto_reason(dtype=m.compute_jnp_dtype, head_dim=m.head_dim, platform=platform,
                       ring=mesh.shape.get("ring", 1), sinks=m.attn_sinks)
-    return f"{m.attention_impl} -> {impl}" + (f" ({why}{unused})" if why else f" ({unused[2:]})" if unused else "")
+    notes = [w for w in (why, *unused) if w]
+    return f"{m.attention_impl} -> {impl}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def resolve_batch(batch_size: int | None, mesh, grad_accum: int = 1) -> int:

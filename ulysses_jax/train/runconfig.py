@@ -46,9 +46,10 @@ PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps",
 # A setting that qualifies a tool, inherited from the run only while the tool stays on: a resume that switches the
 # tool off (``--attn-chunk 0``, ``--remat none``, ``--eval-every 0``) drops the qualifiers the run gave it, unless they
 # are given anew (then refused).
-QUALIFIES = {"attn_head_chunk": "attn_chunk", "attn_recompute": "attn_chunk", "remat_every": "remat",
-             "remat_nested": "remat", "eval_batches": "eval_every", "eval_by_position": "eval_every",
-             "eval_passkey": "eval_every", "eval_passkey_samples": ("eval_every", "eval_passkey")}
+# (Run settings and model fields alike: eval and export drop a model's qualifiers the same way, ``switched_off``.)
+QUALIFIES = {"attn_head_chunk": ("attn_chunk",), "attn_recompute": ("attn_chunk",), "remat_every": ("remat",),
+             "remat_nested": ("remat",), "eval_batches": ("eval_every",), "eval_by_position": ("eval_every",),
+             "eval_passkey": ("eval_every",), "eval_passkey_samples": ("eval_every", "eval_passkey")}
 OFF = (None, 0, False, "none")  # a tool's values that switch it off
 ONLY_WITH = {"remat_nested": "offload"}  # a qualifier of one value of its tool: any other switches it off
 
@@ -88,19 +89,23 @@ def given_settings(cls, args: list[str], files: tuple[dict, ...] = ()) -> set[st
     return given
 
 
+def _leaves_nothing_to_do(setting: str, value) -> bool:
+    """Whether a tool's ``value`` switches off ``setting``, one of its ``QUALIFIES``."""
+    return value in OFF or (setting in ONLY_WITH and value != ONLY_WITH[setting])
+
+
+def switched_off(values, given) -> list[str]:
+    """The ``QUALIFIES`` settings, not in ``given`` themselves, of a tool that ``given`` names with a value
+    (``values[tool]``) that switches them off."""
+    return [k for k, tools in QUALIFIES.items() if k not in given
+            and any(t in given and _leaves_nothing_to_do(k, values[t]) for t in tools)]
+
+
 def drop_qualifiers(cfg, given: set[str]):
     """``cfg`` (a resumed run's settings with this invocation's over them) without the ``QUALIFIES`` settings it
     inherited for a tool that ``given`` (``given_settings``) switches off: they go back to their defaults."""
-    defaults = type(cfg)()
-
-    def switched_off(setting, tools) -> bool:
-        def off(value):
-            return value in OFF or (setting in ONLY_WITH and value != ONLY_WITH[setting])
-
-        return any(t in given and off(getattr(cfg, t)) for t in ((tools,) if isinstance(tools, str) else tools))
-
-    off = {k: getattr(defaults, k) for k, tools in QUALIFIES.items() if switched_off(k, tools) and k not in given}
-    return dataclasses.replace(cfg, **off)
+    defaults, values = type(cfg)(), {t: getattr(cfg, t) for tools in QUALIFIES.values() for t in tools}
+    return dataclasses.replace(cfg, **{k: getattr(defaults, k) for k in switched_off(values, given)})
 
 
 # ------------------------------------------------------------------------------------ config files
