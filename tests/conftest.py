@@ -256,11 +256,14 @@ def pytest_collection_modifyitems(config, items):
 
 # Fresh random inputs on every run, reproducible on demand: each test draws from
 # crc32(test id) ^ base seed, where the base seed is new each session unless
-# ULYSSES_TEST_SEED is set; it is printed in the report header.
+# ULYSSES_TEST_SEED is set; it is printed in the report header. The first process
+# (xdist's controller) puts its draw in the environment, which the workers it starts
+# inherit: one base seed a run, so the header's value reproduces every test of it.
 import random  # noqa: E402
 import zlib  # noqa: E402
 
-BASE_SEED = int(os.environ.get("ULYSSES_TEST_SEED", random.SystemRandom().randrange(2**31)))
+os.environ.setdefault("ULYSSES_TEST_SEED", str(random.SystemRandom().randrange(2**31)))
+BASE_SEED = int(os.environ["ULYSSES_TEST_SEED"])
 
 
 def pytest_report_header(config):
