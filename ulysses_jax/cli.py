@@ -6,12 +6,13 @@ Settings come, each overriding the one before, from the defaults, the run's reco
 ``--config FILE`` and the flags.
 
 Exit status: 0 done; 1 ``plan``'s verdict is OVER (it prints the ``--memory auto`` command to try), or ``train
---memory auto`` found no set of memory tools that fits (one line naming the fix); 2 a user error,
-found before anything is written (one line, ``error: ...``); 3 the loss became
-NaN or infinite (nothing saved; the last good checkpoint is named); 75 stopped by SIGTERM or SIGINT after saving a
-checkpoint (``--resume`` continues exactly); 69 another process of a multi-process job was lost or failed (one line
-names it and, for a failure, its error; restart the job with ``--resume``: ``train/cluster.py``); 130 stopped at once
-by a second signal. In a multi-process job a process that fails exits with its own status and the others with 69.
+--memory auto`` found no set of memory tools that fits (one line naming the fix); 2 a user error, found before anything
+is written (one line, ``error: ...``); 3 the loss became NaN or infinite (nothing saved; the last good checkpoint is
+named); 75 stopped by SIGTERM or SIGINT after saving a checkpoint (``--resume`` continues exactly); 69 another process
+of a multi-process job was lost or failed (one line names it and, for a failure, its error; restart the job with
+``--resume``: ``train/cluster.py``); 130 stopped at once by a second signal; 143 / 130 a SIGTERM / SIGINT before the
+first step (one line: nothing to save). In a multi-process job a process that fails exits with its own status and the
+others with 69.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ EXIT_DIVERGED = 3
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by a signal with a checkpoint saved; run the same command with --resume
 EXIT_ABORTED = 130
 EXIT_NO_PROGRAM = 4  # plan: XLA failed to compile the step (a limitation of this program, not a verdict)
-PLAN_EXIT = (f"Exit status: 0 the plan fits; {EXIT_OVER} it does not (verdict OVER: the `--memory auto` command to try "
-             f"is printed; with --memory auto: no set of memory tools fits); {EXIT_USAGE} a user error; "
-             f"{EXIT_NO_PROGRAM} XLA could not compile the step. XLA's compiler messages go to a log file (--xla-log), "
-             f"named at the end.")
+PLAN_EXIT = (f"Exit status: 0 the plan fits; {EXIT_OVER} it does not (verdict OVER: the `--memory auto` command to "
+             f"try is printed; with --memory auto: no set of memory tools fits); {EXIT_USAGE} a user error; "
+             f"{EXIT_NO_PROGRAM} XLA could not compile the step. XLA's compiler messages go to a log file "
+             f"(--xla-log), named at the end.")
 DESCRIPTION = "Long-context LM training with Ulysses sequence parallelism in JAX."
 
 
@@ -69,10 +70,8 @@ def _setup_devices(cfg) -> None:
         raise ValueError(f"--cpu-devices ({cfg.cpu_devices}) must be at least 1")
     explicit = (cfg.coordinator_address, cfg.num_processes, cfg.process_id)
     if any(x is not None for x in explicit) and any(x is None for x in explicit):
-        raise ValueError(
-            "--coordinator-address, --num-processes and --process-id go together: give all three "
-            "(or --distributed alone under a cluster manager such as SLURM)"
-        )
+        raise ValueError("--coordinator-address, --num-processes and --process-id go together: give all three (or "
+                         "--distributed alone under a cluster manager such as SLURM)")
     try:
         jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)  # only affects the CPU backend
     except RuntimeError:  # backends already initialised (called in-process): keep the devices there are
@@ -225,6 +224,7 @@ def _train(cfg: TrainConfig, given: set[str] = frozenset()) -> int:  # given: th
     from ulysses_jax.plan.train_memory import NothingFits, memory_setup
     from ulysses_jax.train.devices import impl_note, sp_note
     from ulysses_jax.train.metrics import tensorboard_command
+    from ulysses_jax.train.signals import stop_setup_at_once
     from ulysses_jax.train.step import describe_optim
     from ulysses_jax.train.trainer import TrainingDiverged, setup_train, train_run
 
@@ -235,7 +235,8 @@ def _train(cfg: TrainConfig, given: set[str] = frozenset()) -> int:  # given: th
     from ulysses_jax.evaluation.loop import LoopEval
 
     try:  # --memory auto: the memory tools chosen once the model, mesh and batch are checked
-        run = _checked(lambda c: setup_train(c, LoopEval.setup, memory_setup(given)), cfg)
+        with stop_setup_at_once():  # a signal before the first step: one line, and the process ends at once
+            run = _checked(lambda c: setup_train(c, LoopEval.setup, memory_setup(given)), cfg)
     except NothingFits as e:
         _error(str(e))
         return EXIT_OVER
@@ -385,8 +386,7 @@ def _eval(cfg: EvalConfig) -> int:
               f"{last['loss']:.3f} at {last['start']}-{last['end']} ({len(buckets)} buckets)")
     if "passkey" in result:
         res = result["passkey"]["results"]
-        total = sum(r["samples"] for r in res)
-        right = sum(r["accuracy"] * r["samples"] for r in res)
+        total, right = sum(r["samples"] for r in res), sum(r["accuracy"] * r["samples"] for r in res)
         print(f"  passkey at step {result['step']}: {right:.0f} of {total} samples right "
               f"({100 * right / max(total, 1):.0f}%; teacher-forced, every key token right)")
     for what in ("by_position", "passkey"):  # --by-position, --task passkey (evaluation/evaluate.py)
