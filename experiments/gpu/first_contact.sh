@@ -6,10 +6,10 @@
 #   3. experiments/bench_attention.py (ours vs cuDNN vs XLA, 8K and 32K, head_dim 128, packed and not)
 #   4. experiments/bench_train.py (llama3.2-1b training step at 8K and 32K tokens), then again with --attn-keep
 #   (probe: experiments/probe_cudnn_packed.py, packed rows on cuDNN checked and timed, PROBE_ARGS; in STEPS by name only)
-# STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, profile:
+# STEPS (default "env tests attention train") picks steps, run in this file's order (also: peers, delta, curves, profile:
 # experiments/bench_peers.py with PEER_ROWS, PEER_FLAG_SETS (its --flag-sets), PEER_ARGS (more of its arguments) and
 # PEERS_LIMIT (its seconds, default 420), experiments/bench_delta.py with DELTA_ARGS and DELTA_LIMIT (default 300),
-# experiments/profile_step.py with
+# experiments/fp8_curves.py with CURVES_ARGS and CURVES_LIMIT (default 300 s), experiments/profile_step.py with
 # PROFILE_ARGS: argument sets split by "|", PROFILE_LIMIT seconds each); PYTEST_K narrows the GPU tests (pytest -k;
 # TESTS_LIMIT their seconds, default 240);
 # TRAIN_ATTENTION (default "auto") lists the --attention values bench_train runs, one run each. baseline:
@@ -115,6 +115,12 @@ step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RE
 # beside fla and cuDNN (DELTA_ARGS: more)
 step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
   ${DELTA_ARGS:-}
+# issue 40: the loss of the same run with and without --fp8, two curves in one plot (CURVES_ARGS: fp8_curves.py's
+# arguments instead of the goal's run)
+CURVES_DEFAULT="--preset llama3.2-1b --steps 200 --seq-len 4096"
+[ $DRY = 1 ] && CURVES_DEFAULT="--preset tiny --steps 6 --seq-len 128"
+step curves "${CURVES_LIMIT:-300}" "$PY" experiments/fp8_curves.py --out-dir "$RES" "${CPU_FLAG[@]}" \
+  ${CURVES_ARGS:-$CURVES_DEFAULT}
 # PROFILE_ARGS: one argument set, or several separated by "|" (one profile each, each under its own limit)
 IFS='|' read -ra PROFILE_SETS <<< "${PROFILE_ARGS:---seq-lens 32768 --attn-keep}"
 for i in "${!PROFILE_SETS[@]}"; do
