@@ -271,7 +271,8 @@ def test_state_dtypes_and_shardings_unchanged_by_a_step(param_dtype, accum):
     compiled = step.lower(state, batch).compile()
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state)) // len(jax.devices())
     for _ in range(2):  # the second step runs on the first one's output
-        state, _ = step(state, batch)
+        state, metrics = step(state, batch)
+        assert metrics["grad_norm"].dtype == jnp.float32  # summed in float32 whatever the gradients' dtype
         after = jax.tree.leaves_with_path(state)
         assert [p for p, _ in after] == [p for p, _ in before]
         for (path, x0), (_, x1) in zip(before, after):
@@ -323,11 +324,15 @@ def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master, field
     for first_b, second_b, norm_b, b in results[1:]:
         assert first_a == first_b
         np.testing.assert_allclose(second_a, second_b, rtol=1e-6)
-        # the norm is reduced in the gradients' dtype on the device, in float32 when streamed from host memory
-        np.testing.assert_allclose(norm_a, norm_b, rtol=2**-7 if param_dtype == "bfloat16" else 1e-6)
+        # the norm in float32 either way (bfloat16 gradients too: optax.tree.norm alone added the leaves in bfloat16,
+        # 2**-8 apart from the streamed float32 sum)
+        np.testing.assert_allclose(norm_a, norm_b, rtol=1e-5)
         for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b)):
-            # float32: 1-2 ulp of the weights and of lr; a master weight 1 ulp apart may round to the next bfloat16
-            rtol, atol = (2**-7, 0) if x.dtype == jnp.bfloat16 else (1e-6, 1e-8)
+            # float32: 1-2 ulp of the weights and of lr; a master weight 1 ulp apart may round to the next bfloat16;
+            # a weight the update brought near zero keeps the float32 difference at the leaf's scale (1.9e-9 on
+            # weights of 0.05 seen; 18 of 131,072 elements beyond a relative tolerance alone)
+            scale = float(np.max(np.abs(x.astype(np.float64)))) if x.size else 0.0
+            rtol, atol = (2**-7, 4 * 2**-24 * scale) if x.dtype == jnp.bfloat16 else (1e-6, 1e-8)
             np.testing.assert_allclose(x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol,
                                        err_msg=jax.tree_util.keystr(path))
 

@@ -384,7 +384,7 @@ def make_train_step(graphdef, tx, schedule, mesh: Mesh, state_sh, *, grad_accum:
             if grad_accum == 1:
                 grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
             new_params, opt_state = optimizer.apply(tx, grads, state["opt_state"], params)
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = optimizer.norm_f32(grads)
         opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         new_state = {
             "params": fp8.join(lora.join(new_params, frozen), history),
