@@ -394,7 +394,8 @@ def host_transfer_bytes(cfg: PlanConfig, model, mesh: dict[str, int], seq_len: i
     """Bytes one device moves over PCIe per step (both ways): the optimizer state in and out (``--optim.offload``),
     the saved layer inputs out and back (``--remat offload``: one per ``--remat-every`` layers, and with
     ``--remat-nested`` every layer's again in its group's backward; with ``--attn-keep`` each attention layer's kept
-    output and float32 log-sum-exp too, by their shapes: a hybrid's kept delta-net states are not counted), and with
+    output and float32 log-sum-exp too, by their shapes; a hybrid keeps nothing there: ``ModelConfig`` refuses
+    ``--attn-keep`` with ``--remat offload`` on mixed layer kinds), and with
     ``--offload-params`` the stacked layers' parameters in for the forward (and again for the recomputation under
     remat), their gradients out, in twice for the update (norm, then update) and the new parameters out."""
     total = 2 * optimizer_bytes if cfg.optim.offload else 0
