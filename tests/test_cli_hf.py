@@ -283,6 +283,10 @@ def test_resume_merges_flags_the_same_for_presets_and_folders(kind, folder, tmp_
     assert runconfig.drop_qualifiers(kept, {"remat", "eval_every"}) == kept  # the tools stay on: so do their options
     nested = dataclasses.replace(start, remat="full", remat_every=2, remat_nested=True)  # --remat full on a nested run
     assert runconfig.drop_qualifiers(nested, {"remat"}) == dataclasses.replace(nested, remat_nested=False)
+    # --no-fp8 on a delayed-recipe run: the recipe goes with it (then the resume names fp8, the setting that differs;
+    # before, the refusal named --fp8-recipe, a flag this command did not give: found by a review)
+    delayed = dataclasses.replace(start, fp8=False, fp8_recipe="delayed")
+    assert runconfig.drop_qualifiers(delayed, {"fp8"}) == dataclasses.replace(delayed, fp8_recipe="current")
     assert runconfig.given_settings(TrainConfig, ["--no-attn-recompute", "--optim.no-master-weights", "--mesh.sp=4",
                                                   "--attn_chunk", "0", "--steps", "--resume"]) == {
         "attn_recompute", "optim.master_weights", "mesh.sp", "attn_chunk", "steps", "resume"}

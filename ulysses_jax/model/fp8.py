@@ -115,11 +115,12 @@ def _dot_to(spec, a, b, sa, sb, dtype):
 
 
 def _used(history, row: int, current: jax.Array) -> jax.Array:
-    """The amax a scale is taken from: the current one (no history, or an all-zero one), else the history's max."""
+    """The amax a scale is taken from: the current one (no history, an all-zero one, or a current amax that is inf or
+    NaN, which must reach the product: module doc), else the history's max."""
     if history is None:
         return current
     past = jnp.max(history[row])
-    return jnp.where(past > 0, past, current)
+    return jnp.where((past > 0) & jnp.isfinite(current), past, current)
 
 
 def rolled(history: jax.Array, amaxes) -> jax.Array:

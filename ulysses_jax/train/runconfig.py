@@ -49,7 +49,8 @@ PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps",
 # (Run settings and model fields alike: eval and export drop a model's qualifiers the same way, ``switched_off``.)
 QUALIFIES = {"attn_head_chunk": ("attn_chunk",), "attn_recompute": ("attn_chunk",), "remat_every": ("remat",),
              "remat_nested": ("remat",), "eval_batches": ("eval_every",), "eval_by_position": ("eval_every",),
-             "eval_passkey": ("eval_every",), "eval_passkey_samples": ("eval_every", "eval_passkey")}
+             "eval_passkey": ("eval_every",), "eval_passkey_samples": ("eval_every", "eval_passkey"),
+             "fp8_recipe": ("fp8",)}
 OFF = (None, 0, False, "none")  # a tool's values that switch it off
 ONLY_WITH = {"remat_nested": "offload"}  # a qualifier of one value of its tool: any other switches it off
 
