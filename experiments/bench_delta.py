@@ -210,6 +210,13 @@ def main(argv=None) -> int:
         args.seq_lens, args.heads, args.dim, args.iters, args.warmup = [256], (2, 4), 32, 1, 1
     hk, hv = args.heads
     rows = []
+    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
+    stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
+    cols = ["seq_len", "heads", "dim", "precision", "impl", "ours_s", "fla_s", "ours_over_fla", "ours_fwd_s",
+            "fla_fwd_s", "fwd_ours_over_fla", "cudnn_attention_s",
+            "max_abs_diff", "max_abs_diff_vs_xla", "note"]
+    paths = []
     for seq in args.seq_lens:
         x = inputs(seq, hk, hv, args.dim)
         peers = None  # fla and cuDNN, timed once per length beside the first of our rows
@@ -238,13 +245,9 @@ def main(argv=None) -> int:
                          "max_abs_diff_vs_xla": vs_xla,
                          "note": note if not gpu or note else ""})
             print(rows[-1], flush=True)
-    kind = jax.devices()[0].device_kind.lower().replace(" ", "-")
-    stem = args.out_dir / f"delta_{kind}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    meta = run_header(model=f"gated delta rule, forward + backward, bf16, heads {hk}/{hv}, d {args.dim}")
-    cols = ["seq_len", "heads", "dim", "precision", "impl", "ours_s", "fla_s", "ours_over_fla", "ours_fwd_s",
-            "fla_fwd_s", "fwd_ours_over_fla", "cudnn_attention_s",
-            "max_abs_diff", "max_abs_diff_vs_xla", "note"]
-    print("wrote", *write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows))
+            # the table rewritten after each row: a run stopped at its time limit keeps what it measured
+            paths = write_table(stem, "Gated delta rule beside flash-linear-attention", meta, cols, rows)
+    print("wrote", *paths)
     return 0
 
 

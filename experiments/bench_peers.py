@@ -9,7 +9,11 @@ table.
 
 Each measurement runs in a child process of its own (`--child`), so neither framework's memory pool sees the other's
 and each peak is the measured one's alone; a child that runs out of memory or fails leaves its time empty and says
-why in `note`. Ours: `experiments/bench_train.py`'s step (the real training step: model, loss, AdamW) with the row's
+why in the table's `note` column (the .md; the CSV keeps the issue's columns). Ours gets a memory pool of 95% of the
+GPU, as `train` does (JAX's own default is 75%); the peer's PyTorch allocator takes what it needs. The first of our
+flag sets runs first, then the peers, then the rest of ours, and both files are rewritten after each measurement:
+a call stopped at its time limit (`--deadline`: no child starts past it, each ends before it) keeps a comparison.
+Ours: `experiments/bench_train.py`'s step (the real training step: model, loss, AdamW) with the row's
 flags. The peers, in the way a user would pick them:
 - `transformers`: `AutoModelForCausalLM.from_config` of the same shapes, SDPA attention, gradient checkpointing,
   float32 weights under bfloat16 autocast, `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and
@@ -106,6 +110,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=600, help="seconds for each child measurement")
+    p.add_argument("--deadline", type=int, default=None,
+                   help="seconds for the whole invocation: each child's timeout is cut to what is left (the GPU "
+                        "scripts give their step's limit less a margin)")
     p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (a dry run; times mean nothing)")
     p.add_argument("--quick", action="store_true", help="the tiny rows (with --allow-cpu: the CI dry run)")
@@ -167,6 +174,14 @@ def peer(spec: dict) -> dict:
     """The peer's step (module doc): the same tokens as ours (bench_train's random batch: one document a row, or
     packed rows with the same cuts, given to the peer as position ids that restart at each document)."""
     import numpy as np
+
+    from ulysses_jax.model.config import ModelConfig
+
+    if ModelConfig.from_preset(spec["preset"]).linear_layers:
+        # a hybrid: transformers takes flash-linear-attention's kernels wherever fla imports, and fla 0.6.0's
+        # backward fails on Hopper with Triton 3.6 (the H100 of 2026-11-27): the peer runs transformers' own
+        # chunked delta rule (torch), as users without fla do; the note names it (_delta_kernel)
+        sys.modules.setdefault("fla", None)
     import torch
     import transformers
 
@@ -254,8 +269,11 @@ def _delta_kernel(model) -> str | None:
     if code is not None and fn.__closure__:  # the wrapper keeps its choice in a closure cell named "implementation"
         fn = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__))).get("implementation", fn)
     where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}" if fn is not None else "not found"
-    fla = importlib.util.find_spec("fla") is not None
-    return f"peer's delta rule: {where}; flash-linear-attention {'imports' if fla else 'not installed'}"
+    if "fla" in sys.modules and sys.modules["fla"] is None:
+        state = "kept out (its backward fails on Hopper with Triton 3.6)"
+    else:
+        state = "imports" if importlib.util.find_spec("fla") is not None else "not installed"
+    return f"peer's delta rule: {where}; flash-linear-attention {state}"
 
 
 def child_main(spec: dict) -> int:
@@ -271,7 +289,8 @@ def child_main(spec: dict) -> int:
 
 def measure(spec: dict, timeout: int) -> dict:
     """One child measurement (``--child``); its RESULT line, or the reason there is none."""
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if spec["who"] == "peer" else dict(os.environ)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if spec["who"] == "peer" else (
+        {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ})  # train's pool, not JAX's 75%
     env.pop("XLA_FLAGS", None)  # one device: the peer has one
     xla = split_flags(spec["flags"])[1] if spec["who"] == "ours" else []
     if xla:
@@ -299,23 +318,36 @@ def _gib(x):
     return "" if x is None else f"{x:.1f}"
 
 
-def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[dict]:
+NOT_YET = {"error": "not measured: the call's time limit came first"}
+
+
+def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str, save=lambda rows: None) -> list[dict]:
+    """The row's CSV lines, one per flag set of ours and peer. Our first flag set runs first, then each peer, then
+    the rest of ours; after each measurement ``save`` gets the lines so far (a peer not measured yet: an empty time
+    and a note), so a run stopped at its time limit (a slow or hanging peer: transformers' Qwen3.5 on the H200 of
+    2026-11-28) keeps a comparison."""
     common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=row.documents, steps=args.steps,
                   warmup=args.warmup, allow_cpu=args.allow_cpu)
-    # ours first, then each peer, each measurement printed as it ends: a run stopped at its time limit (a slow or
-    # hanging peer: transformers' Qwen3.5 on the H200 of 2026-11-28) keeps what it measured
-    mines = {}
-    for flags in row.flag_sets:
-        mines[flags] = measure({**common, "who": "ours", "flags": flags}, args.timeout)
-        print(json.dumps({"row": row.name, "ours": flags, **mines[flags]}), flush=True)
-    theirs = {}
-    for p in peers:
-        theirs[p] = measure({**common, "who": "peer", "peer": p}, args.timeout)
-        print(json.dumps({"row": row.name, "peer": p, **theirs[p]}), flush=True)
+    mines, theirs = {}, {}
+    order = [("ours", row.flag_sets[0]), *(("peer", p) for p in peers), *(("ours", f) for f in row.flag_sets[1:])]
+    for who, what in order:
+        spec = {**common, "who": who, **({"flags": what} if who == "ours" else {"peer": what})}
+        left = args.timeout if args.ends_at is None else min(args.timeout, int(args.ends_at - time.monotonic()) - 5)
+        result = measure(spec, left) if left >= 10 else {"error": "not run: --deadline reached"}
+        (mines if who == "ours" else theirs)[what] = result
+        print(json.dumps({"row": row.name, who: what, **result}), flush=True)
+        save(_lines(row, mines, theirs, peers, gpu, commit))
+    out = _lines(row, mines, theirs, peers, gpu, commit)
+    for line in out:
+        print(json.dumps(line), flush=True)
+    return out
+
+
+def _lines(row: Row, mines: dict, theirs: dict, peers: list[str], gpu: str, commit: str) -> list[dict]:
     out = []
     for flags, mine in mines.items():
         for p in peers:
-            t = theirs[p]
+            t = theirs.get(p, NOT_YET)
             ours_s, peer_s = mine.get("step_s"), t.get("step_s")
             notes = [f"ours: {mine['error']}" if "error" in mine else "",
                      f"{p}: {t['error']}" if "error" in t else "", t.get("kernel", "")]
@@ -328,7 +360,6 @@ def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str) -> list[di
                 "ours_peak_gib": _gib(mine.get("peak_gib")), "peer_peak_gib": _gib(t.get("peak_gib")), "gpu": gpu,
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "commit": commit,
                 "note": "; ".join(n for n in notes if n)})
-            print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -421,10 +452,10 @@ def main(argv=None) -> int:
               "one document per row, batch 1, one device; step times: median of the timed steps; speedup = peer / ours",
               "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated"]
     stem, rows = args.out_dir / f"peers_{kind}_{stamp:%Y%m%d-%H%M}", []
-    for row in chosen:  # the files rewritten after each row: a run stopped at its time limit keeps what it measured
-        rows += rows_for(row, peers, args, gpu, commit)
-        paths = write(stem, rows, header)
-    print("wrote", *paths)
+    args.ends_at = None if args.deadline is None else time.monotonic() + args.deadline
+    for row in chosen:  # the files rewritten after each measurement: a run stopped at its limit keeps what it measured
+        rows += rows_for(row, peers, args, gpu, commit, save=lambda part: write(stem, rows + part, header))
+    print("wrote", *write(stem, rows, header))
     return 0
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,12 @@ def train(args, name: str, run_dir: pathlib.Path) -> dict:
     if proc.returncode:
         raise SystemExit(f"fp8_curves: the {name} run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
                          f"{proc.stderr[-2000:]}")
+    # the run's metrics into the results at once (a limit that stops the second run keeps the first's curve); its
+    # last checkpoint (15 GB for llama3.2-1b with its optimizer) removed when the runs live in a temporary folder
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run_dir / "metrics.jsonl", args.out_dir / f"fp8_curves_{args.preset}_{name}.metrics.jsonl")
+    if args.work_dir is None:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     record = json.loads((run_dir / "run.json").read_text())
     return {"losses": {r["step"]: r["loss"] for r in records}, "step_s": [r["step_time_s"] for r in records[1:]],

@@ -101,6 +101,37 @@ def test_bench_peers_dry_run(tmp_path):
         next(r for r in rows if r["peer"] == "transformers+liger")["peer_step_s"] or 0) > 0)
 
 
+def test_bench_peers_keeps_a_comparison_when_its_time_runs_out(monkeypatch):
+    """Our first flag set, then the peers, then the rest of ours; the lines saved after each measurement (a peer not
+    measured yet: an empty time and a note); past --deadline no child starts, and each child's timeout is cut to the
+    time left (a review: the CSV was written after the whole row, and a row stopped at its limit left nothing)."""
+    import argparse
+    import time
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_peers
+
+    calls, saved = [], []
+
+    def fake_measure(spec, timeout):
+        calls.append((spec["who"], spec.get("flags") or spec["peer"], timeout))
+        return {"step_s": 1.0 if spec["who"] == "ours" else 1.5}
+
+    monkeypatch.setattr(bench_peers, "measure", fake_measure)
+    row = bench_peers.Row("r", "tiny", "full", 512, ("A", "B"))
+    args = argparse.Namespace(steps=1, warmup=1, allow_cpu=True, timeout=200, ends_at=time.monotonic() + 100)
+    out = bench_peers.rows_for(row, ["p1", "p2"], args, "cpu", "c", save=saved.append)
+    assert [(w, f) for w, f, _ in calls] == [("ours", "A"), ("peer", "p1"), ("peer", "p2"), ("ours", "B")]
+    assert all(90 <= t <= 95 for *_, t in calls)  # the time left less a margin, not --timeout's 200
+    assert [len(s) for s in saved] == [2, 2, 2, 4]
+    assert saved[0][0]["peer_step_s"] == "" and "time limit came first" in saved[0][0]["note"]
+    assert [r["speedup"] for r in out] == ["1.50"] * 4
+    calls.clear()
+    args.ends_at = time.monotonic() + 8  # too little for any child: none starts
+    out = bench_peers.rows_for(row, ["p1"], args, "cpu", "c")
+    assert calls == [] and all("--deadline reached" in r["note"] for r in out)
+
+
 @pytest.mark.slow
 def test_profile_step_dry_run(tmp_path):
     """experiments/profile_step.py --allow-cpu --quick: a trace of the step's device ops sorted into the categories,

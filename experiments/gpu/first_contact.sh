@@ -32,6 +32,10 @@ rm -rf "$RES" && mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
 export ULYSSES_JAX_COMMIT=${ULYSSES_JAX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
+if [ $DRY = 0 ] && ! compgen -G ".whl/*.whl" > /dev/null; then
+  echo "first_contact: no .whl/*.whl (make gpu-wheels here, then carry .whl): liger-kernel and fla are missing" \
+    | tee "$RES/pip.log"
+fi
 if [ $DRY = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ulysses_site \
     .whl/*.whl > "$RES/pip.log" 2>&1 || { echo "first_contact: installing .whl failed (see $RES/pip.log)"; exit 1; }
@@ -97,7 +101,9 @@ done
 step train_bench_keep 60 "$PY" experiments/bench_train.py --attn-keep --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}"
 # the before of a before/after in the same call: bench_train.py with BASELINE_ARGS on the package in .baseline/ (an
 # earlier commit's, made here by `git archive REV ulysses_jax | tar -x -C .baseline`, carried with the call)
-if [ -d .baseline/ulysses_jax ]; then
+if [ ! -d .baseline/ulysses_jax ]; then
+  case " $STEPS " in *" baseline "*) echo "baseline: SKIPPED (no .baseline/ulysses_jax: carry .baseline)" | tee -a "$SUMMARY";; esac
+else
   step baseline_package 30 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" "$PY" -P -c \
     "import ulysses_jax; print(ulysses_jax.__file__)"  # -P: no working directory first on the path, as for a script
   ONE_CPU=()  # a dry run's baseline on one fake CPU device, as the GPU's (BASELINE_ARGS name --sp 1 --fsdp 1)
@@ -109,8 +115,8 @@ fi
 # issue 38: ours beside transformers (+peft) and transformers + Liger, same call (PEER_ROWS: bench_peers.py --list;
 # a dry run takes the tiny rows instead, with the same flag sets)
 [ $DRY = 1 ] && PEER_ROWS=
-step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 "${CPU_FLAG[@]}" \
-  "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_FLAG_SETS:+--flag-sets "$PEER_FLAG_SETS"} ${PEER_ARGS:-}
+step peers "${PEERS_LIMIT:-420}" "$PY" experiments/bench_peers.py --out-dir "$RES" --timeout 200 \
+  --deadline $((${PEERS_LIMIT:-420} - 15)) "${CPU_FLAG[@]}" "${QUICK[@]}" ${PEER_ROWS:+--rows "$PEER_ROWS"} ${PEER_FLAG_SETS:+--flag-sets "$PEER_FLAG_SETS"} ${PEER_ARGS:-}
 # issue 39: the delta rule, ours at both precisions (highest, bf16 products) and both walks (xla, pallas)
 # beside fla and cuDNN (DELTA_ARGS: more)
 step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RES" "${CPU_FLAG[@]}" "${QUICK[@]}" \
