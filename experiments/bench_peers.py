@@ -327,7 +327,8 @@ def main(argv=None) -> int:
     kind = gpu.lower().replace("nvidia ", "").split()[0] if gpu != "cpu" else "cpu"
     header = [f"date: `{stamp:%Y-%m-%d %H:%M} UTC`", f"gpu: `{gpu}`", f"commit: `{commit}`",
               f"command: `python experiments/bench_peers.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-              "one document per row, batch 1, one device; step times: median of the timed steps; speedup = peer / ours",
+              "batch 1, one device, one document a row (`documents` > 1: packed rows, the same cuts for both); step "
+              "times: median of the timed steps; speedup = peer / ours",
               "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated"]
     stem, rows = args.out_dir / f"peers_{kind}_{stamp:%Y%m%d-%H%M}", []
     args.ends_at = None if args.deadline is None else time.monotonic() + args.deadline

@@ -91,7 +91,9 @@ except Exception as e:
 EOF
 nvidia-smi > "$RES/nvidia-smi.txt" 2>&1 || true
 step probe_cudnn_packed 100 "$PY" experiments/probe_cudnn_packed.py --out-dir "$RES" "${CPU_FLAG[@]}" ${PROBE_ARGS:-}
-step tests_gpu "${TESTS_LIMIT:-240}" "$PY" -m pytest -p no:cacheprovider -m gpu -rA ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py \
+# -v: each test's line as it ends (a step cut by its limit still says which passed)
+step tests_gpu "${TESTS_LIMIT:-240}" "$PY" -m pytest -p no:cacheprovider -m gpu -v -rA ${PYTEST_K:+-k "$PYTEST_K"} \
+  tests/test_gpu.py \
   tests/test_flash_attention.py
 step attention_bench 80 "$PY" experiments/bench_attention.py --out-dir "$RES" "${ATT_ARGS[@]}"
 for attn in ${TRAIN_ATTENTION:-auto}; do
