@@ -112,6 +112,9 @@ def freeze(block, cfg, mesh: Mesh) -> None:
             shape = var.get_value().shape
             specs = [P(None, *rest_spec(tuple(shape[i] for i in o[1:]), n[1:], mesh, cfg.shard_params_over_data))
                      for o, n in zip((tuple(range(len(names))), order), all_names)] + [P(None)]
+            if cfg.attn_chunk and module_name == "attn":  # the tiled sublayer takes each weight dequantised in the
+                # parameter's own layout (its shard_map's): resting so, no weight is resharded each layer
+                specs[0] = P(None, *param_spec(names[1:], over_data=cfg.shard_params_over_data))
             run = _quantizer(order, cfg.compute_jnp_dtype, tuple(NamedSharding(mesh, s) for s in specs))
             with nnx.use_eager_sharding(False):  # laid out by the jitted quantiser
                 for suffix, value, spec, n in zip(("", T, AMAX), run(var.get_value(), amaxes[attr]), specs, all_names):
