@@ -179,6 +179,36 @@ def test_a_few_training_steps(tmp_path):
     assert summary["steps"] == 5 and np.isfinite(summary["last_loss"]) and summary["last_loss"] < summary["first_loss"]
 
 
+def test_train_without_memory_flags_takes_the_fastest_set_that_fits(tmp_path):
+    """`train` on an H100 or H200 given no memory flag (`--memory auto`, the default): the search compiles the step
+    with each set of memory tools for this GPU's compile-only target, the run trains with the fastest that fits, and
+    the start lines say so; its run.json holds the picked tools (the CPU tests run the choice on stand-in plans)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ulysses_jax.plan.train_memory import target_for
+
+    if target_for(jax.devices()[0].device_kind) is None:
+        pytest.skip(f"plan compiles for H100 and H200 only, not {jax.devices()[0].device_kind}")
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "ulysses_jax", "train", "--preset", "tiny", "--seq-len", "8192",
+                        "--steps", "2", "--no-progress", "--mesh.sp", "1", "--run-dir", str(run)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("memory: ")]
+    assert lines[0].startswith("memory: no memory flag given (--memory auto): compiling"), lines
+    picked = next(ln for ln in lines[1:] if "(--memory auto, no memory flag given" in ln)
+    flags = picked[len("memory: "):picked.index(" (--memory auto")].split()
+    config = json.loads((run / "run.json").read_text())["config"]
+    for flag in ("--remat", "--loss-chunk", "--mlp-chunk"):  # the run trained with the tools the line names
+        if flag in flags:
+            got = config[flag[2:].replace("-", "_")]
+            assert str(got) == flags[flags.index(flag) + 1], (flag, got, picked)
+
+
 def test_a_hybrid_trains_with_either_delta_walk(tmp_path):
     """tiny-hybrid (3 delta-net layers, 1 attention layer) for 5 steps of 8K with the XLA walk and the Pallas walk
     (Triton here): both learn, and their losses agree step by step (float32 products; the Pallas walk's are tf32x3)."""

@@ -68,7 +68,8 @@ case $CALL in
     part c_hybrid STEPS="peers" PEER_ROWS=qwen3.5-0.8b-8k PEER_FLAG_SETS="KEEP|KEEP --delta-impl pallas" \
       PEER_ARGS="$S --peers transformers" PEERS_LIMIT=150
     part c_tests STEPS="tests" TESTS_LIMIT=100 \
-      PYTEST_K="hybrid or lora_with_fp8 or pallas_delta_walk or kept_cudnn or head_groups or one_document_rows"
+      PYTEST_K="hybrid or lora_with_fp8 or pallas_delta_walk or kept_cudnn or head_groups or one_document_rows \
+or memory_flags"
     # last, where time is left: the delta rule alone at 32K, both walks at both precisions (the Pallas walk and bf16
     # products never timed), beside cuDNN attention and fla's forward
     part c_delta STEPS="delta" DELTA_ARGS="--seq-lens 32768 --iters 3 --warmup 1" DELTA_LIMIT=90
