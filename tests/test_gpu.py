@@ -292,7 +292,8 @@ def test_offload_params_puts_layers_and_their_gradients_in_host_memory():
         found[offload_params] = step.trace(state, batch).lower().compile().memory_analysis()
         layers = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["params"]["blocks"]))
     plain, streamed = found[False], found[True]
-    print(f"\nstacked bf16 layers {layers / 2**20:.0f} MiB; device argument {plain.argument_size_in_bytes / 2**20:.0f} -> "
+    print(f"\nstacked bf16 layers {layers / 2**20:.0f} MiB; device argument "
+          f"{plain.argument_size_in_bytes / 2**20:.0f} -> "
           f"{streamed.argument_size_in_bytes / 2**20:.0f} MiB, temp {plain.temp_size_in_bytes / 2**20:.0f} -> "
           f"{streamed.temp_size_in_bytes / 2**20:.0f} MiB")
     assert streamed.host_argument_size_in_bytes >= plain.host_argument_size_in_bytes + layers

@@ -180,5 +180,5 @@ def describe(cfg) -> str:
     """The start-up line's words for the base's storage."""
     delta = " (and the delta-net's q, k, v, z and output projections)" if cfg.linear_layers else ""
     return (f"q, k, v, o, gate, up and down{delta} are quantised once and rest in float8, in the two layouts the "
-            f"forward's and the input gradient's GEMMs read (2 bytes a weight, as bf16): the step casts and transposes no "
-            f"weight")
+            f"forward's and the input gradient's GEMMs read (2 bytes a weight, as bf16): the step casts and transposes "
+            f"no weight")
