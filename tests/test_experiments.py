@@ -133,6 +133,25 @@ def test_bench_peers_keeps_a_comparison_when_its_time_runs_out(monkeypatch):
 
 
 @pytest.mark.slow
+def test_fp8_curves_dry_run_with_both_recipes(tmp_path):
+    """experiments/fp8_curves.py --fp8-recipe both on CPU: the baseline and a float8 run of each recipe, each run's
+    metrics copied into the results as it ends, one table with both ratios."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "fp8_curves.py"), "--preset", "tiny", "--steps",
+                        "3", "--seq-len", "128", "--allow-cpu", "--fp8-recipe", "both", "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(x.name for x in tmp_path.glob("*.metrics.jsonl")) == [
+        "fp8_curves_tiny_baseline.metrics.jsonl", "fp8_curves_tiny_fp8_current.metrics.jsonl",
+        "fp8_curves_tiny_fp8_delayed.metrics.jsonl"]
+    (md,) = tmp_path.glob("fp8_curves_tiny_cpu_*.md")
+    text = md.read_text()
+    assert "--fp8 (current) / baseline at the end" in text and "--fp8 (delayed) / baseline at the end" in text
+    (table,) = tmp_path.glob("fp8_curves_tiny_cpu_*.csv")
+    assert table.read_text().splitlines()[0] == "step,baseline,--fp8 (current),--fp8 (delayed)"
+
+
+@pytest.mark.slow
 def test_profile_step_dry_run(tmp_path):
     """experiments/profile_step.py --allow-cpu --quick: a trace of the step's device ops sorted into the categories,
     which with the idle gaps sum to the measured step."""

@@ -125,8 +125,8 @@ step delta "${DELTA_LIMIT:-300}" "$PY" experiments/bench_delta.py --out-dir "$RE
   ${DELTA_ARGS:-}
 # issue 40: the loss of the same run with and without --fp8, two curves in one plot (CURVES_ARGS: fp8_curves.py's
 # arguments instead of the goal's run)
-CURVES_DEFAULT="--preset llama3.2-1b --steps 200 --seq-len 4096"
-[ $DRY = 1 ] && CURVES_DEFAULT="--preset tiny --steps 6 --seq-len 128"
+CURVES_DEFAULT="--preset llama3.2-1b --steps 200 --seq-len 4096 --fp8-recipe both"
+[ $DRY = 1 ] && CURVES_DEFAULT="--preset tiny --steps 6 --seq-len 128 --fp8-recipe both"
 step curves "${CURVES_LIMIT:-300}" "$PY" experiments/fp8_curves.py --out-dir "$RES" "${CPU_FLAG[@]}" \
   ${CURVES_ARGS:-$CURVES_DEFAULT}
 # PROFILE_ARGS: one argument set, or several separated by "|" (one profile each, each under its own limit)
