@@ -46,7 +46,8 @@ def test_the_handlers_come_back_after_setup():
 
 def test_train_stopped_in_setup_says_so(tmp_path):
     """The CLI: a SIGTERM after the device line (inside the guard), while the run is still being set up."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # unbuffered: the device line reaches the pipe when printed (block-buffered, it would come at exit)
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONUNBUFFERED": "1"}
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "ulysses_jax", "train", "--preset", "tiny", "--seq-len", "256",
                              "--steps", "2", "--no-progress", "--run-dir", str(run)],
