@@ -214,8 +214,7 @@ def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str, save=lambd
         result = measure(spec, left) if left >= 10 else {"error": "not run: --deadline reached"}
         (mines if who == "ours" else theirs)[what] = result
         print(json.dumps({"row": row.name, who: what, **result}), flush=True)
-        save(_lines(row, mines, theirs, peers, gpu, commit))
-    out = _lines(row, mines, theirs, peers, gpu, commit)
+        save(out := _lines(row, mines, theirs, peers, gpu, commit))
     for line in out:
         print(json.dumps(line), flush=True)
     return out

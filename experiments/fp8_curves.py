@@ -57,6 +57,11 @@ def runs_of(args) -> dict[str, list[str]]:
     return {"baseline": [], **{f"--fp8 ({r})": ["--fp8", "--fp8-recipe", r] for r in recipes}}
 
 
+def folder(name: str) -> str:
+    """A run's directory (and metrics file) name: ``baseline``, ``fp8_current``, ``fp8_delayed``."""
+    return name.replace("--fp8 (", "fp8_").rstrip(")")
+
+
 def train(args, name: str, run_dir: pathlib.Path) -> dict:
     """Run one `ulysses-jax train`; ``{"losses": {step: loss}, "step_s": [...], "device": str}``."""
     cmd = [sys.executable, "-m", "ulysses_jax", "train", "--preset", args.preset, "--steps", str(args.steps),
@@ -73,8 +78,7 @@ def train(args, name: str, run_dir: pathlib.Path) -> dict:
     # the run's metrics into the results at once (a limit that stops the second run keeps the first's curve); its
     # last checkpoint (15 GB for llama3.2-1b with its optimizer) removed when the runs live in a temporary folder
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    short = name.replace("--fp8 (", "fp8_").rstrip(")")
-    shutil.copy(run_dir / "metrics.jsonl", args.out_dir / f"fp8_curves_{args.preset}_{short}.metrics.jsonl")
+    shutil.copy(run_dir / "metrics.jsonl", args.out_dir / f"fp8_curves_{args.preset}_{run_dir.name}.metrics.jsonl")
     if args.work_dir is None:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -115,7 +119,7 @@ def plot(path: pathlib.Path, steps, curves: dict, k: int, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     work = args.work_dir or pathlib.Path(tempfile.mkdtemp(prefix="fp8-curves-"))
-    runs = {name: train(args, name, work / name.replace("--fp8 (", "fp8_").rstrip(")")) for name in runs_of(args)}
+    runs = {name: train(args, name, work / folder(name)) for name in runs_of(args)}
     device = runs["baseline"]["device"]
     if device == "cpu" and not args.allow_cpu:
         print("fp8_curves: the runs went to CPU devices (no GPU); pass --allow-cpu for a dry run", file=sys.stderr)

@@ -81,6 +81,11 @@ def _keep_until(path: pathlib.Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _chart(key: str) -> str:
+    """A record's key as TensorBoard's and W&B's chart: ``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``."""
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
 class MetricsLogger:
     """``first_step``: the step the run continues from (0 for a new run): records after it are dropped."""
 
@@ -119,8 +124,7 @@ class MetricsLogger:
         self._file.flush()
         self._scalars(record)
         if self._wandb is not None:
-            self._wandb.log({(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
-                             for k, v in record.items() if k != "step" and v is not None}, step=step)
+            self._wandb.log({_chart(k): v for k, v in record.items() if k != "step" and v is not None}, step=step)
         if self._bar is not None:
             shown = {"loss": f"{record['loss']:.4f}"}
             if record.get("tokens_per_s"):
@@ -150,8 +154,7 @@ class MetricsLogger:
     def _scalars(self, record: dict) -> None:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                name = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-                self._tb.add_scalar(name, value, record["step"])
+                self._tb.add_scalar(_chart(key), value, record["step"])
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""

@@ -73,13 +73,13 @@ class Optimizer(NamedTuple):
         return cls(tx.init, tx.update, clip_norm, adamw, offload, tx)
 
 
-@jax.named_scope("optimizer")  # a profile's category (experiments/profile_step.py)
 def norm_f32(grads) -> jax.Array:
     """The gradients' global L2 norm in float32 (``optax.tree.norm`` adds each leaf's sum in the leaves' dtype: for
     bfloat16 gradients the logged norm kept three significant digits); the casts fuse into the reductions."""
     return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
 
 
+@jax.named_scope("optimizer")  # a profile's category (experiments/profile_step.py)
 def apply(tx: optax.GradientTransformation, grads, opt_state, params):
     """One on-device optimizer update: ``(new params, new optimizer state)``."""
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -162,8 +162,8 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     else:
         grads = jax.tree.map(prep, grads)
         prep = lambda g: g  # noqa: E731  (done)
-        grad_norm = norm_f32(grads)
-        seen_norm = optax.tree.norm(jax.tree.map(seen, grads)) if clip_norm else None
+        grad_norm = norm_f32(grads)  # the master weights' optimizer sees float32 gradients: the same norm
+        seen_norm = (grad_norm if master else optax.tree.norm(grads)) if clip_norm else None
     if clip_norm:  # optax.clip_by_global_norm: its norm over the whole model once, its scaling per part
         trigger = jnp.squeeze(seen_norm < clip_norm)
 
