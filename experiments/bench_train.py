@@ -57,6 +57,7 @@ def parse_args(argv=None):
                    help="hybrids: the delta rule's chunk products (train's --delta-precision)")
     p.add_argument("--delta-impl", default="xla", choices=("xla", "pallas"),
                    help="hybrids: the delta rule's walk over chunks (train's --delta-impl)")
+    p.add_argument("--scan-unroll", action="store_true", help="the layer loop unrolled (train's --scan-unroll)")
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--mlp-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=5)
@@ -109,7 +110,8 @@ def build(args, seq_len: int):
                                   attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
                                   delta_precision=getattr(args, "delta_precision", "highest"),
                                   delta_impl=getattr(args, "delta_impl", "xla"),
-                                  attn_max_documents=getattr(args, "attn_max_documents", 0))
+                                  attn_max_documents=getattr(args, "attn_max_documents", 0),
+                                  scan_unroll=getattr(args, "scan_unroll", False))
     if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
         cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:
@@ -162,6 +164,7 @@ def header(args) -> dict:
                             f"{' + attn-keep' if args.attn_keep else ''}{lora}, {args.documents} document(s) "
                             f"per row (MFU: causal attention per document), "
                             f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}"
+                            f"{', layer loop unrolled' if getattr(args, 'scan_unroll', False) else ''}"
                             f"{'' if args.fp8 == 'off' else f', --fp8 {args.fp8} (recipe {args.fp8_recipe})'}")
 
 

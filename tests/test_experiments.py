@@ -307,3 +307,46 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
 
     bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
     np.testing.assert_array_equal(out, bf(bf(x["v"]) * bf(beta)[..., None]))
+
+
+FILL_HLO = """HloModule fills
+
+%body (t: (s32[], f32[4,8,16])) -> (s32[], f32[4,8,16]) {
+  %t = (s32[], f32[4,8,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %buf = f32[4,8,16]{2,1,0} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %dynamic_update_slice_fusion.3 = f32[4,8,16]{2,1,0} fusion(%buf, %i), kind=kLoop, calls=%fused_dus
+  ROOT %out = (s32[], f32[4,8,16]{2,1,0}) tuple(%next, %dynamic_update_slice_fusion.3)
+}
+
+%cond (t: (s32[], f32[4,8,16])) -> pred[] {
+  %t = (s32[], f32[4,8,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p: f32[8,16]) -> f32[4,8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %loop_broadcast_fusion.7 = f32[4,8,16]{2,1,0} fusion(), kind=kLoop, calls=%fused_zeros
+  %copy.2 = f32[8,16]{0,1} copy(%p)
+  %init = (s32[], f32[4,8,16]{2,1,0}) tuple(%zero, %loop_broadcast_fusion.7)
+  %w = (s32[], f32[4,8,16]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %res = f32[4,8,16]{2,1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_fills_counts_per_step():
+    """A loop of 4 trips writing a slice into a zero-filled stacked buffer, and one copy: 1 fill of 2 KiB, 4 slice
+    updates (the loop's trip count multiplied in), 1 copy of 512 B."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import hlo_fills
+
+    got = hlo_fills.fills(FILL_HLO)
+    assert got["zero fills"] == (1, 4 * 8 * 16 * 4 / 2**30)
+    assert got["slice updates"][0] == 4
+    assert got["copies"] == (1, 8 * 16 * 4 / 2**30)

@@ -149,6 +149,9 @@ class ModelConfig:
     # one group's worth), instead of holding them on the device while it runs the group's layers backward
     remat_nested: bool = False
     offload_params: bool = False  # stacked layers' parameters (and gradients) in pinned host memory, one on device
+    # the layer loop unrolled (transformer.py): no stacked buffers of the layers' saved values filled and sliced by
+    # the loop, more live memory (a speed tool: same values; not with offload_params)
+    scan_unroll: bool = False
     # Per-layer attention (model/layer_kinds.py): ``layer_pattern`` repeats over the layers ("global" / "local"); an
     # empty pattern is all "local" with a sliding_window, else all "global". Local layers see sliding_window tokens.
     sliding_window: int = 0  # tokens a local layer's query sees (itself included); 0: no local layers
@@ -241,7 +244,7 @@ class ModelConfig:
                              f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
         if not isinstance(self.attn_recompute, bool):
             raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
-        for field in ("attn_keep", "fp8"):
+        for field in ("attn_keep", "fp8", "scan_unroll"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} ({getattr(self, field)!r}) must be True or False")
         if self.attn_keep and (self.remat == "none" or self.attn_chunk):
@@ -286,6 +289,10 @@ class ModelConfig:
             raise ValueError(f"offload_params (--offload-params) streams each layer's parameters from host memory "
                              f"through the layer scan, but this model's {what} are stacked over their own layers and "
                              f"read by row, which it cannot stream yet; train this model without --offload-params")
+        if self.scan_unroll and self.offload_params:
+            raise ValueError("scan_unroll (--scan-unroll) unrolls the layer loop, which offload_params "
+                             "(--offload-params) needs to stream one layer's parameters in at a time; drop one of "
+                             "the two")
         fp8.check(self)
 
     @property

@@ -95,6 +95,9 @@ class TrainConfig:
     offload_params: bool = False
     """the stacked layers' parameters and gradients in pinned host memory, one layer on the device at a time (needs
     --optim.offload)"""
+    scan_unroll: bool = False
+    """the layer loop unrolled: no stacked buffers of what the layers save for the backward, zero-filled and sliced
+    each step; more device memory, same values (a speed tool: `plan` shows the memory; not with --offload-params)"""
     lora_rank: int | None = None
     """LoRA: train adapters of this rank (e.g. 16) on --lora-targets, the rest of the model frozen in --param-dtype
     (bfloat16 unless given), with no gradient and no optimizer state; None: every parameter trains"""
@@ -201,7 +204,8 @@ def compute_settings(cfg: TrainConfig) -> dict:
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
                 delta_precision=cfg.delta_precision, delta_impl=cfg.delta_impl,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
-                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, moe_impl=cfg.moe_impl, fp8=cfg.fp8,
+                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, scan_unroll=cfg.scan_unroll,
+                moe_impl=cfg.moe_impl, fp8=cfg.fp8,
                 fp8_recipe=cfg.fp8_recipe)
 
 
