@@ -14,8 +14,10 @@ arithmetic, by opcode or by the name XLA gives the fusion:
   such a buffer; in place on a GPU, so the bytes moved are the slice's, not the buffer's: only counted;
 * ``copies``: ``copy`` and fusions named ``*copy*`` or ``*transpose*`` (a buffer laid out again).
 
-Bytes are each result's size times its runs. No time is claimed: this reads the program; a GPU's profile
-(``profile_step.py``) says what the fills cost.
+Beside them, ``all kernels``: every instruction that runs as a kernel or a copy (not parameters, constants, tuples,
+bitcasts or the loops and calls that hold other instructions), so that what a change adds elsewhere shows too. Bytes
+are each result's size times its runs (a slice update's result is its whole buffer: left out of the total). No time is
+claimed: this reads the program; a GPU's profile (``profile_step.py``) says what the fills cost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import collections
 
 from ulysses_jax.plan import hlo
 
-KINDS = ("zero fills", "slice updates", "copies")
+KINDS = ("zero fills", "slice updates", "copies", "all kernels")
+NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+             "after-all", "partition-id", "replica-id", "opt-barrier"}
 
 
 def kind(ins) -> str | None:
@@ -44,10 +48,12 @@ def fills(text: str) -> dict[str, tuple[float, float]]:
     """``{kind: (runs per step, GiB written per step)}`` of a compiled step's HLO text."""
     runs, written = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
-        k = kind(ins)
-        if k is not None:
-            runs[k] += times
-            written[k] += times * hlo.array_bytes(ins.type) / 2**30
+        if ins.opcode in NO_KERNEL:
+            continue
+        k, gib = kind(ins), times * hlo.array_bytes(ins.type) / 2**30
+        for key in (k, "all kernels") if k is not None else ("all kernels",):
+            runs[key] += times
+            written[key] += 0 if k == "slice updates" else gib
     return {k: (runs[k], written[k]) for k in KINDS}
 
 

@@ -342,11 +342,13 @@ ENTRY %main (p: f32[8,16]) -> f32[4,8,16] {
 
 def test_hlo_fills_counts_per_step():
     """A loop of 4 trips writing a slice into a zero-filled stacked buffer, and one copy: 1 fill of 2 KiB, 4 slice
-    updates (the loop's trip count multiplied in), 1 copy of 512 B."""
+    updates (the loop's trip count multiplied in; their whole-buffer results not counted as written), 1 copy of 512 B;
+    all kernels: those, and the loop's counter add and compare 4 times each (4 B and 1 B)."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import hlo_fills
 
     got = hlo_fills.fills(FILL_HLO)
     assert got["zero fills"] == (1, 4 * 8 * 16 * 4 / 2**30)
-    assert got["slice updates"][0] == 4
+    assert got["slice updates"] == (4, 0)
     assert got["copies"] == (1, 8 * 16 * 4 / 2**30)
+    assert got["all kernels"] == (1 + 1 + 4 + 4 + 4, (2048 + 512 + 4 * 4 + 4 * 1) / 2**30)
