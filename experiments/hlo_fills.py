@@ -6,24 +6,25 @@
 
 Reads the optimised HLO that ``plan --hlo-out`` writes and counts, for each program, the instructions that run per
 step (``plan.hlo.executed``: loop bodies times their trip counts) whose work is a fill or a move rather than
-arithmetic, by opcode or by the name XLA gives the fusion:
+arithmetic, by what they compute (a fusion by the root of its fused computation, a tuple's elements each):
 
-* ``zero fills``: broadcasts of a constant (fusions XLA names ``*broadcast*``, broadcasts outside fusions), e.g. the
-  stacked buffers a layer loop writes what each layer saves into;
-* ``slice updates``: ``dynamic-update-slice`` (and fusions named for it), e.g. a layer's saved values written into
-  such a buffer; in place on a GPU, so the bytes moved are the slice's, not the buffer's: only counted;
-* ``copies``: ``copy`` and fusions named ``*copy*`` or ``*transpose*`` (a buffer laid out again).
+* ``zero fills``: broadcasts of a constant (copied or not), e.g. the stacked buffers a layer loop writes what each
+  layer saves into;
+* ``slice updates``: ``dynamic-update-slice``, e.g. a layer's saved values written into such a buffer (in place: the
+  bytes written are the update's, not the buffer's);
+* ``copies``: ``copy`` and ``transpose`` (a buffer laid out again).
 
 Beside them, ``all kernels``: every instruction that runs as a kernel or a copy (not parameters, constants, tuples,
 bitcasts or the loops and calls that hold other instructions), so that what a change adds elsewhere shows too. Bytes
-are each result's size times its runs (a slice update's result is its whole buffer: left out of the total). No time is
-claimed: this reads the program; a GPU's profile (``profile_step.py``) says what the fills cost.
+are what each writes (its result; a slice update's update) times its runs. No time is claimed: this reads the
+program; a GPU's profile (``profile_step.py``) says what the fills cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 
 from ulysses_jax.plan import hlo
 
@@ -32,29 +33,53 @@ NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "
              "after-all", "partition-id", "replica-id", "opt-barrier"}
 
 
-def kind(ins) -> str | None:
-    """The kind of fill or move ``ins`` is (``KINDS``), or None."""
-    name = ins.name.split(".")[0]
-    if ins.opcode == "dynamic-update-slice" or (ins.opcode == "fusion" and "dynamic_update_slice" in name):
+def _roots(ins, by_name: dict) -> list:
+    """What ``ins`` computes: a fusion's fused root (a tuple's elements), else ``ins`` itself."""
+    if ins.opcode != "fusion" or (m := re.search(r"calls=%([\w.\-]+)", ins.attrs)) is None:
+        return [ins]
+    root = by_name[m.group(1)][-1]  # HLO text ends a computation with its ROOT
+    return [by_name["%" + o] for o in root.operands] if root.opcode == "tuple" else [root]
+
+
+def kind(root, by_name: dict) -> str | None:
+    """The kind of fill or move a root computes (``KINDS``), or None."""
+    if root.opcode == "dynamic-update-slice":
         return "slice updates"
-    if ins.opcode == "broadcast" or (ins.opcode == "fusion" and "broadcast" in name):
+    source = root
+    while source.opcode in ("copy", "bitcast", "transpose"):  # a fill laid out again is still a fill
+        source = by_name["%" + source.operands[0]]
+    if source.opcode == "broadcast" and all(by_name["%" + o].opcode == "constant" for o in source.operands):
         return "zero fills"
-    if ins.opcode == "copy" or (ins.opcode == "fusion" and ("copy" in name or "transpose" in name)):
+    if root.opcode in ("copy", "transpose"):
         return "copies"
     return None
 
 
+def written(root, by_name: dict) -> int:
+    """Bytes a root writes: its result, or a slice update's update."""
+    if root.opcode == "dynamic-update-slice":
+        return hlo.array_bytes(by_name["%" + root.operands[1]].type)
+    return hlo.array_bytes(root.type)
+
+
 def fills(text: str) -> dict[str, tuple[float, float]]:
     """``{kind: (runs per step, GiB written per step)}`` of a compiled step's HLO text."""
-    runs, written = collections.Counter(), collections.Counter()
+    comps, _ = hlo.parse(text)
+    by_name = {**comps, **{"%" + i.name: i for instrs in comps.values() for i in instrs}}
+    runs, gib = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
         if ins.opcode in NO_KERNEL:
             continue
-        k, gib = kind(ins), times * hlo.array_bytes(ins.type) / 2**30
-        for key in (k, "all kernels") if k is not None else ("all kernels",):
-            runs[key] += times
-            written[key] += 0 if k == "slice updates" else gib
-    return {k: (runs[k], written[k]) for k in KINDS}
+        roots = _roots(ins, by_name)
+        runs["all kernels"] += times
+        for root in roots:
+            size = times * written(root, by_name) / 2**30
+            gib["all kernels"] += size
+            if (k := kind(root, by_name)) is not None:
+                gib[k] += size
+        for k in {kind(r, by_name) for r in roots} - {None}:
+            runs[k] += times
+    return {k: (runs[k], gib[k]) for k in KINDS}
 
 
 def main(argv=None) -> int:
@@ -66,8 +91,7 @@ def main(argv=None) -> int:
     for path in args.hlo:
         with open(path) as f:
             counts = fills(f.read())
-        cells = " | ".join(f"{runs:,.0f}, {'in place' if k == 'slice updates' else f'{gib:.2f}'}"
-                           for k, (runs, gib) in counts.items())
+        cells = " | ".join(f"{runs:,.0f}, {gib:.2f}" for runs, gib in counts.values())
         print(f"| {path} | {cells} |")
     return 0
 

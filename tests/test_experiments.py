@@ -311,44 +311,73 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
 
 FILL_HLO = """HloModule fills
 
-%body (t: (s32[], f32[4,8,16])) -> (s32[], f32[4,8,16]) {
-  %t = (s32[], f32[4,8,16]{2,1,0}) parameter(0)
-  %i = s32[] get-tuple-element(%t), index=0
-  %buf = f32[4,8,16]{2,1,0} get-tuple-element(%t), index=1
-  %one = s32[] constant(1)
-  %next = s32[] add(%i, %one)
-  %dynamic_update_slice_fusion.3 = f32[4,8,16]{2,1,0} fusion(%buf, %i), kind=kLoop, calls=%fused_dus
-  ROOT %out = (s32[], f32[4,8,16]{2,1,0}) tuple(%next, %dynamic_update_slice_fusion.3)
+%fused_zeros () -> (f32[4,8,16], f32[4,8,16]) {
+  %z = f32[] constant(0)
+  %b = f32[4,8,16]{2,1,0} broadcast(%z), dimensions={}
+  %c = f32[4,8,16]{1,2,0} copy(%b)
+  ROOT %t = (f32[4,8,16]{2,1,0}, f32[4,8,16]{1,2,0}) tuple(%b, %c)
 }
 
-%cond (t: (s32[], f32[4,8,16])) -> pred[] {
-  %t = (s32[], f32[4,8,16]{2,1,0}) parameter(0)
+%fused_scaled (param_0.1: f32[8,16], param_1.1: f32[]) -> f32[8,16] {
+  %param_0.1 = f32[8,16]{1,0} parameter(0)
+  %param_1.1 = f32[] parameter(1)
+  %s = f32[8,16]{1,0} broadcast(%param_1.1), dimensions={}
+  ROOT %m = f32[8,16]{1,0} multiply(%param_0.1, %s)
+}
+
+%fused_dus (param_0.2: f32[4,8,16], param_1.2: f32[8,16], param_2.2: s32[]) -> f32[4,8,16] {
+  %param_0.2 = f32[4,8,16]{2,1,0} parameter(0)
+  %param_1.2 = f32[8,16]{1,0} parameter(1)
+  %param_2.2 = s32[] parameter(2)
+  %u = f32[1,8,16]{2,1,0} bitcast(%param_1.2)
+  %zero = s32[] constant(0)
+  ROOT %d = f32[4,8,16]{2,1,0} dynamic-update-slice(%param_0.2, %u, %param_2.2, %zero, %zero)
+}
+
+%body (t: (s32[], f32[4,8,16], f32[8,16])) -> (s32[], f32[4,8,16], f32[8,16]) {
+  %t = (s32[], f32[4,8,16]{2,1,0}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %buf = f32[4,8,16]{2,1,0} get-tuple-element(%t), index=1
+  %x = f32[8,16]{1,0} get-tuple-element(%t), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %dynamic_update_slice_fusion.3 = f32[4,8,16]{2,1,0} fusion(%buf, %x, %i), kind=kLoop, calls=%fused_dus
+  ROOT %out = (s32[], f32[4,8,16]{2,1,0}, f32[8,16]{1,0}) tuple(%next, %dynamic_update_slice_fusion.3, %x)
+}
+
+%cond (t: (s32[], f32[4,8,16], f32[8,16])) -> pred[] {
+  %t = (s32[], f32[4,8,16]{2,1,0}, f32[8,16]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
   %n = s32[] constant(4)
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
 
-ENTRY %main (p: f32[8,16]) -> f32[4,8,16] {
+ENTRY %main (p: f32[8,16], k: f32[]) -> f32[4,8,16] {
   %p = f32[8,16]{1,0} parameter(0)
+  %k = f32[] parameter(1)
   %zero = s32[] constant(0)
-  %loop_broadcast_fusion.7 = f32[4,8,16]{2,1,0} fusion(), kind=kLoop, calls=%fused_zeros
+  %loop_broadcast_fusion.7 = (f32[4,8,16]{2,1,0}, f32[4,8,16]{1,2,0}) fusion(), kind=kLoop, calls=%fused_zeros
+  %fill = f32[4,8,16]{2,1,0} get-tuple-element(%loop_broadcast_fusion.7), index=0
+  %loop_broadcast_multiply_fusion = f32[8,16]{1,0} fusion(%p, %k), kind=kLoop, calls=%fused_scaled
   %copy.2 = f32[8,16]{0,1} copy(%p)
-  %init = (s32[], f32[4,8,16]{2,1,0}) tuple(%zero, %loop_broadcast_fusion.7)
-  %w = (s32[], f32[4,8,16]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %init = (s32[], f32[4,8,16]{2,1,0}, f32[8,16]{1,0}) tuple(%zero, %fill, %loop_broadcast_multiply_fusion)
+  %w = (s32[], f32[4,8,16]{2,1,0}, f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
   ROOT %res = f32[4,8,16]{2,1,0} get-tuple-element(%w), index=1
 }
 """
 
 
 def test_hlo_fills_counts_per_step():
-    """A loop of 4 trips writing a slice into a zero-filled stacked buffer, and one copy: 1 fill of 2 KiB, 4 slice
-    updates (the loop's trip count multiplied in; their whole-buffer results not counted as written), 1 copy of 512 B;
-    all kernels: those, and the loop's counter add and compare 4 times each (4 B and 1 B)."""
+    """A loop of 4 trips writing a 512 B slice into a zero-filled stacked buffer; the fill (2 KiB, with a copy of it in
+    another layout: a fill still) once, a scaling (a broadcast of a parameter inside: arithmetic, not a fill) and a copy
+    of 512 B once: 1 fill run of 4 KiB, 4 slice updates of 512 B each (the trip count multiplied in; the update's
+    bytes, not the buffer's), 1 copy; all kernels: those, and the loop's counter add and compare (4 B, 1 B) 4 times."""
     sys.path.insert(0, str(ROOT / "experiments"))
     import hlo_fills
 
     got = hlo_fills.fills(FILL_HLO)
-    assert got["zero fills"] == (1, 4 * 8 * 16 * 4 / 2**30)
-    assert got["slice updates"] == (4, 0)
-    assert got["copies"] == (1, 8 * 16 * 4 / 2**30)
-    assert got["all kernels"] == (1 + 1 + 4 + 4 + 4, (2048 + 512 + 4 * 4 + 4 * 1) / 2**30)
+    gib = 1 / 2**30
+    assert got["zero fills"] == (1, 2 * 2048 * gib)
+    assert got["slice updates"] == (4, 4 * 512 * gib)
+    assert got["copies"] == (1, 512 * gib)
+    assert got["all kernels"] == (1 + 1 + 1 + 4 + 4 + 4, (2 * 2048 + 512 + 512 + 4 * 512 + 4 * 4 + 4 * 1) * gib)
