@@ -38,8 +38,10 @@ full-size gradients at a time (an unrolled loop lets it gather every layer's wei
 reduction at the end). ``scan_unroll`` unrolls it all the same (a speed tool for one GPU): the scan writes what each
 layer saves for the backward into buffers stacked over the layers, which XLA fills with zeros first and copies slices
 in and out of (llama3.2-1b at 32K on one compile-only H200: 30.3 GiB of zero fills and 296 slice updates a step;
-unrolled 1.6 GiB and 8, for 1.7 GiB more live memory); remat then guards its recomputation against XLA's
-common-subexpression elimination (``prevent_cse``), which the scan makes needless. Memory tools (``ModelConfig``):
+unrolled 1.6 GiB and 8, for 1.7 GiB more live memory), and copies each layer's frozen weights out of their stacks
+before its GEMMs read them (LoRA's base: 1,576 copies a step for llama3.1-8b at 8K with fp8, 70 unrolled); remat then
+guards its recomputation against XLA's common-subexpression elimination (``prevent_cse``), which the scan makes
+needless. Memory tools (``ModelConfig``):
 ``remat`` wraps the scanned layer in ``jax.checkpoint`` with a policy (each layer's input pinned row-major,
 ``row_major``, so that XLA keeps one copy of the saved inputs);
 ``remat_every=k`` checkpoints groups of ``k`` layers instead, keeping one input per group (``L/k + k`` saved inputs
