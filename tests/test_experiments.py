@@ -69,6 +69,39 @@ def test_gpu_first_contact_dry_run(tmp_path):
     assert (tmp_path / "results.tgz").stat().st_size > 0
 
 
+def test_next_calls_returns_what_a_killed_part_measured(tmp_path):
+    """experiments/gpu/next_calls.sh packs the running part's results every PACK_EVERY seconds, so a call killed by the
+    device's time limit (SIGKILL: no trap runs) still returns what it measured; the packer ends with the script. Run
+    against a stand-in first_contact.sh that writes a line a second and never ends."""
+    import shutil
+    import signal
+    import tarfile
+    import time
+
+    gpu = tmp_path / "repo" / "experiments" / "gpu"
+    gpu.mkdir(parents=True)
+    shutil.copy(ROOT / "experiments" / "gpu" / "next_calls.sh", gpu)
+    (gpu / "first_contact.sh").write_text('mkdir -p "$OUT/results"; i=0\n'
+                                          'while true; do i=$((i+1)); echo "row $i" >> "$OUT/results/rows.csv"; '
+                                          'sleep 1; done\n')
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OUT": str(out), "WORK": str(work), "PACK_EVERY": "1", "ULYSSES_JAX_COMMIT": "test"}
+    proc = subprocess.Popen(["bash", str(gpu / "next_calls.sh"), "A"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(5)
+    proc.send_signal(signal.SIGKILL)  # the script alone, as a time limit kills the call's shell
+    proc.wait()
+    time.sleep(2)  # a packer that outlived the script would rewrite the archive here
+    with tarfile.open(out / "a_1b_32k.tgz") as tar:
+        rows = tar.extractfile("results/rows.csv").read().decode().splitlines()
+    assert len(rows) >= 2, rows
+    before = (out / "a_1b_32k.tgz").stat().st_mtime
+    time.sleep(2)
+    assert (out / "a_1b_32k.tgz").stat().st_mtime == before  # the packer ended with the script
+    assert not list(out.glob("*.part"))
+    os.killpg(proc.pid, signal.SIGKILL)  # the stand-in part, orphaned by the kill
+
+
 @pytest.mark.slow
 def test_bench_peers_dry_run(tmp_path):
     """experiments/bench_peers.py --allow-cpu --quick: ours and transformers (+peft) time the same tiny shapes in

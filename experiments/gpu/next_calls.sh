@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The rows issues 38-40 still lack, as device calls of five to six minutes each, in the order to run them (a
-# session lends 15 minutes in all, machine starts and pip installs included: A and B fill one session, C-F the next).
+# The rows issues 38-40 still lack, as device calls of five to seven minutes each, in the order to run them (a
+# session lends 15 minutes in all, the machine's start, a minute or more, and pip installs included: A and most of B
+# fit one session; give B's call the time left as its timeout_s, and its running part returns what it measured).
 # Each part is one first_contact.sh invocation with its own time limits (their sum is in each call's comment), so a
 # part that overruns costs its own rows only; it works outside $OUT and leaves $OUT/<part>.tgz alone there (a call
 # returns at most 8 files).
@@ -42,12 +43,22 @@ ONE="--attn-max-documents 1"  # one document a row: cuDNN's causal mask alone (t
 SAVE1="SAVE $ONE"
 KEEP1="KEEP $ONE"
 
+pack() {  # pack NAME: $W/NAME's results as $O/NAME.tgz, replaced whole (a half-written archive never stands there)
+  tar czf "$O/$1.tgz.part" -C "$W/$1" results 2>/dev/null && mv -f "$O/$1.tgz.part" "$O/$1.tgz"
+}
+
 part() {  # part NAME VAR=VALUE...: one first_contact.sh invocation into $W/NAME, packed as $O/NAME.tgz
   local name=$1
   shift
+  mkdir -p "$O" "$W/$name"
+  # packed every PACK_EVERY seconds while it runs too: a call cut by the device's time limit (killed, no trap runs)
+  # still returns what its running part had measured up to then (bench_peers.py saves after each measurement)
+  ( while sleep "${PACK_EVERY:-20}"; do kill -0 $$ 2>/dev/null || exit 0; pack "$name"; done ) &  # ends with us
+  local packer=$!
   env OUT="$W/$name" "$@" bash experiments/gpu/first_contact.sh $DRY
-  mkdir -p "$O"
-  tar czf "$O/$name.tgz" -C "$W/$name" results 2>/dev/null
+  kill "$packer" 2>/dev/null
+  wait "$packer" 2>/dev/null
+  pack "$name"
 }
 
 case $CALL in
