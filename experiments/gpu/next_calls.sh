@@ -21,7 +21,7 @@
 #    float8 beside Liger: issue 40's 32K goal).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
-# D (limits 350 s): llama3.2-1b at 8K beside both peers and at 128K beside Liger.
+# D (limits 380 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger.
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
@@ -88,8 +88,8 @@ or memory_flags"
     part c_delta STEPS="delta" DELTA_ARGS="--seq-lens 32768 --iters 3 --warmup 1" DELTA_LIMIT=90
     ;;
   D)
-    part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8" PEER_ARGS="$S" \
-      PEERS_LIMIT=200
+    part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8|$KEEP1 --scan-unroll" \
+      PEER_ARGS="$S" PEERS_LIMIT=230
     part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1" PEER_ARGS="$S --peers transformers+liger" \
       PEERS_LIMIT=150
     ;;
