@@ -33,7 +33,6 @@ import tempfile
 from results_io import git_head  # beside this script
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")

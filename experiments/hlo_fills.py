@@ -33,52 +33,49 @@ NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "
              "after-all", "partition-id", "replica-id", "opt-barrier"}
 
 
-def _roots(ins, by_name: dict) -> list:
+def _roots(ins, comps: dict, instrs: dict) -> list:
     """What ``ins`` computes: a fusion's fused root (a tuple's elements), else ``ins`` itself."""
     if ins.opcode != "fusion" or (m := re.search(r"calls=%([\w.\-]+)", ins.attrs)) is None:
         return [ins]
-    root = by_name[m.group(1)][-1]  # HLO text ends a computation with its ROOT
-    return [by_name["%" + o] for o in root.operands] if root.opcode == "tuple" else [root]
+    root = comps[m.group(1)][-1]  # HLO text ends a computation with its ROOT
+    return [instrs[o] for o in root.operands] if root.opcode == "tuple" else [root]
 
 
-def kind(root, by_name: dict) -> str | None:
+def kind(root, instrs: dict) -> str | None:
     """The kind of fill or move a root computes (``KINDS``), or None."""
     if root.opcode == "dynamic-update-slice":
         return "slice updates"
     source = root
     while source.opcode in ("copy", "bitcast", "transpose"):  # a fill laid out again is still a fill
-        source = by_name["%" + source.operands[0]]
-    if source.opcode == "broadcast" and all(by_name["%" + o].opcode == "constant" for o in source.operands):
+        source = instrs[source.operands[0]]
+    if source.opcode == "broadcast" and all(instrs[o].opcode == "constant" for o in source.operands):
         return "zero fills"
     if root.opcode in ("copy", "transpose"):
         return "copies"
     return None
 
 
-def written(root, by_name: dict) -> int:
+def written(root, instrs: dict) -> int:
     """Bytes a root writes: its result, or a slice update's update."""
-    if root.opcode == "dynamic-update-slice":
-        return hlo.array_bytes(by_name["%" + root.operands[1]].type)
-    return hlo.array_bytes(root.type)
+    return hlo.array_bytes((instrs[root.operands[1]] if root.opcode == "dynamic-update-slice" else root).type)
 
 
 def fills(text: str) -> dict[str, tuple[float, float]]:
     """``{kind: (runs per step, GiB written per step)}`` of a compiled step's HLO text."""
     comps, _ = hlo.parse(text)
-    by_name = {**comps, **{"%" + i.name: i for instrs in comps.values() for i in instrs}}
+    instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     runs, gib = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
         if ins.opcode in NO_KERNEL:
             continue
-        roots = _roots(ins, by_name)
-        runs["all kernels"] += times
-        for root in roots:
-            size = times * written(root, by_name) / 2**30
-            gib["all kernels"] += size
-            if (k := kind(root, by_name)) is not None:
-                gib[k] += size
-        for k in {kind(r, by_name) for r in roots} - {None}:
+        roots = [(root, kind(root, instrs)) for root in _roots(ins, comps, instrs)]
+        for k in {"all kernels", *(k for _, k in roots if k is not None)}:
             runs[k] += times
+        for root, k in roots:
+            size = times * written(root, instrs) / 2**30
+            gib["all kernels"] += size
+            if k is not None:
+                gib[k] += size
     return {k: (runs[k], gib[k]) for k in KINDS}
 
 

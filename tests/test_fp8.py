@@ -240,7 +240,6 @@ def test_eight_devices_equal_one(case, seed):
 LORA_ALL = LoraConfig(rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down")
 
 
-
 def test_lora_base_under_the_tiled_attention_rests_in_its_layout():
     """LoRA + --fp8 + --attn-chunk on fsdp 2 x sp 4: the frozen attention weights rest in the layout the tiled
     sublayer's shard_map takes them in, so the compiled step moves no weight between layouts each layer: as many

@@ -32,14 +32,15 @@ rm -rf "$RES" && mkdir -p "$RES"
 export PYTHONUNBUFFERED=1
 export ULYSSES_JAX_COMMIT=${ULYSSES_JAX_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 
-if [ $DRY = 0 ] && ! compgen -G ".whl/*.whl" > /dev/null; then
-  echo "first_contact: no .whl/*.whl (make gpu-wheels here, then carry .whl): liger-kernel and fla are missing" \
-    | tee "$RES/pip.log"
-fi
-if [ $DRY = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ulysses_site \
-    .whl/*.whl > "$RES/pip.log" 2>&1 || { echo "first_contact: installing .whl failed (see $RES/pip.log)"; exit 1; }
-  export PYTHONPATH=/tmp/ulysses_site
+if [ $DRY = 0 ]; then
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ulysses_site \
+      .whl/*.whl > "$RES/pip.log" 2>&1 || { echo "first_contact: installing .whl failed (see $RES/pip.log)"; exit 1; }
+    export PYTHONPATH=/tmp/ulysses_site
+  else
+    echo "first_contact: no .whl/*.whl (make gpu-wheels here, then carry .whl): liger-kernel and fla are missing" \
+      | tee "$RES/pip.log"
+  fi
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 if [ $DRY = 1 ]; then
