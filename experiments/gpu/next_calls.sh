@@ -17,8 +17,10 @@
 # A (limits 390 s): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and transformers +
 #    Liger, then ours in float8, then with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
 # B (limits 500 s): llama3.1-8b LoRA r16 at 32K (bf16 and float8 beside transformers + peft and Liger: the 32K goals
-#    of issues 38 and 40), then at 8K (the float8 before/after; bf16 and float8 beside Liger, then each with the layer
-#    loop unrolled: --scan-unroll drops the copies of each layer's frozen weights).
+#    of issues 38 and 40), then at 8K (the float8 before/after; bf16 and float8 beside Liger with the matmul outputs
+#    kept, --remat save_matmuls, which LoRA could not afford before its adapters' full-width terms were recomputed,
+#    and with --remat full as measured; then float8 with the layer loop unrolled: --scan-unroll drops the copies of
+#    each layer's frozen weights).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
 # D (limits 380 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger.
@@ -76,7 +78,7 @@ case $CALL in
     part b_8b_lora_8k STEPS="baseline peers" BASELINE_LIMIT=50 \
       BASELINE_ARGS="--preset llama3.1-8b --seq-lens 8192 --lora-rank 16 --sp 1 --fsdp 1 --batch-size 1 --remat full \
 --loss-chunk 4096 --mlp-chunk 4096 --attn-keep --fp8 $ONE $S" \
-      PEER_ROWS=8b-lora-8k PEER_FLAG_SETS="$KEEP1|$KEEP1 --fp8|$KEEP1 --fp8 --scan-unroll|$KEEP1 --scan-unroll" \
+      PEER_ROWS=8b-lora-8k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$KEEP1|$KEEP1 --fp8|$SAVE1 --fp8 --scan-unroll" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=210
     ;;
   C)
