@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="auto")
     p.add_argument("--remat", default="full")
     p.add_argument("--attn-keep", action="store_true", help="keep attention's output: its forward runs once")
+    p.add_argument("--mlp-keep", action="store_true",
+                   help="keep the MLP's gate and up products too (train's --mlp-keep; with --mlp-chunk 0)")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="train LoRA adapters of this rank (alpha 2 x rank, every projection), the base frozen in bf16")
     p.add_argument("--documents", type=int, default=1, help="documents per row (1: one whole-row document)")
@@ -107,7 +109,8 @@ def build(args, seq_len: int):
     mesh = make_mesh(fsdp=args.fsdp, sp=sp)
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
-                                  attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
+                                  attn_keep=args.attn_keep, mlp_keep=getattr(args, "mlp_keep", False),
+                                  loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
                                   delta_precision=getattr(args, "delta_precision", "highest"),
                                   delta_impl=getattr(args, "delta_impl", "xla"),
                                   attn_max_documents=getattr(args, "attn_max_documents", 0),
@@ -161,7 +164,9 @@ def header(args) -> dict:
     lora = f", LoRA rank {args.lora_rank} (MFU counts the FLOPs performed: no frozen weight's gradient)" if (
         args.lora_rank) else ""
     return run_header(model=f"{args.preset}, attention {args.attention}, remat {args.remat}"
-                            f"{' + attn-keep' if args.attn_keep else ''}{lora}, {args.documents} document(s) "
+                            f"{' + attn-keep' if args.attn_keep else ''}"
+                            f"{' + mlp-keep' if getattr(args, 'mlp_keep', False) else ''}{lora}, "
+                            f"{args.documents} document(s) "
                             f"per row (MFU: causal attention per document), "
                             f"loss_chunk {args.loss_chunk}, mlp_chunk {args.mlp_chunk}"
                             f"{', layer loop unrolled' if getattr(args, 'scan_unroll', False) else ''}"

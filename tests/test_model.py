@@ -365,6 +365,31 @@ def test_unrolled_layer_loop_same_gradients_and_no_stacked_saves(model, remat, e
             dataclasses.replace(cfg, remat="offload", remat_every=1, offload_params=True, scan_unroll=True)
 
 
+@pytest.mark.parametrize("model", ["gqa-llama3", "tiny-hybrid"])
+def test_mlp_keep_saves_the_gate_and_up_products_with_the_same_gradients(model, seed):
+    """mlp_keep (--mlp-keep) with remat full: each layer's MLP gate and up products are saved (two [L, B, S, F]
+    residuals more than --attn-keep alone), so the backward runs none of the MLP's GEMMs again; the same loss and
+    gradients as without remat (a hybrid's delta-net layers too); refused, in one line each, where it has nothing to
+    keep or another tool keeps or re-runs the products."""
+    base = VARIANTS[model]() if model in VARIANTS else ModelConfig.from_preset(model, vocab_size=V, max_seq_len=S)
+    cfg = dataclasses.replace(base, num_layers=4, remat="full", attn_keep=True)
+    wide = f"f32[{cfg.num_layers},{B},{S},{cfg.mlp_dim}]"
+    kept = dataclasses.replace(cfg, mlp_keep=True)
+    assert saved_residuals(cfg, seed).count(wide) == 0 and saved_residuals(kept, seed).count(wide) == 2
+    batch = packed_batch(seed)
+    assert_same(run_model(build(kept, "fsdp2xsp4", seed), batch),
+                run_model(build(dataclasses.replace(cfg, remat="none", attn_keep=False), "fsdp2xsp4", seed), batch))
+    for fields, why in ((dict(remat="none", attn_keep=False), "has nothing to keep without remat"),
+                        (dict(remat="save_matmuls"), "is part of remat save_matmuls"),
+                        (dict(remat="offload"), "keeps the products on the device, for remat full"),
+                        (dict(mlp_chunk=16), r"set mlp_chunk \(--mlp-chunk\) to 0"),
+                        (dict(remat_every=2), "use remat_every 1")):
+        with pytest.raises(ValueError, match=rf"^mlp_keep \(--mlp-keep\) .*{why}"):
+            dataclasses.replace(kept, **fields)
+    with pytest.raises(ValueError, match=r"^mlp_keep \(--mlp-keep\) keeps a dense MLP's products, not routed"):
+        dataclasses.replace(ModelConfig.from_preset("tiny-moe"), remat="full", mlp_keep=True)
+
+
 def saved_residuals(cfg, seed) -> list[str]:
     """Type and shape (``f32<host>[L,B,S,D]``) of each residual the loss's backward saves, on sp=2."""
     graphdef, state = nnx.split(build(cfg, "sp2", seed))

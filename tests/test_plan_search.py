@@ -150,7 +150,7 @@ def test_memory_auto_finds_the_longest_within_both_budgets_and_prunes(monkeypatc
     assert len(flags) == len(memory_choices(cfg, 4)) - 1 and "--remat full --loss-chunk 4096 --mlp-chunk 4096" in flags
     pruned = [a for a in best.alternatives if a["seq_len"] is None]
     assert pruned and all("shorter" in a["note"] for a in pruned)
-    assert compiled.count("full") == 3  # the three remat-full sets (one --attn-keep): one compile each at the best so far
+    assert compiled.count("full") == 4  # the remat-full sets (--attn-keep, --mlp-keep): one compile each at the best
     # from a --seq-len past every set's reach (the OVER plan's "Next" command keeps it): the same answer; each later
     # set is measured at the length found so far, not at --seq-len (there every set was over, and each was dropped)
     far = search.auto_memory(dataclasses.replace(cfg, seq_len=16 * 2**20), log=lambda *_: None)
@@ -238,9 +238,11 @@ def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
             assert all(local is None or local % c == 0 for c in chunks), (flags, local)
         else:
             assert tile is None and "attn-chunk" in flags and f"divides each device's {local:,} tokens" in skip
-    assert sum(skip is None for *_, skip in choices) == (7 if tile is None else 10)  # 3 of them --attn-keep
+    assert sum(skip is None for *_, skip in choices) == (8 if tile is None else 11)  # 4 of them --attn-keep
     (save,) = [c for f, c, _ in choices if "save_matmuls" in f]  # the MLP untiled: its GEMMs' outputs kept
     assert save["mlp_chunk"] == 0 and save["attn_keep"] and save.get("loss_chunk") == tile
+    (mlp,) = [c for f, c, _ in choices if "--mlp-keep" in f]  # the MLP's products kept, untiled too
+    assert mlp["mlp_chunk"] == 0 and mlp["attn_keep"] and mlp["mlp_keep"] and mlp["remat"] == "full"
     nested = [c for f, c, _ in choices if "--remat-nested" in f]  # 32 layers: groups of 4, every input offloaded
     assert len(nested) == 1 and nested[0]["remat_every"] == 4 and nested[0]["attn_recompute"]
     assert sum(c["remat_nested"] for _, c, _ in choices) == 1  # the others say they do not nest
@@ -255,8 +257,9 @@ def test_memory_auto_tiles_gemma_but_never_recomputes_its_attention():
     llama, gemma = memory_choices(cfg, 34, 4096), memory_choices(cfg, 34, 4096, post_norms=True)
     assert [f for f, *_ in gemma] == [f for f, *_ in llama if "--attn-recompute" not in f] and len(gemma) < len(llama)
     assert any("--attn-chunk" in f for f, *_ in gemma)
-    assert all("--mlp-chunk 4096" in f for f, *_ in gemma if "save_matmuls" not in f)  # that one keeps the MLP's GEMMs
-    fields = ("remat", "remat_every", "mlp_chunk", "attn_chunk", "attn_head_chunk", "attn_recompute")
+    # (two keep the MLP's products: untiled)
+    assert all("--mlp-chunk 4096" in f for f, *_ in gemma if "save_matmuls" not in f and "--mlp-keep" not in f)
+    fields = ("remat", "remat_every", "mlp_chunk", "attn_chunk", "attn_head_chunk", "attn_recompute", "mlp_keep")
     for _, changes, _ in gemma:
         ModelConfig.from_preset("gemma3-4b", **{k: v for k, v in changes.items() if k in fields and v is not None})
 
@@ -268,6 +271,11 @@ def test_memory_auto_keeps_the_users_chunks():
     assert flags == "--remat full" and "loss_chunk" not in changes and "mlp_chunk" not in changes
     (save,) = [(f, c) for f, c, _ in choices if "save_matmuls" in f]
     assert save[0] == "--remat save_matmuls --attn-keep" and "mlp_chunk" not in save[1]
+    assert [(f, skip) for f, _, skip in choices if "--mlp-keep" in f] == [("--remat full --attn-keep --mlp-keep", None)]
+    tiled = memory_choices(dataclasses.replace(cfg, mlp_chunk=1024), 4, 4096)
+    assert [skip for f, _, skip in tiled if "--mlp-keep" in f] == [
+        "--mlp-keep keeps the untiled MLP's products, and --mlp-chunk 1024 is given"]
+    assert not any("--mlp-keep" in f for f, *_ in memory_choices(cfg, 4, 4096, experts=True))
 
 
 # ------------------------------------------------------------------------------------ the estimate

@@ -29,9 +29,10 @@ def job(platform="gpu", kind=H100, sp=8, memory_fraction=0.95) -> Job:
 
 
 def step_seconds(cfg: PlanConfig) -> float:
-    """Stand-in estimates: kept matmuls fastest, then full remat, offload slowest, the tiled attention slower still."""
+    """Stand-in estimates: kept matmuls fastest, then full remat (faster with the MLP's products kept), offload
+    slowest, the tiled attention slower still."""
     return ({"save_matmuls": 1.2, "full": 1.3, "offload": 2.0}[cfg.remat] + 0.5 * bool(cfg.attn_chunk)
-            - 0.05 * cfg.attn_keep + 0.1 * ((cfg.remat_every or 1) - 1))
+            - 0.05 * cfg.attn_keep - 0.03 * cfg.mlp_keep + 0.1 * ((cfg.remat_every or 1) - 1))
 
 
 def stand_in(monkeypatch, *, device_bytes=lambda cfg: 30 * GiB, sp=8):
@@ -61,11 +62,13 @@ def no_search(*_, **__):
 
 
 def test_no_memory_flag_on_a_gpu_takes_the_fastest_set_that_fits_and_says_why(monkeypatch):
-    planned = stand_in(monkeypatch, device_bytes=lambda cfg: (90 if cfg.remat == "save_matmuls" else 30) * GiB)
+    planned = stand_in(monkeypatch, device_bytes=lambda cfg: (90 if cfg.remat == "save_matmuls" or cfg.mlp_keep
+                                                               else 30) * GiB)
     lines = []
     cfg = TrainConfig(preset="tiny", seq_len=8 * 12_000, batch_size=1)
     picked, why = decide(cfg, job(), log=lines.append, log_file=False, agree=lambda outcome: None)
-    # the kept matmuls would be fastest but take 90 GiB: over the budget; the fastest that fits keeps attention
+    # the kept matmuls (or MLP products) would be fastest but take 90 GiB: over the budget; the fastest that fits
+    # keeps attention
     assert (picked.remat, picked.attn_keep, picked.loss_chunk, picked.mlp_chunk) == ("full", True, 4000, 4000)
     assert picked.remat_every is None and picked.optim == cfg.optim and why == WHY
     assert memory_flags_given(picked) and not memory_flags_given(cfg)
@@ -74,7 +77,7 @@ def test_no_memory_flag_on_a_gpu_takes_the_fastest_set_that_fits_and_says_why(mo
     assert first.mesh.sp == 8 and first.mesh.fsdp == 1 and first.host_memory_gib == 100.0
     assert first.budget_fraction == pytest.approx(0.9) and not first.kernels
     assert len(lines) == 2 and lines[0].startswith("memory: no memory flag given (--memory auto): compiling")
-    fits = sum(c.remat != "save_matmuls" for c in planned)
+    fits = sum(c.remat != "save_matmuls" and not c.mlp_keep for c in planned)
     assert lines[1] == (
         f"memory: --remat full --attn-keep --loss-chunk 4000 --mlp-chunk 4000 (--memory auto, no memory flag given: "
         f"the shortest estimated step, 1.250 s, of the {fits} sets that fit 71.2 GiB per H100 and 100.0 GiB of host "

@@ -143,6 +143,9 @@ class ModelConfig:
     # with remat: keep each layer's attention output and log-sum-exp (on the device; with remat="offload" in pinned
     # host memory), so the backward runs attention's backward kernel only (parallel/kept.py)
     attn_keep: bool = False
+    # with remat full: keep each layer's gated-MLP gate and up products too (LoRA's terms added; model/mlp.py), so
+    # the backward runs none of the MLP's GEMMs again: two [tokens, intermediate] per layer on the device
+    mlp_keep: bool = False
     remat: str = "none"
     remat_every: int = 1  # with remat: keep the input of every k-th layer only; a group of k layers is re-run
     # with remat='offload' and remat_every > 1: a group's backward offloads its layers' inputs too (pinned host memory,
@@ -244,7 +247,7 @@ class ModelConfig:
                              f"sublayer; set attn_chunk too (tokens per chunk, e.g. 4096)")
         if not isinstance(self.attn_recompute, bool):
             raise ValueError(f"attn_recompute ({self.attn_recompute!r}) must be True or False")
-        for field in ("attn_keep", "fp8", "scan_unroll"):
+        for field in ("attn_keep", "mlp_keep", "fp8", "scan_unroll"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} ({getattr(self, field)!r}) must be True or False")
         if self.attn_keep and (self.remat == "none" or self.attn_chunk):
@@ -252,6 +255,15 @@ class ModelConfig:
                    else "is for the attention sublayer whole; the tiled one (attn_chunk, --attn-chunk) keeps its own "
                    "output unless attn_recompute: drop one of the two")
             raise ValueError(f"attn_keep (--attn-keep) {why}")
+        why = {"none": "has nothing to keep without remat: set remat (--remat) to full",
+               "save_matmuls": "is part of remat save_matmuls, which keeps every matmul's output: drop one of the two",
+               "offload": "keeps the products on the device, for remat full: use --remat full"}.get(self.remat) or (
+            "keeps the untiled MLP's products: set mlp_chunk (--mlp-chunk) to 0" if self.mlp_chunk else
+            "keeps each layer's products, which a group of layers (remat_every) re-runs whole: use remat_every 1"
+            if self.remat_every > 1 else "keeps a dense MLP's products, not routed experts'" if self.num_experts else
+            None)
+        if self.mlp_keep and why:
+            raise ValueError(f"mlp_keep (--mlp-keep) {why}")
         m = self.attn_max_documents
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"attn_max_documents ({m!r}) must be a number of documents per row (1: one document "

@@ -3,7 +3,8 @@
 ``mlp_chunk`` (``ModelConfig``) runs the sublayer (norm, MLP, residual add) over sequence chunks of each device's local
 sequence inside ``shard_map`` (so chunking never moves activations between devices), each chunk rematerialised
 (``chunked.chunk_map``). The sparse MLP (mixture of experts) is ``moe.py``. With ``fp8`` the three products run in
-float8 (``fp8.py``), LoRA's terms beside them as they are.
+float8 (``fp8.py``), LoRA's terms beside them as they are. The untiled MLP names its gate and up products
+(``MLP_GATE``, ``MLP_UP``: LoRA's terms added), which remat keeps with ``mlp_keep`` (``transformer.remat_policy``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import functools
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -21,6 +23,8 @@ from ulysses_jax.model.config import local_chunks
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, mlp_activation, norm_scale, rms_norm, use_parts
 from ulysses_jax.parallel.mesh import DATA, FSDP, SEQ
 from ulysses_jax.parallel.sharding import constrain, fsdp_axes, gather_param, param_spec
+
+MLP_GATE, MLP_UP = "mlp_gate", "mlp_up"
 
 
 def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None, lora_cfg=None, drop=None,
@@ -36,8 +40,8 @@ def swiglu(x_BSD, w_gate_DF, w_up_DF, w_down_FD, act=jax.nn.silu, adapters=None,
         return fp8.einsum("bsd,df->bsf", x, w, on=fp8_on, history=fp8.row(history, i),
                           gather=None if gathers is None else gathers[i])
 
-    h_BSF = act(mm(x_BSD, w_gate_DF, 0) + adapted(x_BSD, target="gate")) * (mm(x_BSD, w_up_DF, 1) + adapted(
-        x_BSD, target="up"))
+    gate_BSF = checkpoint_name(mm(x_BSD, w_gate_DF, 0) + adapted(x_BSD, target="gate"), MLP_GATE)
+    h_BSF = act(gate_BSF) * checkpoint_name(mm(x_BSD, w_up_DF, 1) + adapted(x_BSD, target="up"), MLP_UP)
     return mm(h_BSF, w_down_FD, 2) + adapted(h_BSF, target="down")
 
 

@@ -75,7 +75,7 @@ from ulysses_jax.model.attention import Attention
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.delta_net import DeltaNet, check_mesh
 from ulysses_jax.model.layers import ParamMaker, RMSNorm, default_positions, use, wide_dot
-from ulysses_jax.model.mlp import MLP
+from ulysses_jax.model.mlp import MLP, MLP_GATE, MLP_UP
 from ulysses_jax.model.moe import MoE, RouterStats
 from ulysses_jax.model.tiled_attention import FLOAT8, tiled_attention
 from ulysses_jax.parallel.kept import ATTN_LSE, ATTN_OUT
@@ -248,13 +248,15 @@ def layer_rows(own, index) -> list:
 # Remat policies
 
 
-def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL, keep_attention: bool = False):
+def remat_policy(name: str, mesh: Mesh, offloaded: str = RESIDUAL, keep_attention: bool = False,
+                 keep_mlp: bool = False):
     """The ``jax.checkpoint`` policy of ``ModelConfig.remat`` (``None`` = save nothing but block inputs).
     ``keep_attention`` (``ModelConfig.attn_keep``): attention's output and log-sum-exp (``parallel/kept.py``'s names)
     are saved too, and a delta-net's output with its rule's block states (``gated_delta.BLOCK_STATES``), so that
     neither token mixer's forward runs again in the backward: on the device, or offloaded to pinned host memory with
-    ``offload``."""
-    kept = [ATTN_OUT, ATTN_LSE, BLOCK_STATES] if keep_attention else []
+    ``offload``. ``keep_mlp`` (``ModelConfig.mlp_keep``, with ``full``): the MLP's gate and up products too
+    (``mlp.MLP_GATE``, ``mlp.MLP_UP``), so that the backward runs none of the MLP's GEMMs again."""
+    kept = ([ATTN_OUT, ATTN_LSE, BLOCK_STATES] if keep_attention else []) + ([MLP_GATE, MLP_UP] if keep_mlp else [])
     if name == "full":
         return jax.checkpoint_policies.save_only_these_names(*kept) if kept else None
     if name == "save_matmuls":  # keep projection / MLP matmul outputs, recompute attention and elementwise
@@ -397,7 +399,8 @@ class Transformer(nnx.Module):
         if cfg.remat != "none":
             # inside a group (every > 1) the layers' inputs stay on the device for the group's backward, or with
             # remat_nested go to pinned host memory as with every == 1 (the group's input is offloaded anyway)
-            inner = remat_policy(cfg.remat, mesh, keep_attention=cfg.attn_keep) if every == 1 or cfg.remat_nested else (
+            inner = remat_policy(cfg.remat, mesh, keep_attention=cfg.attn_keep, keep_mlp=cfg.mlp_keep) if (
+                every == 1 or cfg.remat_nested) else (
                 remat_policy("full", mesh, keep_attention=True) if cfg.attn_keep else None)
             layer = jax.checkpoint(layer, policy=inner, prevent_cse=unroll)
 

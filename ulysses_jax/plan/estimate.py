@@ -137,12 +137,14 @@ def attention_rate(kernel: str, head_dim: int, seq_len: int = 16_384, peak: floa
     return KernelRate(base.forward * f, base.backward * f, base.source), f"head_dim {head_dim}: x{f} of hd128 ({how})"
 
 
-def _recomputed_forwards(model) -> tuple[int, int]:
+def _recomputed_forwards(model) -> tuple[float, int]:
     """Forwards run again in the backward by the flags' rule, ``(of the layers' matmuls, of attention)``: what the
     estimate falls back on when the compiled program's counts (``reruns.py``) cannot tell (no HLO, attention as XLA
     ops, a ring). It undercounts nested checkpoints: ``--remat-every k > 1`` re-runs a group's forward and then each
     layer's inside it, which the program counts."""
     layers = 1 if model.remat in ("full", "offload") else 0
+    if getattr(model, "mlp_keep", False):  # the MLP's gate and up kept: its GEMMs are not run again (down's output
+        layers -= flops.mlp_matmul_params(model) / flops.layer_matmul_params(model)  # is not needed by the backward)
     if getattr(model, "attn_keep", False):  # attention's output kept: its forward is not run again
         return layers, 0
     return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
@@ -196,7 +198,7 @@ def step_estimate(p, model, kernel: str) -> dict:
     if counted is None:
         redo_mm, redo_attn = _recomputed_forwards(model)
         matmul_flops = _passes(model) * (layer_mm + head_mm) + redo_mm * layer_mm
-        rerun_note = f"{redo_mm} recomputed forward of the layers, {redo_attn} of attention (by the flags' rule)"
+        rerun_note = f"{redo_mm:g} recomputed forward of the layers, {redo_attn} of attention (by the flags' rule)"
         grouped = 0.0
     else:
         matmul_flops, redo_mm, redo_attn, rerun_note, grouped = counted

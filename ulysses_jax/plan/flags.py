@@ -17,9 +17,9 @@ from ulysses_jax.train.devices import MeshConfig
 PROGRAM_FIELDS = ("init_from_hf", "preset", "tokenizer", "steps", "seq_len", "batch_size", "grad_accum", "mesh",
                   "attention", "remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk",
                   "attn_head_chunk", "delta_head_chunk", "delta_precision", "delta_impl", "sliding_window",
-                  "attn_recompute", "attn_keep", "attn_max_documents", "param_dtype", "offload_params", "scan_unroll",
-                  "optim", "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank", "lora_alpha",
-                  "lora_targets", "lora_dropout", "fp8", "fp8_recipe")
+                  "attn_recompute", "attn_keep", "mlp_keep", "attn_max_documents", "param_dtype", "offload_params",
+                  "scan_unroll", "optim", "memory_fraction", "router_aux_loss_coef", "moe_impl", "lora_rank",
+                  "lora_alpha", "lora_targets", "lora_dropout", "fp8", "fp8_recipe")
 ALWAYS = ("preset", "seq_len", "batch_size", "mesh", "memory_fraction")  # written even when they are the defaults
 # the data settings given to plan: they do not change the program, but a command without them trains on other data
 DATA_FIELDS = ("data", "data_field", "data_format", "sft_overlong", "eval_data", "eval_fraction")

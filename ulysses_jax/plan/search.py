@@ -132,8 +132,8 @@ def tile_for(local_seq: int | None, prefer: int = TILE) -> int | None:
 
 
 def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = None, post_norms: bool = False,
-                   o_bias: bool = False, mixed_kinds: bool = False,
-                   delta: bool = False) -> list[tuple[str, dict, str | None]]:
+                   o_bias: bool = False, mixed_kinds: bool = False, delta: bool = False,
+                   experts: bool = False) -> list[tuple[str, dict, str | None]]:
     """``(train flags, PlanConfig changes, why skipped or None)`` of each set of memory tools ``--memory auto``
     tries (with ``--attn-keep``: attention's output kept, its forward run once, on the device or in host memory).
     ``local_seq``: each device's tokens when the length is fixed; the chunk sizes are chosen to divide it
@@ -141,7 +141,8 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
     ``attn_recompute``, which such a model refuses; ``o_bias`` (gpt-oss): the tiled attention sets are skipped (it
     takes no output-projection bias); ``mixed_kinds`` (local and global layers, or delta-net and attention layers):
     the kept attention is not offloaded (``ModelConfig`` refuses it); ``delta`` (delta-net layers: Qwen3.5,
-    Qwen3-Next): the tiled sets run the delta-net in groups of one value head per device too."""
+    Qwen3-Next): the tiled sets run the delta-net in groups of one value head per device too; ``experts`` (routed
+    experts): no set with ``--mlp-keep``, which keeps a dense MLP's products."""
     k = min((d for d in range(2, num_layers + 1) if num_layers % d == 0), key=lambda d: abs(d - math.sqrt(num_layers)),
             default=1)
     tile = tile_for(local_seq, cfg.attn_chunk or cfg.mlp_chunk or TILE)
@@ -166,6 +167,12 @@ def memory_choices(cfg: PlanConfig, num_layers: int, local_seq: int | None = Non
         # against 1.312 for the one above, 55 GiB against 33; experiments/results/peers_h100_20261127.csv)
         save = {**tiles, "mlp_chunk": 0} if cfg.mlp_chunk is None else dict(tiles)
         save_flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in save.items())
+        if not experts:  # between the two: the MLP's gate and up kept, its GEMMs run once (half of SAVE's keeps,
+            # for an 8B model at 32K on one H200 the one of the three that fits without XLA re-running GEMMs itself)
+            choices.append((f"--remat full --attn-keep --mlp-keep{save_flags}",
+                            dict(remat="full", remat_every=None, attn_keep=True, mlp_keep=True, **save),
+                            f"--mlp-keep keeps the untiled MLP's products, and --mlp-chunk {cfg.mlp_chunk} is given"
+                            if cfg.mlp_chunk else None))
         choices.append((f"--remat save_matmuls --attn-keep{save_flags}",
                         dict(remat="save_matmuls", remat_every=None, attn_keep=True, **save), None))
     if k > 1:
@@ -224,7 +231,8 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     _, mesh = _mesh(cfg, model, cfg.seq_len)  # resolved once, as each set's search does: the answer is planned on it
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
     choices = memory_choices(cfg, model.num_layers, post_norms=model.post_norms, o_bias=model.o_bias,
-                             mixed_kinds=model.mixed_layer_kinds, delta=bool(model.linear_layers))
+                             mixed_kinds=model.mixed_layer_kinds, delta=bool(model.linear_layers),
+                             experts=bool(model.num_experts))
     for flags, changes, skip in sorted(choices, key=lambda c: "attn-chunk" not in c[0]):  # the longest reaching first
         if skip:
             log(f"{flags}: skipped ({skip})")
@@ -267,7 +275,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
     fitting, results = [], []
     for flags, changes, skip in memory_choices(cfg, model.num_layers, local, post_norms=model.post_norms,
                                                  o_bias=model.o_bias, mixed_kinds=model.mixed_layer_kinds,
-                                                 delta=bool(model.linear_layers)):
+                                                 delta=bool(model.linear_layers), experts=bool(model.num_experts)):
         if skip is not None:
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))

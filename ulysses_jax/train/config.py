@@ -80,6 +80,9 @@ class TrainConfig:
     """with --remat: keep each layer's attention output and log-sum-exp (on the device; with --remat offload in pinned
     host memory) so the backward runs attention's backward kernel only, not its forward again; not with
     --attn-chunk or a ring"""
+    mlp_keep: bool = False
+    """with --remat full and --mlp-chunk 0: keep each layer's MLP gate and up products too, so the backward runs none
+    of the MLP's GEMMs again (two [tokens, intermediate] per layer on the device; not with mixtures of experts)"""
     attn_max_documents: int | None = None
     """cuDNN's packed attention (GPU): most documents a row may hold (a batch with more is refused before its step);
     its workspace grows with it (~8 B x M x seq x heads/device x head_dim); 1: one document from the row's start, then
@@ -158,7 +161,7 @@ class TrainConfig:
 # The settings that are memory tools: ``--memory auto`` chooses them when none is given (``memory_flags_given``).
 MEMORY_SETTINGS = ("remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk", "attn_head_chunk",
                    "delta_head_chunk",
-                   "attn_recompute", "attn_keep", "param_dtype", "offload_params", "optim.offload",
+                   "attn_recompute", "attn_keep", "mlp_keep", "param_dtype", "offload_params", "optim.offload",
                    "optim.master_weights")
 
 
@@ -204,7 +207,7 @@ def compute_settings(cfg: TrainConfig) -> dict:
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
                 delta_precision=cfg.delta_precision, delta_impl=cfg.delta_impl,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
-                param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, scan_unroll=cfg.scan_unroll,
+                mlp_keep=cfg.mlp_keep, param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, scan_unroll=cfg.scan_unroll,
                 moe_impl=cfg.moe_impl, fp8=cfg.fp8,
                 fp8_recipe=cfg.fp8_recipe)
 

@@ -33,7 +33,7 @@ RECORD = "run.json"
 # Model fields that change how a step is computed, not what is learned: free to differ on resume and in eval.
 COMPUTE_ONLY = ("attention_impl", "remat", "remat_every", "remat_nested", "loss_chunk", "mlp_chunk", "attn_chunk",
                 "attn_head_chunk", "delta_head_chunk", "delta_precision", "delta_impl",
-                "attn_recompute", "attn_keep", "attn_max_documents", "moe_impl", "scan_unroll",
+                "attn_recompute", "attn_keep", "mlp_keep", "attn_max_documents", "moe_impl", "scan_unroll",
                 "compute_dtype")
 CONFIG = "config.yaml"
 VERSION = 1
