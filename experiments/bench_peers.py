@@ -70,7 +70,7 @@ KEEP = BASE + " --attn-keep"
 SAVE = "--remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0"
 # between the two: the MLP's gate and up products kept as well (its GEMMs run once), the attention's projections run
 # again; for an 8B model at 32K on one H200 the one that fits without XLA re-running GEMMs itself (plan: 93.6 GiB,
-# an estimated 4.14 s against KEEP's 4.64; SAVE 113.7 GiB, 4.60)
+# an estimated 4.16 s against KEEP's 4.64; SAVE 113.7 GiB, 4.60)
 KEEP_MLP = "--remat full --attn-keep --mlp-keep --loss-chunk 4096 --mlp-chunk 0"
 ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the same call too
     Row("1b-8k", "llama3.2-1b", "full", 8192, (BASE, KEEP, KEEP + " --fp8")),

@@ -495,6 +495,21 @@ def test_options_of_a_tool_the_run_does_not_use_are_said_or_dropped():
     assert (off.remat, off.remat_every, off.remat_nested) == ("none", 1, False)
     full = model_config_from_run(record, remat="full")
     assert (full.remat, full.remat_every, full.remat_nested) == ("full", 2, False)
+    # a run that kept attention's output and the MLP's products (--memory auto may pick it): eval on other memory
+    # tools drops what they leave nothing to do (found by a review: refused, with no --no-mlp-keep to give eval)
+    model = dataclasses.asdict(ModelConfig.from_preset("tiny", remat="full", mlp_chunk=0, attn_keep=True,
+                                                       mlp_keep=True))
+    record = {"model": {k: v for k, v in model.items() if k not in COMPUTE_ONLY},
+              "compute": {k: model[k] for k in COMPUTE_ONLY}}
+    kept = lambda m: (m.attn_keep, m.mlp_keep)  # noqa: E731
+    assert kept(model_config_from_run(record)) == (True, True)
+    assert kept(model_config_from_run(record, mlp_chunk=64)) == (True, False)
+    assert kept(model_config_from_run(record, remat="offload")) == (True, False)
+    assert kept(model_config_from_run(record, remat="save_matmuls")) == (True, False)
+    assert kept(model_config_from_run(record, remat_every=2)) == (True, False)
+    assert kept(model_config_from_run(record, remat="none")) == (False, False)
+    assert kept(model_config_from_run(record, attn_chunk=64)) == (False, True)
+    assert kept(model_config_from_run(record, remat="full", mlp_chunk=0, attn_chunk=0)) == (True, True)
 
 
 # ------------------------------------------------------------------------------------ failures

@@ -285,6 +285,13 @@ def test_resume_merges_flags_the_same_for_presets_and_folders(kind, folder, tmp_
     assert runconfig.drop_qualifiers(nested, {"remat"}) == dataclasses.replace(nested, remat_nested=False)
     # --no-fp8 on a delayed-recipe run: the recipe goes with it (then the resume names fp8, the setting that differs;
     # before, the refusal named --fp8-recipe, a flag this command did not give: found by a review)
+    # the kept MLP products (and attention output) go with a tool that leaves them nothing to do, as on eval
+    mlp = dataclasses.replace(start, remat="full", mlp_chunk=0, attn_keep=True, mlp_keep=True)
+    for tool, value in (("mlp_chunk", 64), ("remat", "offload"), ("remat", "save_matmuls"), ("remat_every", 2)):
+        assert runconfig.drop_qualifiers(dataclasses.replace(mlp, **{tool: value}), {tool}) == dataclasses.replace(
+            mlp, **{tool: value}, mlp_keep=False), tool
+    assert runconfig.drop_qualifiers(mlp, {"remat", "mlp_chunk"}) == mlp
+    assert runconfig.drop_qualifiers(dataclasses.replace(mlp, attn_chunk=64), {"attn_chunk"}).attn_keep is False
     delayed = dataclasses.replace(start, fp8=False, fp8_recipe="delayed")
     assert runconfig.drop_qualifiers(delayed, {"fp8"}) == dataclasses.replace(delayed, fp8_recipe="current")
     assert runconfig.given_settings(TrainConfig, ["--no-attn-recompute", "--optim.no-master-weights", "--mesh.sp=4",

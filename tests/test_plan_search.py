@@ -223,6 +223,32 @@ def test_memory_auto_takes_the_smaller_of_two_sets_within_the_estimates_error(mo
         assert "within 2% of it, the one needing the least memory" in lines[-1]
 
 
+def test_find_max_seq_len_breaks_a_tie_in_length_as_memory_auto_does(monkeypatch):
+    """--memory auto --find-max-seq-len: of the sets that reach the same longest length, the one --memory auto
+    --seq-len would take there (within 2% of the fastest estimate, the least memory)."""
+    limit, budget = 2**20, 70 * GiB
+
+    def fake(cfg, seq_len=None, detail=True, **_):
+        n = cfg.seq_len if seq_len is None else seq_len
+        full = cfg.remat == "full" and cfg.remat_every is None  # the three sets of remat full reach the limit alone
+        device = (60 if cfg.mlp_keep else 30) * GiB if full and n <= limit else budget + 1
+        p = types.SimpleNamespace(seq_len=n, compile_seconds=0.0, max_seq_len=None, memory_flags=None, train_args=[],
+                                  memory={"total_bytes": device, "host_bytes": 0, "budget_bytes": budget,
+                                          "host_budget_bytes": 100 * GiB},
+                                  estimate={"step_seconds": 2.0 - 0.2 * cfg.attn_keep - gap * cfg.mlp_keep,
+                                            "tokens_per_second_per_gpu": 1.0})
+        p.fits_device, p.fits_host = device <= budget, True
+        p.fits = p.fits_device
+        return p
+
+    monkeypatch.setattr(search, "plan", fake)
+    cfg = PlanConfig(preset="tiny", find_max_seq_len=True, memory="auto", kernels=False, batch_size=1,
+                     mesh=MeshConfig(fsdp=1, sp=8))
+    for gap, flags in ((0.02, "--remat full --attn-keep --loss"), (0.2, "--remat full --attn-keep --mlp-keep")):
+        best = search.auto_memory(cfg, log=lambda *_: None)  # 1% faster in 2x the memory: not taken; 11%: taken
+        assert best.max_seq_len == limit and best.memory_flags.startswith(flags), (gap, best.memory_flags)
+
+
 @pytest.mark.parametrize("local, tile", [(125_000, 3125), (5000, 2500), (3000, 3000), (917, 917), (8192, 4096),
                                          (2 * 4099, None), (None, 4096)])
 def test_memory_auto_chunks_divide_each_devices_sequence(local, tile):
@@ -422,6 +448,17 @@ def test_estimate_counts_only_the_window_of_local_layers():
     # remat full: one forward again in the backward, written out here (a stand-in plan has no compiled program to
     # count it from, so the flags' rule applies)
     assert math.isclose(e["parts"]["attention_s"], fwd * 2 / rate.forward + 2.5 * fwd / rate.backward)
+
+
+def test_the_flags_rule_counts_mlp_keep_in_the_matmuls_alone():
+    """--mlp-keep keeps the MLP's GEMMs from running again, not attention's forward: the flags' rule (the estimate's
+    fallback) re-runs the attention projections' share of the layers' matmuls and attention once, none with
+    --attn-keep."""
+    model = ModelConfig.from_preset("llama3.1-8b", remat="full", mlp_chunk=0, mlp_keep=True)
+    share = flops.attention_matmul_params(model) / flops.layer_matmul_params(model)  # q, k, v, o: 19% of the layer
+    assert estimate._recomputed_forwards(model) == (pytest.approx(share), 1) and 0.18 < share < 0.2
+    kept = dataclasses.replace(model, attn_keep=True)
+    assert estimate._recomputed_forwards(kept) == (pytest.approx(share), 0)
 
 
 @pytest.mark.aot

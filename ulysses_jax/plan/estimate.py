@@ -143,11 +143,12 @@ def _recomputed_forwards(model) -> tuple[float, int]:
     ops, a ring). It undercounts nested checkpoints: ``--remat-every k > 1`` re-runs a group's forward and then each
     layer's inside it, which the program counts."""
     layers = 1 if model.remat in ("full", "offload") else 0
-    if getattr(model, "mlp_keep", False):  # the MLP's gate and up kept: its GEMMs are not run again (down's output
-        layers -= flops.mlp_matmul_params(model) / flops.layer_matmul_params(model)  # is not needed by the backward)
+    matmuls = layers  # the MLP's gate and up kept: its GEMMs are not run again (down's output is not needed there)
+    if getattr(model, "mlp_keep", False):
+        matmuls -= flops.mlp_matmul_params(model) / flops.layer_matmul_params(model)
     if getattr(model, "attn_keep", False):  # attention's output kept: its forward is not run again
-        return layers, 0
-    return layers, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
+        return matmuls, 0
+    return matmuls, layers + (1 if model.attn_chunk and model.attn_recompute else 0)
 
 
 def _passes(model) -> int:
@@ -214,12 +215,14 @@ def step_estimate(p, model, kernel: str) -> dict:
     # groups also projects and exchanges again per group: not counted)
     grouped_delta = bool(model.linear_layers and model.delta_head_chunk and len(group_heads(model, sp)[0]) > 1)
     delta_fwd = flops.delta_rule_flops(model, p.seq_len, p.batch_size, backward=False)
+    # the layers' forward run again but for the matmuls --mlp-keep keeps (it needs remat full, every layer: once)
+    redo_layers = 1.0 if getattr(model, "mlp_keep", False) else redo_mm
     # --attn-keep keeps the delta-net's output and rule states too: remat does not run the rule's forward again
-    redo_delta = 0 if getattr(model, "attn_keep", False) else redo_mm
+    redo_delta = 0 if getattr(model, "attn_keep", False) else redo_layers
     delta = (flops.delta_rule_flops(model, p.seq_len, p.batch_size) + (redo_delta + grouped_delta) * delta_fwd) / n
     delta_s = delta / DELTA_RATE
     act_bytes = tokens / n * model.hidden * model.compute_jnp_dtype.itemsize
-    passes = ELEMENTWISE_PASSES * (3 + redo_mm) + (FP8_PASSES if fp8_flops else 0)
+    passes = ELEMENTWISE_PASSES * (3 + redo_layers) + (FP8_PASSES if fp8_flops else 0)
     elementwise_s = passes * act_bytes * model.num_layers / t.hbm_bytes_per_s
     # AdamW updates what trains: LoRA's adapters alone (the frozen base has no optimizer state)
     params = (flops.adapter_matmul_params(model) if model.lora is not None else flops.param_count(model)) / n

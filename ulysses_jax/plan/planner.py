@@ -71,10 +71,11 @@ class PlanConfig(TrainConfig):
     budget_fraction: float = 0.9  # share of device memory XLA's buffers may use (the rest: CUDA, NCCL, fragmentation)
     find_max_seq_len: bool = False  # search for the longest --seq-len that fits, and plan it
     memory: Literal["manual", "auto"] = "manual"
-    """auto: compile the sets of memory tools (remat full, with attention's output kept, every k-th layer, offload
-    with the optimizer in host memory, every 2nd layer, the tiled attention in head groups) and print the train
-    flags: of those that fit --seq-len the one of the shortest estimated step, or with --find-max-seq-len the one
-    with the longest context; host memory within --host-memory-gib. (train --memory auto does the same by itself)"""
+    """auto: compile the sets of memory tools (remat full, with attention's output kept, with the MLP's products
+    too, every k-th layer, offload with the optimizer in host memory, every 2nd layer, the tiled attention in head
+    groups) and print the train flags: of those that fit --seq-len the one of the shortest estimated step (within 2%
+    of it, the least memory), or with --find-max-seq-len the one with the longest context; host memory within
+    --host-memory-gib. (train --memory auto does the same by itself)"""
     host_memory_gib: float | None = None
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""

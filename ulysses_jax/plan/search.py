@@ -225,8 +225,9 @@ def _choose(cfg: PlanConfig, p: Plan, flags: str, changes: dict) -> Plan:
 
 def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     """``--memory auto --find-max-seq-len``: the longest context within both budgets over ``memory_choices``; between
-    sets that reach the same length, the lowest estimated step time."""
-    best, results = None, []
+    sets that reach the same length, the lowest estimated step time (``_fastest``: within 2% of it, the least
+    memory)."""
+    best, tied, results = None, [], []
     model = _model(cfg)
     _, mesh = _mesh(cfg, model, cfg.seq_len)  # resolved once, as each set's search does: the answer is planned on it
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
@@ -245,10 +246,11 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
             results.append(_summary(flags, p, length=None, note=f"over the budgets at {floor:,} (shorter)"))
             continue
         results.append(_summary(flags, p, length=p.max_seq_len))
-        better = best is None or p.max_seq_len > best[0].max_seq_len or (
-            p.max_seq_len == best[0].max_seq_len and p.estimate["step_seconds"] < best[0].estimate["step_seconds"])
-        if p.max_seq_len and better:
-            best = (p, flags, changes)
+        if p.max_seq_len and (best is None or p.max_seq_len > best[0].max_seq_len):
+            best, tied = (p, flags, changes), [(p, flags, changes)]
+        elif p.max_seq_len and p.max_seq_len == best[0].max_seq_len:
+            tied.append((p, flags, changes))
+            best = _fastest(tied)
     if best is None or not best[0].max_seq_len:
         raise NothingFits("no set of memory tools fits even one unit of the sequence on these devices within the "
                          f"device and host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices "

@@ -43,11 +43,11 @@ class TrainConfig:
     attention: Impl = "auto"  # attention kernel; auto: blockwise on CPU, cudnn or pallas on GPU
     memory: Literal["auto", "manual"] = "auto"
     """auto: on an H100 or H200, a new run given no memory flag (--remat, --remat-every, --remat-nested, --loss-chunk,
-    --mlp-chunk, --attn-chunk, --attn-head-chunk, --delta-head-chunk, --attn-recompute, --attn-keep, --param-dtype,
-    --offload-params, --optim.offload, --optim.master-weights: MEMORY_SETTINGS) compiles its step with each set of
-    memory tools `plan --memory auto` tries and trains with the one of the shortest estimated step that fits, said at
-    start; manual: the flags as given, the preset's tools where none is. The two are the same on CPUs, other GPUs and
-    with --resume"""
+    --mlp-chunk, --attn-chunk, --attn-head-chunk, --delta-head-chunk, --attn-recompute, --attn-keep, --mlp-keep,
+    --param-dtype, --offload-params, --optim.offload, --optim.master-weights: MEMORY_SETTINGS) compiles its step with
+    each set of memory tools `plan --memory auto` tries and trains with the one of the shortest estimated step that
+    fits (within 2% of it, the one needing the least memory), said at start; manual: the flags as given, the
+    preset's tools where none is. The two are the same on CPUs, other GPUs and with --resume"""
     remat: Remat | None = None  # rematerialisation per layer; None: the preset's
     remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
     remat_nested: bool = False

@@ -50,9 +50,12 @@ PER_INVOCATION = ("config", "run_dir", "resume", "resume_from", "profile_steps",
 QUALIFIES = {"attn_head_chunk": ("attn_chunk",), "attn_recompute": ("attn_chunk",), "remat_every": ("remat",),
              "remat_nested": ("remat",), "eval_batches": ("eval_every",), "eval_by_position": ("eval_every",),
              "eval_passkey": ("eval_every",), "eval_passkey_samples": ("eval_every", "eval_passkey"),
-             "fp8_recipe": ("fp8",)}
+             "fp8_recipe": ("fp8",), "attn_keep": ("remat", "attn_chunk"),
+             "mlp_keep": ("remat", "mlp_chunk", "remat_every")}
 OFF = (None, 0, False, "none")  # a tool's values that switch it off
-ONLY_WITH = {"remat_nested": "offload"}  # a qualifier of one value of its tool: any other switches it off
+# (qualifier, tool): the tool's values that leave the qualifier something to do; any other switches it off
+ONLY_WITH = {("remat_nested", "remat"): ("offload",), ("attn_keep", "attn_chunk"): (None, 0),
+             ("mlp_keep", "remat"): ("full",), ("mlp_keep", "mlp_chunk"): (0,), ("mlp_keep", "remat_every"): (None, 1)}
 
 
 def flag(path: str) -> str:
@@ -90,16 +93,17 @@ def given_settings(cls, args: list[str], files: tuple[dict, ...] = ()) -> set[st
     return given
 
 
-def _leaves_nothing_to_do(setting: str, value) -> bool:
-    """Whether a tool's ``value`` switches off ``setting``, one of its ``QUALIFIES``."""
-    return value in OFF or (setting in ONLY_WITH and value != ONLY_WITH[setting])
+def _leaves_nothing_to_do(setting: str, tool: str, value) -> bool:
+    """Whether ``tool``'s ``value`` switches off ``setting``, one of its ``QUALIFIES``."""
+    accepted = ONLY_WITH.get((setting, tool))
+    return value in OFF if accepted is None else value not in accepted
 
 
 def switched_off(values, given) -> list[str]:
     """The ``QUALIFIES`` settings, not in ``given`` themselves, of a tool that ``given`` names with a value
     (``values[tool]``) that switches them off."""
     return [k for k, tools in QUALIFIES.items() if k not in given
-            and any(t in given and _leaves_nothing_to_do(k, values[t]) for t in tools)]
+            and any(t in given and _leaves_nothing_to_do(k, t, values[t]) for t in tools)]
 
 
 def drop_qualifiers(cfg, given: set[str]):
