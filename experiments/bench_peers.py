@@ -75,7 +75,7 @@ KEEP_MLP = "--remat full --attn-keep --mlp-keep --loss-chunk 4096 --mlp-chunk 0"
 ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the same call too
     Row("1b-8k", "llama3.2-1b", "full", 8192, (BASE, KEEP, KEEP + " --fp8")),
     Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, KEEP, SAVE, KEEP + " --fp8")),
-    Row("1b-128k", "llama3.2-1b", "full", 131072, (KEEP,)),
+    Row("1b-128k", "llama3.2-1b", "full", 131072, (KEEP, KEEP_MLP)),
     Row("1b-32k-packed4", "llama3.2-1b", "full", 32768, (KEEP, SAVE), documents=4),
     # XLA's GEMMs without Triton: its float8 dots then become cuBLASLt's float8 GEMMs (compile-only H100, runtime 13.0)
     # SAVE: LoRA's save_matmuls keeps the base products only since the adapters' full-width terms are recomputed

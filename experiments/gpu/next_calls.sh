@@ -23,7 +23,8 @@
 #    each layer's frozen weights).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
-# D (limits 380 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger.
+# D (limits 450 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger (and with
+#    --mlp-keep, which --memory auto picks there: 109 GiB, an estimated 12.41 s against 12.70).
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
@@ -95,8 +96,8 @@ or memory_flags"
   D)
     part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8|$KEEP1 --scan-unroll" \
       PEER_ARGS="$S" PEERS_LIMIT=230
-    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1" PEER_ARGS="$S --peers transformers+liger" \
-      PEERS_LIMIT=150
+    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1|$MLP1" \
+      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=220
     ;;
   E)
     part e_8b_lora_64k STEPS="peers" PEER_ROWS=8b-lora-64k PEER_FLAG_SETS="$KEEP1" \
