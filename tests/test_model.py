@@ -341,7 +341,7 @@ def test_remat_nested_same_gradients(seed):
 
 
 @pytest.mark.parametrize("model,remat,every", [("gqa-llama3", "save_matmuls", 1), ("gqa-llama3", "full", 2),
-                                               ("tiny-hybrid", "full", 2)])
+                                               pytest.param("tiny-hybrid", "full", 2, marks=pytest.mark.slow)])  # 52 s
 def test_unrolled_layer_loop_same_gradients_and_no_stacked_saves(model, remat, every, seed):
     """scan_unroll (--scan-unroll): the same loss and gradients as the scanned layers (a hybrid too: its per-layer
     switch and the mixers stacked over their own layers, read by row); the compiled step runs no loop over the layers
@@ -365,7 +365,7 @@ def test_unrolled_layer_loop_same_gradients_and_no_stacked_saves(model, remat, e
             dataclasses.replace(cfg, remat="offload", remat_every=1, offload_params=True, scan_unroll=True)
 
 
-@pytest.mark.parametrize("model", ["gqa-llama3", "tiny-hybrid"])
+@pytest.mark.parametrize("model", ["gqa-llama3", pytest.param("tiny-hybrid", marks=pytest.mark.slow)])  # 35 s
 def test_mlp_keep_saves_the_gate_and_up_products_with_the_same_gradients(model, seed):
     """mlp_keep (--mlp-keep) with remat full: each layer's MLP gate and up products are saved (two [L, B, S, F]
     residuals more than --attn-keep alone), so the backward runs none of the MLP's GEMMs again; the same loss and
