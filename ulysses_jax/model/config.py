@@ -255,15 +255,20 @@ class ModelConfig:
                    else "is for the attention sublayer whole; the tiled one (attn_chunk, --attn-chunk) keeps its own "
                    "output unless attn_recompute: drop one of the two")
             raise ValueError(f"attn_keep (--attn-keep) {why}")
-        why = {"none": "has nothing to keep without remat: set remat (--remat) to full",
-               "save_matmuls": "is part of remat save_matmuls, which keeps every matmul's output: drop one of the two",
-               "offload": "keeps the products on the device, for remat full: use --remat full"}.get(self.remat) or (
-            "keeps the untiled MLP's products: set mlp_chunk (--mlp-chunk) to 0" if self.mlp_chunk else
-            "keeps each layer's products, which a group of layers (remat_every) re-runs whole: use remat_every 1"
-            if self.remat_every > 1 else "keeps a dense MLP's products, not routed experts'" if self.num_experts else
-            None)
-        if self.mlp_keep and why:
-            raise ValueError(f"mlp_keep (--mlp-keep) {why}")
+        if self.mlp_keep:
+            why = {"none": "has nothing to keep without remat: set remat (--remat) to full",
+                   "save_matmuls": "is part of remat save_matmuls, which keeps every matmul's output: drop one of the "
+                                   "two",
+                   "offload": "keeps the products on the device, for remat full: use --remat full"}.get(self.remat)
+            if why is None and self.mlp_chunk:
+                why = "keeps the untiled MLP's products: set mlp_chunk (--mlp-chunk) to 0"
+            if why is None and self.remat_every > 1:
+                why = ("keeps each layer's products, which a group of layers (remat_every) re-runs whole: use "
+                       "remat_every 1")
+            if why is None and self.num_experts:
+                why = "keeps a dense MLP's products, not routed experts'"
+            if why is not None:
+                raise ValueError(f"mlp_keep (--mlp-keep) {why}")
         m = self.attn_max_documents
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"attn_max_documents ({m!r}) must be a number of documents per row (1: one document "

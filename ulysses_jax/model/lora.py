@@ -223,25 +223,18 @@ def low_rank(x: jax.Array, adapters: dict | None, target: str, lora: LoraConfig 
     return (lora.scale * _widen(xa, b.astype(jnp.float32))).astype(x.dtype)
 
 
-@jax.custom_vjp
-def _widen(xa: jax.Array, b: jax.Array) -> jax.Array:
-    """``xa B``, float32: the adapter's term at full width ``[b, s, out...]`` from its rank-``r`` ``xa [b, s, r]``.
-    A ``custom_vjp`` whose residuals are its inputs, so that no remat policy keeps its output: ``--remat
-    save_matmuls`` keeps the output of every matmul it sees, and this one, float32 at full width beside the base's
-    bf16 product, is recomputed in ``2 r`` FLOPs an element (kept, Llama-3.1-8B LoRA at 32K on one compile-only H200
-    needed 267 GiB with that policy)."""
+def _full_width(xa: jax.Array, b: jax.Array) -> jax.Array:
+    """``xa B``, float32: the adapter's term at full width ``[b, s, out...]`` from its rank-``r`` ``xa [b, s, r]``."""
     return jnp.tensordot(xa, b, axes=1)
 
 
-def _widen_fwd(xa, b):
-    return _widen(xa, b), (xa, b)
-
-
-def _widen_bwd(res, g):
-    return jax.vjp(lambda xa, b: jnp.tensordot(xa, b, axes=1), *res)[1](g)
-
-
-_widen.defvjp(_widen_fwd, _widen_bwd)
+# ``_full_width`` as a ``custom_vjp`` whose residuals are its inputs, so that no remat policy keeps its output:
+# ``--remat save_matmuls`` keeps the output of every matmul it sees, and this one, float32 at full width beside the
+# base's bf16 product, is recomputed in ``2 r`` FLOPs an element (kept, Llama-3.1-8B LoRA at 32K on one compile-only
+# H200 needed 267 GiB with that policy). Its forward rule calls ``_widen`` itself: a bare dot there is one the
+# policy sees, and keeps (tests/test_lora.py counts the residuals).
+_widen = jax.custom_vjp(_full_width)
+_widen.defvjp(lambda xa, b: (_widen(xa, b), (xa, b)), lambda res, g: jax.vjp(_full_width, *res)[1](g))
 
 
 def split(params):

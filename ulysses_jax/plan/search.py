@@ -227,7 +227,7 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
     """``--memory auto --find-max-seq-len``: the longest context within both budgets over ``memory_choices``; between
     sets that reach the same length, the lowest estimated step time (``_fastest``: within 2% of it, the least
     memory)."""
-    best, tied, results = None, [], []
+    tied, results = [], []  # the sets that reach the longest length so far
     model = _model(cfg)
     _, mesh = _mesh(cfg, model, cfg.seq_len)  # resolved once, as each set's search does: the answer is planned on it
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(**{a: mesh.shape[a] for a in ("data", "fsdp", "ring", "sp")}))
@@ -239,22 +239,22 @@ def auto_memory(cfg: PlanConfig, *, log=print, on_trial=None) -> Plan:
             log(f"{flags}: skipped ({skip})")
             continue
         log(f"{flags}:")
-        floor = best[0].max_seq_len if best else 0
+        floor = tied[0][0].max_seq_len if tied else 0
         p = find_max_seq_len(dataclasses.replace(cfg, memory="manual", **changes), log=log, on_trial=on_trial,
                              floor=floor, detail=False)
         if p.max_seq_len is None:
             results.append(_summary(flags, p, length=None, note=f"over the budgets at {floor:,} (shorter)"))
             continue
         results.append(_summary(flags, p, length=p.max_seq_len))
-        if p.max_seq_len and (best is None or p.max_seq_len > best[0].max_seq_len):
-            best, tied = (p, flags, changes), [(p, flags, changes)]
-        elif p.max_seq_len and p.max_seq_len == best[0].max_seq_len:
+        if p.max_seq_len > floor:
+            tied = [(p, flags, changes)]
+        elif p.max_seq_len and p.max_seq_len == floor:
             tied.append((p, flags, changes))
-            best = _fastest(tied)
-    if best is None or not best[0].max_seq_len:
+    if not tied:
         raise NothingFits("no set of memory tools fits even one unit of the sequence on these devices within the "
                          f"device and host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices "
                          f"or raise --host-memory-gib")
+    best = _fastest(tied)
     chosen = _choose(cfg, *best)
     chosen.alternatives = [r for r in results if r["flags"] != best[1]]
     log_alternatives(chosen, log)

@@ -171,9 +171,11 @@ def decide(cfg: TrainConfig, job: Job, *, given: set[str] | frozenset[str] = fro
     picked = dataclasses.replace(cfg, **p.memory_changes)
     fit = [a for a in p.alternatives if a["fits"] and a["step_seconds"] is not None]
     compiled = 1 + sum(a["fits"] is not None for a in p.alternatives)
-    other = min((a["step_seconds"] for a in fit), default=None)
-    nxt = "" if other is None else (f"; the next fastest {seconds(other)}" if other >= p.estimate["step_seconds"]
-                                    else f"; the fastest {seconds(other)}, within {NEAR:.0%} of it in more memory")
+    other, nxt = min((a["step_seconds"] for a in fit), default=None), ""
+    if other is not None and other >= p.estimate["step_seconds"]:
+        nxt = f"; the next fastest {seconds(other)}"
+    elif other is not None:  # faster by less than NEAR, in more memory (search._fastest)
+        nxt = f"; the fastest {seconds(other)}, within {NEAR:.0%} of it in more memory"
     log(f"memory: {p.memory_flags} (--memory auto, no memory flag given: the shortest estimated step (within "
         f"{NEAR:.0%}, the least memory), "
         f"{seconds(p.estimate['step_seconds'])}, of the {len(fit) + 1} set{'s' if fit else ''} that fit "

@@ -207,9 +207,8 @@ def compute_settings(cfg: TrainConfig) -> dict:
                 attn_chunk=cfg.attn_chunk, attn_head_chunk=cfg.attn_head_chunk, delta_head_chunk=cfg.delta_head_chunk,
                 delta_precision=cfg.delta_precision, delta_impl=cfg.delta_impl,
                 attn_recompute=cfg.attn_recompute, attn_keep=cfg.attn_keep, attn_max_documents=cfg.attn_max_documents,
-                mlp_keep=cfg.mlp_keep, param_dtype=cfg.param_dtype, offload_params=cfg.offload_params, scan_unroll=cfg.scan_unroll,
-                moe_impl=cfg.moe_impl, fp8=cfg.fp8,
-                fp8_recipe=cfg.fp8_recipe)
+                mlp_keep=cfg.mlp_keep, param_dtype=cfg.param_dtype, offload_params=cfg.offload_params,
+                scan_unroll=cfg.scan_unroll, moe_impl=cfg.moe_impl, fp8=cfg.fp8, fp8_recipe=cfg.fp8_recipe)
 
 
 def recorded_model(record: dict) -> ModelConfig:
