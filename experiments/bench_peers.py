@@ -19,7 +19,10 @@ flags. The peers (`peer_step.py`, imported by their child only), in the way a us
   float32 weights under bfloat16 autocast, `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and
   `peft.get_peft_model` with r 16, alpha 32 on the seven projections (ours: the same adapters, `--lora-rank 16`);
 - `transformers+liger`: the same after `liger_kernel.transformers.apply_liger_kernel_to_<family>()` (fused linear
-  cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel).
+  cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel);
+- either with `/no-checkpointing` (`--peers transformers+liger/no-checkpointing`): the same without gradient
+  checkpointing, the peer's fastest step where its activations fit (ours keeps products too, `SAVE`, where they fit:
+  a ratio against the checkpointing peer alone would credit ours with a recompute the peer need not run).
 Packed rows (`documents` > 1, the `-packed4` rows: 4 documents of random lengths in each row, the same cuts for both):
 ours takes the segment ids (cuDNN's packed attention); the peer takes position ids that restart at each document, from
 which transformers builds a per-document causal mask, with `flex_attention` (block-sparse; SDPA would get a dense
@@ -46,6 +49,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peer_step import NO_CHECKPOINTING  # noqa: E402 - peer_step imports torch and the rest in its function only
 COLUMNS = ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s", "speedup",
            "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
 BASE = "--remat full --loss-chunk 4096 --mlp-chunk 4096"
@@ -331,6 +336,11 @@ def main(argv=None) -> int:
     gpu = gpu or "cpu"
     commit = os.environ.get("ULYSSES_JAX_COMMIT") or _git("rev-parse", "HEAD")
     peers = [p for p in args.peers.split(",") if p]
+    bad = [p for p in peers if not known_peer(p)]
+    if bad:
+        print(f"bench_peers: unknown peer {bad[0]!r}; choose from {', '.join(PEERS)}, each optionally with "
+              f"/{NO_CHECKPOINTING}", file=sys.stderr)
+        return 2
     stamp = datetime.datetime.now(datetime.timezone.utc)
     kind = gpu.lower().replace("nvidia ", "").split()[0] if gpu != "cpu" else "cpu"
     header = [f"date: `{stamp:%Y-%m-%d %H:%M} UTC`", f"gpu: `{gpu}`", f"commit: `{commit}`",
@@ -344,6 +354,12 @@ def main(argv=None) -> int:
         rows += rows_for(row, peers, args, gpu, commit, save=lambda part: write(stem, rows + part, header))
     print("wrote", *write(stem, rows, header))
     return 0
+
+
+def known_peer(name: str) -> bool:
+    """Whether ``name`` is one of ``PEERS``, optionally with ``/no-checkpointing`` (peer_step's variant)."""
+    base, _, variant = name.partition("/")
+    return base in PEERS and variant in ("", NO_CHECKPOINTING)
 
 
 def quick_chunks(flags: str) -> str:

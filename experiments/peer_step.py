@@ -11,6 +11,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+NO_CHECKPOINTING = "no-checkpointing"  # a peer's variant (``transformers+liger/no-checkpointing``): no recompute
 
 
 def _hf_config(preset: str):
@@ -57,7 +58,8 @@ def peer(spec: dict) -> dict:
         raise RuntimeError("no CUDA device for the peer")
     device = "cuda" if cuda else "cpu"
     config, arch = _hf_config(spec["preset"])
-    if spec["peer"] == "transformers+liger":
+    name, _, variant = spec["peer"].partition("/")  # "/no-checkpointing": the peer keeps its activations
+    if name == "transformers+liger":
         import liger_kernel.transformers as liger  # noqa: F401 - raises where it is not installed
 
         family = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2",
@@ -74,7 +76,8 @@ def peer(spec: dict) -> dict:
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16 if lora else
                                                               torch.float32)
-    model.gradient_checkpointing_enable()
+    if variant != NO_CHECKPOINTING:
+        model.gradient_checkpointing_enable()
     model.config.use_cache = False
     if lora:
         import peft

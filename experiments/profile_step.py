@@ -4,6 +4,7 @@ categories summing to the measured step (idle gaps included), beside `plan`'s es
     python experiments/profile_step.py --preset llama3.2-1b --seq-lens 32768 --attn-keep
     python experiments/profile_step.py --preset llama3.1-8b --seq-lens 32768 --lora-rank 16 --plan-json P.json
     python experiments/profile_step.py --allow-cpu --quick          # CPU dry run (XLA's CPU ops; times mean nothing)
+    python experiments/profile_step.py --from-ops results/profile_X.ops.json.gz   # a stored profile, categorised anew
 
 The step is `experiments/bench_train.py`'s (its flags are this script's). A device op is one the trace tags with
 `hlo_op` (XLA's instruction): its category comes from the compiled program's HLO, in this order of precedence:
@@ -17,6 +18,11 @@ Two ops that overlap in time (a collective beside a kernel) count once, for the 
 categories and the idle gaps (no device op running) add up to the step measured on the host.
 `--plan-json`: a `ulysses-jax plan --json` of the same flags (made on any machine) to print its estimate's parts
 beside the measured ones, with the three largest differences. The table goes to --out-dir as markdown.
+`--from-ops`: no GPU; a stored profile's op times (`*.ops.json.gz`, written beside each table) and compiled module
+(`*.hlo.txt.gz`) categorised by this file's rules, written beside them as `*.by_category.md` (a profile taken before a
+rule was added, e.g. the ops inside command buffers categorised by their fusion's name, is read again without a GPU).
+Its sums add each op's time (no timestamps are stored, so two ops that overlapped count twice: the table prints the
+sum beside the step the profile measured).
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=[], add_help=True)
     p.add_argument("--profile-steps", type=int, default=3, help="steps traced (after --warmup)")
     p.add_argument("--plan-json", type=pathlib.Path, default=None)
+    p.add_argument("--from-ops", type=pathlib.Path, default=None, help="a stored *.ops.json.gz: categorise it anew")
     known, rest = p.parse_known_args(argv)
+    if known.from_ops:
+        return known
     args = bench_train.parse_args(rest)
     args.profile_steps, args.plan_json = known.profile_steps, known.plan_json
     return args
@@ -159,9 +168,13 @@ def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]
         if "hlo_op" in args:
             out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), args["hlo_op"], e.get("name", "")))
         elif "memcpy" in e.get("name", "").lower():  # device-to-device copies are copies, not host transfers
-            host = any(t in e["name"].lower().replace(" ", "") for t in ("htod", "dtoh", "htoh"))
-            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], "memcpy" if host else "copy"))
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"], memcpy_kind(e["name"])))
     return out
+
+
+def memcpy_kind(name: str) -> str:
+    """A memcpy event's kind: ``memcpy`` (a host transfer) between host and device, ``copy`` on the device."""
+    return "memcpy" if any(t in name.lower().replace(" ", "") for t in ("htod", "dtoh", "htoh")) else "copy"
 
 
 def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], float]:
@@ -188,8 +201,44 @@ def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], flo
     return total, (points[-1][0] - points[0][0]) * 1e-6
 
 
+def from_ops(ops_path: pathlib.Path) -> pathlib.Path:
+    """A stored profile (``*.ops.json.gz`` and the ``*.hlo.txt.gz`` beside it) categorised by this file's rules, as
+    ``*.by_category.md`` beside them (module doc); returns its path."""
+    stem = pathlib.Path(str(ops_path).removesuffix(".ops.json.gz"))
+    hlo, table = pathlib.Path(f"{stem}.hlo.txt.gz"), pathlib.Path(f"{stem}.md")
+    if not str(ops_path).endswith(".ops.json.gz") or not ops_path.is_file() or not hlo.is_file():
+        raise SystemExit(f"profile_step: --from-ops {ops_path}: give a *.ops.json.gz with its *.hlo.txt.gz beside it")
+    categories = hlo_categories(gzip.open(hlo, "rt").read())
+    ops = json.load(gzip.open(ops_path, "rt"))  # [hlo_op, kernel, ms a step], largest first
+    per = collections.Counter({c: 0.0 for c in CATEGORIES})
+    # profiles taken before bbdfe5d (2026-11-28) named every memcpy event's kind "memcpy" (MemcpyD2D a host transfer)
+    ops = [(name, memcpy_kind(name) if kind == "memcpy" else kind, ms) for name, kind, ms in ops]
+    for name, kind, ms in ops:
+        per[op_category(categories, name, kind)] += ms
+    total = sum(per.values())
+    measured = next((ln for ln in table.read_text().splitlines() if ln.startswith("- measured step")), None) if (
+        table.is_file()) else None
+    lines = [f"# {stem.name}: the stored op times by category", "",
+             f"- command: `python experiments/profile_step.py --from-ops {ops_path.name}` (no GPU: the op times "
+             f"stored by the profile, categorised by the rules of commit `{bench_train_commit()[:7]}`, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d})",
+             f"- the profile's own line: {measured[2:] if measured else '(no table beside it)'}",
+             f"- sum of the stored op times: {total:.1f} ms a step ({len(ops):,} ops; overlapping ops count twice)",
+             "", "| category | ms per step | share of the sum |", "|---|---|---|"]
+    lines += [f"| {c} | {per[c]:.1f} | {per[c] / total:.1%} |" for c in CATEGORIES]
+    lines += ["", "Largest ops and their category:", "", "| ms per step | category | kernel |", "|---|---|---|"]
+    lines += [f"| {ms:.1f} | {op_category(categories, name, kind)} | `{kind[:90]}` |" for name, kind, ms in ops[:30]]
+    out = pathlib.Path(f"{stem}.by_category.md")
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if getattr(args, "from_ops", None):
+        out = from_ops(args.from_ops)
+        print(out.read_text() + f"wrote {out}")
+        return 0
     import os
 
     if args.allow_cpu:

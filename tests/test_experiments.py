@@ -165,6 +165,33 @@ def test_bench_peers_keeps_a_comparison_when_its_time_runs_out(monkeypatch):
     assert calls == [] and all("--deadline reached" in r["note"] for r in out)
 
 
+def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
+    """``transformers/no-checkpointing`` runs the peer's step without gradient checkpointing, the plain name with it
+    (the peer always checkpointed before, while ours kept its products under SAVE: the ratio credited ours with a
+    recompute the peer need not run where its activations fit); an unknown peer or variant is refused in one line."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_peers
+    import peer_step
+
+    enabled = []
+    real = transformers.PreTrainedModel.gradient_checkpointing_enable
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable",
+                        lambda self, *a, **k: (enabled.append(type(self).__name__), real(self, *a, **k)))
+    spec = dict(preset="tiny", mode="full", seq_len=64, documents=1, steps=1, warmup=0, allow_cpu=True)
+    for name, want in (("transformers", 1), ("transformers/no-checkpointing", 0)):
+        enabled.clear()
+        out = peer_step.peer({**spec, "peer": name})
+        assert len(enabled) == want and out["step_s"] > 0 and out["loss"] > 0, name
+    assert bench_peers.known_peer("transformers+liger/no-checkpointing") and bench_peers.known_peer("transformers")
+    assert not bench_peers.known_peer("transformers/nockpt") and not bench_peers.known_peer("torchtitan")
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_peers.py"), "--allow-cpu", "--quick",
+                        "--peers", "transformers/nockpt"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown peer 'transformers/nockpt'" in p.stderr and len(p.stderr.splitlines()) == 1
+
+
 @pytest.mark.slow
 def test_fp8_curves_dry_run_with_both_recipes(tmp_path):
     """experiments/fp8_curves.py --fp8-recipe both on CPU: the baseline and a float8 run of each recipe, each run's
@@ -244,6 +271,39 @@ def test_profile_names_gpu_kernels_it_cannot_match():
     assert op_category(cats, "command_buffer_3", "memcpy32_post") == "elementwise and copies"
     assert op_category(cats, "MemcpyD2D", "copy") == "elementwise and copies"
     assert op_category(cats, "MemcpyH2D", "memcpy") == "host transfers"
+
+
+def test_profile_from_stored_ops_categorises_them_anew(tmp_path):
+    """--from-ops reads a stored profile (op times + compiled module) without a GPU: the ops inside a command buffer
+    by their fusion's name, an old profile's device-to-device memcpy as a copy (the profiles of 2026-11-28 showed 0 ms
+    of MLP and 19.6 ms of host transfers that were copies); a missing module is refused in one line."""
+    stem = tmp_path / "profile_x_8192_nvidia-h200_1"
+    hlo = ('%gemm_fusion_dot.25 = bf16[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%c, '
+           'metadata={op_name="jit(step)/transpose(jvp())/mlp/dot_general"}\n'
+           '%loop_add_fusion.2 = f32[8]{0} fusion(%d), kind=kLoop, calls=%e, '
+           'metadata={op_name="jit(step)/optimizer/add"}')
+    with gzip.open(f"{stem}.hlo.txt.gz", "wt") as f:
+        f.write(hlo)
+    ops = [["command_buffer_3", "gemm_fusion_dot_25", 40.0], ["command_buffer_3", "nvjet_sm90_tst_NNT", 30.0],
+           ["command_buffer_9", "loop_add_fusion_2", 5.0], ["MemcpyD2D", "memcpy", 20.0],
+           ["command_buffer_1", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", 100.0]]
+    with gzip.open(f"{stem}.ops.json.gz", "wt") as f:
+        json.dump(ops, f)
+    pathlib.Path(f"{stem}.md").write_text("- measured step (host, mean of 2 traced steps): 196.0 ms; busy\n")
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_step.py"), "--from-ops",
+                        f"{stem}.ops.json.gz"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = pathlib.Path(f"{stem}.by_category.md").read_text()
+    rows = {r.split("|")[1].strip(): float(r.split("|")[2]) for r in text.splitlines()
+            if r.startswith("| ") and r.split("|")[2].strip().replace(".", "").isdigit() and "%" in r}
+    assert rows["MLP chunks"] == 40.0 and rows["GEMMs"] == 30.0 and rows["optimizer update"] == 5.0
+    assert rows["elementwise and copies"] == 20.0 and rows["host transfers"] == 0.0
+    assert rows["attention backward"] == 100.0 and "sum of the stored op times: 195.0 ms" in text
+    assert "measured step (host, mean of 2 traced steps): 196.0 ms" in text
+    pathlib.Path(f"{stem}.hlo.txt.gz").unlink()
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_step.py"), "--from-ops",
+                        f"{stem}.ops.json.gz"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "with its *.hlo.txt.gz beside it" in p.stderr and len(p.stderr.splitlines()) == 1
 
 
 def test_plan_vs_measured_fit_recovers_known_multipliers():

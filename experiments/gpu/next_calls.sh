@@ -14,11 +14,12 @@
 # 2026-11-28 (before the fused loss, the float8 GEMMs writing bf16 and cuDNN's causal mask alone for one document a
 # row): the before of those untimed changes, on the same flags, in the same call.
 #
-# A (limits 390 s): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and transformers +
-#    Liger, then ours in float8, then with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
-# B (limits 550 s): llama3.1-8b LoRA r16 at 32K (bf16 and float8 with the MLP's products kept, --mlp-keep, beside
+# A (limits 440 s): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and transformers +
+#    Liger (with and without gradient checkpointing), then ours in float8, then with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
+# B (limits 590 s): llama3.1-8b LoRA r16 at 32K (bf16 and float8 with the MLP's products kept, --mlp-keep, beside
 #    transformers + peft and Liger: the 32K goals of issues 38 and 40; then bf16 as measured before), then at 8K (the float8 before/after; bf16 and float8 beside Liger with the matmul outputs
 #    kept, --remat save_matmuls, which LoRA could not afford before its adapters' full-width terms were recomputed,
+#    beside Liger with and without gradient checkpointing,
 #    and with --remat full as measured; then float8 with the layer loop unrolled: --scan-unroll drops the copies of
 #    each layer's frozen weights).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
@@ -46,6 +47,9 @@ ONE="--attn-max-documents 1"  # one document a row: cuDNN's causal mask alone (t
 SAVE1="SAVE $ONE"
 KEEP1="KEEP $ONE"
 MLP1="KEEP_MLP $ONE"
+# the peer without gradient checkpointing (bench_peers.py's variant): its fastest step where its activations fit, beside
+# ours keeping its products (SAVE); every peer measured before 2026-11-29 checkpointed
+NOCKPT=no-checkpointing
 
 pack() {  # pack NAME: $W/NAME's results as $O/NAME.tgz, replaced whole (a half-written archive never stands there)
   tar czf "$O/$1.tgz.part" -C "$W/$1" results 2>/dev/null && mv -f "$O/$1.tgz.part" "$O/$1.tgz"
@@ -70,7 +74,8 @@ case $CALL in
     part a_1b_32k STEPS="env baseline peers" BASELINE_LIMIT=60 \
       BASELINE_ARGS="--preset llama3.2-1b --seq-lens 32768 --sp 1 --fsdp 1 --batch-size 1 --remat save_matmuls \
 --attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
-      PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$SAVE1 --scan-unroll" PEER_ARGS="$S" PEERS_LIMIT=240
+      PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$SAVE1 --scan-unroll" PEERS_LIMIT=290 \
+      PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT"
     ;;
   B)
     # 32K first: never timed on an H200, and both goals at 32K are judged there (issue 38: 1.5x transformers + peft;
@@ -81,7 +86,7 @@ case $CALL in
       BASELINE_ARGS="--preset llama3.1-8b --seq-lens 8192 --lora-rank 16 --sp 1 --fsdp 1 --batch-size 1 --remat full \
 --loss-chunk 4096 --mlp-chunk 4096 --attn-keep --fp8 $ONE $S" \
       PEER_ROWS=8b-lora-8k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$KEEP1|$KEEP1 --fp8|$SAVE1 --fp8 --scan-unroll" \
-      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=210
+      PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=250
     ;;
   C)
     part c_hybrid STEPS="peers" PEER_ROWS=qwen3.5-0.8b-8k PEER_FLAG_SETS="KEEP|KEEP --delta-impl pallas" \
