@@ -51,6 +51,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from peer_step import NO_CHECKPOINTING  # noqa: E402 - peer_step imports torch and the rest in its function only
+
 COLUMNS = ["model", "mode", "seq_len", "documents", "flags", "peer", "ours_step_s", "peer_step_s", "speedup",
            "estimate_s", "ours_peak_gib", "peer_peak_gib", "gpu", "date", "commit"]
 BASE = "--remat full --loss-chunk 4096 --mlp-chunk 4096"
