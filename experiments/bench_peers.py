@@ -16,13 +16,18 @@ a call stopped at its time limit (`--deadline`: no child starts past it, each en
 Ours: `experiments/bench_train.py`'s step (the real training step: model, loss, AdamW) with the row's
 flags. The peers (`peer_step.py`, imported by their child only), in the way a user would pick them:
 - `transformers`: `AutoModelForCausalLM.from_config` of the same shapes, SDPA attention, gradient checkpointing,
-  float32 weights under bfloat16 autocast, `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and
-  `peft.get_peft_model` with r 16, alpha 32 on the seven projections (ours: the same adapters, `--lora-rank 16`);
+  float32 weights under bfloat16 autocast, the global gradient norm clipped at 1 (as ours and the Trainer clip),
+  `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and `peft.get_peft_model` with r 16, alpha 32 on the seven
+  projections, its float32 adapters under the same autocast (ours: the same adapters, `--lora-rank 16`; before
+  2026-11-29 the LoRA peer ran without autocast and no clipping: its adapters' GEMMs in float32, work ours does not do);
 - `transformers+liger`: the same after `liger_kernel.transformers.apply_liger_kernel_to_<family>()` (fused linear
   cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel);
 - either with `/no-checkpointing` (`--peers transformers+liger/no-checkpointing`): the same without gradient
   checkpointing, the peer's fastest step where its activations fit (ours keeps products too, `SAVE`, where they fit:
   a ratio against the checkpointing peer alone would credit ours with a recompute the peer need not run).
+Ours on rows of one document takes `--attn-max-documents 1` unless the flag set gives it (cuDNN's causal mask alone,
+no packed workspace zeroed each layer: 32 ms of the 8B LoRA 8K step on the H200 of 2026-11-28), as the flags column
+then says; the peer's SDPA takes such a row with its causal mask alone too.
 Packed rows (`documents` > 1, the `-packed4` rows: 4 documents of random lengths in each row, the same cuts for both):
 ours takes the segment ids (cuDNN's packed attention); the peer takes position ids that restart at each document, from
 which transformers builds a per-document causal mask, with `flex_attention` (block-sparse; SDPA would get a dense
@@ -325,6 +330,8 @@ def main(argv=None) -> int:
         chosen = [dataclasses.replace(r, flag_sets=flag_sets(args.flag_sets)) for r in chosen]
     if args.quick:  # a dry run of a GPU call's flag sets: their chunks cut to the tiny rows' 512 tokens
         chosen = [dataclasses.replace(r, flag_sets=tuple(map(quick_chunks, r.flag_sets))) for r in chosen]
+    chosen = [dataclasses.replace(r, flag_sets=tuple(one_document(f, r.documents) for f in r.flag_sets))
+              for r in chosen]
     unknown = set(args.rows.split(",")) - {r.name for r in table} if args.rows else set()
     if unknown or not chosen:
         print(f"bench_peers: unknown rows {sorted(unknown)}; choose from {', '.join(r.name for r in table)}",
@@ -348,13 +355,22 @@ def main(argv=None) -> int:
               f"command: `python experiments/bench_peers.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
               "batch 1, one device, one document a row (`documents` > 1: packed rows, the same cuts for both); step "
               "times: median of the timed steps; speedup = peer / ours",
-              "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated"]
+              "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated",
+              "recompute: a peer checkpoints every layer (its forward runs twice) unless named /no-checkpointing; "
+              "ours re-runs what its --remat flags say (`--remat full`: the layer, `--attn-keep` its attention "
+              "forward kept; `save_matmuls`: elementwise work only): the like-for-like pairs are `--remat full` with "
+              "a checkpointing peer and `save_matmuls` with /no-checkpointing"]
     stem, rows = args.out_dir / f"peers_{kind}_{stamp:%Y%m%d-%H%M}", []
     args.ends_at = None if args.deadline is None else time.monotonic() + args.deadline
     for row in chosen:  # the files rewritten after each measurement: a run stopped at its limit keeps what it measured
         rows += rows_for(row, peers, args, gpu, commit, save=lambda part: write(stem, rows + part, header))
     print("wrote", *write(stem, rows, header))
     return 0
+
+
+def one_document(flags: str, documents: int) -> str:
+    """``flags`` with ``--attn-max-documents 1`` added on rows of one document, unless they give it (module doc)."""
+    return flags if documents != 1 or "--attn-max-documents" in flags else f"{flags} --attn-max-documents 1"
 
 
 def known_peer(name: str) -> bool:

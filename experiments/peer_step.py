@@ -11,6 +11,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+CLIP_NORM = 1.0  # ours: OptimConfig().clip_norm, the default of bench_train's step
 NO_CHECKPOINTING = "no-checkpointing"  # a peer's variant (``transformers+liger/no-checkpointing``): no recompute
 
 
@@ -101,10 +102,15 @@ def peer(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
-        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not lora):
+        # bf16 autocast in both modes, as the Trainer runs with bf16=True: with LoRA, peft keeps the adapters in
+        # float32 (its autocast_adapter_dtype), and without autocast their GEMMs ran in float32 on float32 copies of
+        # the inputs, work ours does not do (the LoRA peer rows before 2026-11-29 ran so)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
             # transformers shifts the labels itself: the tokens as labels, as its users pass them (ours' targets)
             out = model(input_ids=ids, labels=ids, **extra)
         out.loss.backward()
+        # the global norm clipped at 1, as ours does (OptimConfig's clip_norm) and the Trainer (its max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:

@@ -168,7 +168,9 @@ def test_bench_peers_keeps_a_comparison_when_its_time_runs_out(monkeypatch):
 def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
     """``transformers/no-checkpointing`` runs the peer's step without gradient checkpointing, the plain name with it
     (the peer always checkpointed before, while ours kept its products under SAVE: the ratio credited ours with a
-    recompute the peer need not run where its activations fit); an unknown peer or variant is refused in one line."""
+    recompute the peer need not run where its activations fit); an unknown peer or variant is refused in one line.
+    The peer does ours' work otherwise too (a review of the benchmark): the global norm clipped at 1 each step, bf16
+    autocast in LoRA mode as well, and ours' one-document rows on cuDNN's causal mask alone."""
     pytest.importorskip("transformers")
     import transformers
 
@@ -176,15 +178,28 @@ def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
     import bench_peers
     import peer_step
 
-    enabled = []
+    import torch
+
+    enabled, clipped, autocast = [], [], []
     real = transformers.PreTrainedModel.gradient_checkpointing_enable
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable",
                         lambda self, *a, **k: (enabled.append(type(self).__name__), real(self, *a, **k)))
-    spec = dict(preset="tiny", mode="full", seq_len=64, documents=1, steps=1, warmup=0, allow_cpu=True)
-    for name, want in (("transformers", 1), ("transformers/no-checkpointing", 0)):
-        enabled.clear()
-        out = peer_step.peer({**spec, "peer": name})
+    real_clip, real_autocast = torch.nn.utils.clip_grad_norm_, torch.autocast
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda ps, norm: (clipped.append(norm), real_clip(ps, norm))[1])
+    monkeypatch.setattr(torch, "autocast", lambda **k: (autocast.append(k.get("enabled", True)), real_autocast(**k))[1])
+    spec = dict(preset="tiny", mode="full", seq_len=64, documents=1, steps=1, warmup=1, allow_cpu=True)
+    for name, mode, want in (("transformers", "full", 1), ("transformers/no-checkpointing", "full", 0),
+                             ("transformers", "lora16", 1)):
+        enabled.clear(), clipped.clear(), autocast.clear()
+        out = peer_step.peer({**spec, "peer": name, "mode": mode})
         assert len(enabled) == want and out["step_s"] > 0 and out["loss"] > 0, name
+        # each step clips the global norm at 1, as ours does; bf16 autocast in both modes (LoRA's peer ran its float32
+        # adapters' GEMMs in float32 without it)
+        assert clipped == [1.0, 1.0] and autocast == [True, True], (name, mode, clipped, autocast)
+    assert bench_peers.one_document("--remat full", 1) == "--remat full --attn-max-documents 1"
+    assert bench_peers.one_document("--remat full --attn-max-documents 4", 1) == "--remat full --attn-max-documents 4"
+    assert bench_peers.one_document("--remat full", 4) == "--remat full"
     assert bench_peers.known_peer("transformers+liger/no-checkpointing") and bench_peers.known_peer("transformers")
     assert not bench_peers.known_peer("transformers/nockpt") and not bench_peers.known_peer("torchtitan")
     p = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_peers.py"), "--allow-cpu", "--quick",
