@@ -132,6 +132,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=int, default=600, help="seconds for each child measurement")
+    p.add_argument("--peer-profile", action="store_true",
+                   help="one more peer step under torch's profiler: its attention kernels and their time in the note")
     p.add_argument("--deadline", type=int, default=None,
                    help="seconds for the whole invocation: each child's timeout is cut to what is left (the GPU "
                         "scripts give their step's limit less a margin)")
@@ -228,7 +230,7 @@ def rows_for(row: Row, peers: list[str], args, gpu: str, commit: str, save=lambd
     and a note), so a run stopped at its time limit (a slow or hanging peer: transformers' Qwen3.5 on the H200 of
     2026-11-28) keeps a comparison."""
     common = dict(preset=row.preset, mode=row.mode, seq_len=row.seq_len, documents=row.documents, steps=args.steps,
-                  warmup=args.warmup, allow_cpu=args.allow_cpu)
+                  warmup=args.warmup, allow_cpu=args.allow_cpu, profile=getattr(args, "peer_profile", False))
     mines, theirs = {}, {}
     order = [("ours", row.flag_sets[0]), *(("peer", p) for p in peers), *(("ours", f) for f in row.flag_sets[1:])]
     for who, what in order:
@@ -250,7 +252,7 @@ def _lines(row: Row, mines: dict, theirs: dict, peers: list[str], gpu: str, comm
             t = theirs.get(p, NOT_YET)
             ours_s, peer_s = mine.get("step_s"), t.get("step_s")
             notes = [f"ours: {mine['error']}" if "error" in mine else "",
-                     f"{p}: {t['error']}" if "error" in t else "", t.get("kernel", "")]
+                     f"{p}: {t['error']}" if "error" in t else "", t.get("kernel", ""), t.get("attention", "")]
             out.append({
                 "model": row.preset, "mode": row.mode, "seq_len": row.seq_len, "documents": row.documents,
                 "flags": flags,

@@ -97,11 +97,7 @@ def peer(spec: dict) -> dict:
         idx = np.broadcast_to(np.arange(seg.shape[1]), seg.shape)
         pos = idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
         extra["position_ids"] = torch.as_tensor(pos.astype(np.int64), device=device)
-    times, loss = [], None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(spec["warmup"] + spec["steps"]):
-        t0 = time.perf_counter()
+    def step() -> float:
         # bf16 autocast in both modes, as the Trainer runs with bf16=True: with LoRA, peft keeps the adapters in
         # float32 (its autocast_adapter_dtype), and without autocast their GEMMs ran in float32 on float32 copies of
         # the inputs, work ours does not do (the LoRA peer rows before 2026-11-29 ran so)
@@ -115,15 +111,56 @@ def peer(spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        loss = float(out.loss)
+        return float(out.loss)
+
+    times, loss = [], None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        loss = step()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     out = {"step_s": statistics.median(times), "peak_gib": peak, "loss": loss}
+    if spec.get("profile") and cuda:  # one more step, after the timed ones, under torch's profiler
+        try:
+            out["attention"] = attention_kernels(_kernel_times(step))
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the measurement above stands without it
+            out["attention"] = f"peer's attention kernels: not profiled ({type(e).__name__}: {str(e)[:80]})"
     kernel = _delta_kernel(model)
     if kernel:
         out["kernel"] = kernel
     return out
+
+
+ATTENTION_KERNELS = ("flash", "fmha", "sdpa", "attention", "attn")  # in the names of SDPA's kernels, any backend
+
+
+def _kernel_times(step) -> dict[str, float]:
+    """Milliseconds of device time per kernel name over one ``step()`` under torch's profiler (CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # torch renamed it
+        if us:
+            out[e.key] = out.get(e.key, 0.0) + us / 1e3
+    return out
+
+
+def attention_kernels(times: dict[str, float]) -> str:
+    """The row's note on the peer's attention: which kernels ran (cuDNN's, FlashAttention's, memory-efficient) and
+    their device time in one step, beside the step's whole device time: is the gap to ours attention or the rest?"""
+    att = {k: v for k, v in times.items() if any(t in k.lower() for t in ATTENTION_KERNELS)}
+    top = sorted(att.items(), key=lambda kv: -kv[1])[:3]
+    named = "; ".join(f"{k[:70]} {v:.1f} ms" for k, v in top) or "none matched"
+    return (f"peer's attention kernels {sum(att.values()):.1f} of {sum(times.values()):.1f} ms device time in a "
+            f"profiled step: {named}")
 
 
 def _delta_kernel(model) -> str | None:

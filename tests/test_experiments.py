@@ -197,6 +197,11 @@ def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
         # each step clips the global norm at 1, as ours does; bf16 autocast in both modes (LoRA's peer ran its float32
         # adapters' GEMMs in float32 without it)
         assert clipped == [1.0, 1.0] and autocast == [True, True], (name, mode, clipped, autocast)
+    # --peer-profile: the peer's attention kernels by name and device time (GPU only: a CPU run leaves the note out)
+    assert "attention" not in peer_step.peer({**spec, "peer": "transformers", "profile": True})
+    note = peer_step.attention_kernels({"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 30.0,
+                                        "pytorch_flash::flash_fwd_kernel": 10.0, "nvjet_sm90_tst_NNT": 60.0})
+    assert note.startswith("peer's attention kernels 40.0 of 100.0 ms") and "sdpa_sm90_flash_bprop 30.0 ms" in note
     assert bench_peers.one_document("--remat full", 1) == "--remat full --attn-max-documents 1"
     assert bench_peers.one_document("--remat full --attn-max-documents 4", 1) == "--remat full --attn-max-documents 4"
     assert bench_peers.one_document("--remat full", 4) == "--remat full"

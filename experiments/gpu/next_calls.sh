@@ -52,6 +52,8 @@ MLP1="KEEP_MLP $ONE"
 # the peer without gradient checkpointing (bench_peers.py's variant): its fastest step where its activations fit, beside
 # ours keeping its products (SAVE); every peer measured before 2026-11-29 checkpointed
 NOCKPT=no-checkpointing
+# --peer-profile: one more peer step under torch's profiler, its attention kernels (which SDPA backend) and their time
+# in the row's note: whether the gap to ours is attention or the rest
 
 pack() {  # pack NAME: $W/NAME's results as $O/NAME.tgz, replaced whole (a half-written archive never stands there)
   tar czf "$O/$1.tgz.part" -C "$W/$1" results 2>/dev/null && mv -f "$O/$1.tgz.part" "$O/$1.tgz"
@@ -77,7 +79,7 @@ case $CALL in
       BASELINE_ARGS="--preset llama3.2-1b --seq-lens 32768 --sp 1 --fsdp 1 --batch-size 1 --remat save_matmuls \
 --attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
       PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|FULL $ONE|$SAVE1 --scan-unroll" PEERS_LIMIT=290 \
-      PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT"
+      PEER_ARGS="$S --peer-profile --peers transformers,transformers+liger,transformers+liger/$NOCKPT"
     ;;
   B)
     # 32K first: never timed on an H200, and both goals at 32K are judged there (issue 38: 1.5x transformers + peft;
@@ -88,7 +90,7 @@ case $CALL in
       BASELINE_ARGS="--preset llama3.1-8b --seq-lens 8192 --lora-rank 16 --sp 1 --fsdp 1 --batch-size 1 --remat full \
 --loss-chunk 4096 --mlp-chunk 4096 --attn-keep --fp8 $ONE $S" \
       PEER_ROWS=8b-lora-8k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$KEEP1|$KEEP1 --fp8|$SAVE1 --fp8 --scan-unroll" \
-      PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=250
+      PEER_ARGS="$S --peer-profile --peers transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=250
     ;;
   C)
     part c_hybrid STEPS="peers" PEER_ROWS=qwen3.5-0.8b-8k PEER_FLAG_SETS="KEEP|KEEP --delta-impl pallas" \
