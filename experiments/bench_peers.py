@@ -76,9 +76,6 @@ class Row:
 
 
 KEEP = BASE + " --attn-keep"
-# the checkpointing peer's recompute exactly: each layer's forward once more, the MLP untiled (a tiled MLP runs its
-# gate and up GEMMs a third time, in its own backward)
-FULL = "--remat full --loss-chunk 4096 --mlp-chunk 0"
 # the matmul outputs kept as well (the MLP untiled, so its GEMMs' outputs are kept too): the backward re-runs the
 # elementwise work (norms, RoPE, SiLU) and the tiled loss; plan: 54.5 GiB and 0.93 s on an H100 (KEEP: 1.00 s)
 SAVE = "--remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0"
@@ -88,7 +85,7 @@ SAVE = "--remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0"
 KEEP_MLP = "--remat full --attn-keep --mlp-keep --loss-chunk 4096 --mlp-chunk 0"
 ROWS = (  # the float8 rows (--fp8, issue 40) time float8 against bf16 in the same call too
     Row("1b-8k", "llama3.2-1b", "full", 8192, (BASE, KEEP, KEEP + " --fp8")),
-    Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, KEEP, SAVE, KEEP + " --fp8", FULL)),
+    Row("1b-32k", "llama3.2-1b", "full", 32768, (BASE, KEEP, SAVE, KEEP + " --fp8")),
     Row("1b-128k", "llama3.2-1b", "full", 131072, (KEEP, KEEP_MLP)),
     Row("1b-32k-packed4", "llama3.2-1b", "full", 32768, (KEEP, SAVE), documents=4),
     # XLA's GEMMs without Triton: its float8 dots then become cuBLASLt's float8 GEMMs (compile-only H100, runtime 13.0)
@@ -362,10 +359,9 @@ def main(argv=None) -> int:
               "times: median of the timed steps; speedup = peer / ours",
               "peaks: ours jax's peak_bytes_in_use, the peer's torch.cuda.max_memory_allocated",
               "recompute: a peer checkpoints every layer (its forward runs twice) unless named /no-checkpointing; "
-              "ours re-runs what its flags say (`--remat full`: the layer, `--attn-keep` its attention forward kept, "
-              "a tiled MLP `--mlp-chunk N` its gate and up GEMMs once more in its own backward; `save_matmuls`: "
-              "elementwise work only): the like-for-like pairs are `FULL` (`--remat full --mlp-chunk 0`) with a "
-              "checkpointing peer and `SAVE` with /no-checkpointing"]
+              "ours re-runs what its --remat flags say (`--remat full`: the layer, `--attn-keep` its attention "
+              "forward kept; `save_matmuls`: elementwise work only): the like-for-like pairs are `--remat full` with "
+              "a checkpointing peer and `save_matmuls` with /no-checkpointing"]
     stem, rows = args.out_dir / f"peers_{kind}_{stamp:%Y%m%d-%H%M}", []
     args.ends_at = None if args.deadline is None else time.monotonic() + args.deadline
     for row in chosen:  # the files rewritten after each measurement: a run stopped at its limit keeps what it measured
@@ -392,8 +388,8 @@ def quick_chunks(flags: str) -> str:
 
 def flag_sets(text: str) -> tuple[str, ...]:
     """``--flag-sets``' sets, each a set of flags whose first token may name one of the module's sets (BASE, KEEP,
-    SAVE, KEEP_MLP, FULL, HOST_OPTIM, NO_TRITON), expanded."""
-    named = {"BASE": BASE, "KEEP": KEEP, "SAVE": SAVE, "KEEP_MLP": KEEP_MLP, "FULL": FULL, "HOST_OPTIM": HOST_OPTIM,
+    SAVE, KEEP_MLP, HOST_OPTIM, NO_TRITON), expanded."""
+    named = {"BASE": BASE, "KEEP": KEEP, "SAVE": SAVE, "KEEP_MLP": KEEP_MLP, "HOST_OPTIM": HOST_OPTIM,
              "NO_TRITON": NO_TRITON}
     return tuple(" ".join(named.get(t, t) for t in part.split()) for part in text.split("|") if part.strip())
 
