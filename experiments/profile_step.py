@@ -201,7 +201,23 @@ def breakdown(events, categories: dict[str, str]) -> tuple[dict[str, float], flo
     return total, (points[-1][0] - points[0][0]) * 1e-6
 
 
-def from_ops(ops_path: pathlib.Path) -> pathlib.Path:
+def plan_lines(plan_json: pathlib.Path, per_step: dict[str, float], idle: float) -> list[str]:
+    """``plan``'s estimate parts (a ``plan --json`` file) beside the measured categories (seconds a step), and the
+    three largest differences."""
+    parts = json.loads(plan_json.read_text())["estimate"]["parts"]
+    lines = ["", "| plan's part | estimate ms | measured ms | measured - estimate |", "|---|---|---|---|"]
+    diffs = []
+    for part, cats in PLAN_PARTS.items():
+        est, got = parts.get(part, 0.0), sum(per_step[c] for c in cats)
+        diffs.append((abs(got - est), part, est, got))
+        lines.append(f"| {part} ({', '.join(cats)}) | {est * 1e3:.1f} | {got * 1e3:.1f} | {(got - est) * 1e3:+.1f} |")
+    lines.append(f"| idle gaps (plan: not counted) | 0.0 | {idle * 1e3:.1f} | {idle * 1e3:+.1f} |")
+    diffs.append((idle, "idle gaps", 0.0, idle))
+    top = sorted(diffs, reverse=True)[:3]
+    return lines + ["", "Largest differences: " + "; ".join(f"{p} ({(g - e) * 1e3:+.1f} ms)" for _, p, e, g in top)]
+
+
+def from_ops(ops_path: pathlib.Path, plan_json: pathlib.Path | None = None) -> pathlib.Path:
     """A stored profile (``*.ops.json.gz`` and the ``*.hlo.txt.gz`` beside it) categorised by this file's rules, as
     ``*.by_category.md`` beside them (module doc); returns its path."""
     stem = pathlib.Path(str(ops_path).removesuffix(".ops.json.gz"))
@@ -226,6 +242,12 @@ def from_ops(ops_path: pathlib.Path) -> pathlib.Path:
              f"- sum of the stored op times: {total:.1f} ms a step ({len(ops):,} ops; overlapping ops count twice)",
              "", "| category | ms per step | share of the sum |", "|---|---|---|"]
     lines += [f"| {c} | {per[c]:.1f} | {per[c] / total:.1%} |" for c in CATEGORIES]
+    if plan_json is not None:  # the idle gaps: the profile's step less its busy time (both on its table's line)
+        nums = re.findall(r"([\d,.]+) ms", measured or "")
+        idle = (float(nums[0].replace(",", "")) - float(nums[1].replace(",", ""))) / 1e3 if len(nums) >= 2 else 0.0
+        lines += ["", f"Beside `plan`'s estimate of the same flags (`{plan_json.name}`; an estimate of the program "
+                  f"of the commit that wrote it, which may differ from the profiled one):"]
+        lines += plan_lines(plan_json, {c: per[c] / 1e3 for c in CATEGORIES}, idle)
     lines += ["", "Largest ops and their category:", "", "| ms per step | category | kernel |", "|---|---|---|"]
     lines += [f"| {ms:.1f} | {op_category(categories, name, kind)} | `{kind[:90]}` |" for name, kind, ms in ops[:30]]
     out = pathlib.Path(f"{stem}.by_category.md")
@@ -236,7 +258,7 @@ def from_ops(ops_path: pathlib.Path) -> pathlib.Path:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if getattr(args, "from_ops", None):
-        out = from_ops(args.from_ops)
+        out = from_ops(args.from_ops, args.plan_json)
         print(out.read_text() + f"wrote {out}")
         return 0
     import os
@@ -302,17 +324,7 @@ def main(argv=None) -> int:
               "| ms per step | launches a step | kernel |", "|---|---|---|"]
     lines += [f"| {ms:.1f} | {launches[k]:.0f} | `{k[:100]}` |" for k, ms in by_kernel.most_common(25)]
     if args.plan_json:
-        parts = json.loads(args.plan_json.read_text())["estimate"]["parts"]
-        lines += ["", "| plan's part | estimate ms | measured ms | measured - estimate |", "|---|---|---|---|"]
-        diffs = []
-        for part, cats in PLAN_PARTS.items():
-            est, got = parts.get(part, 0.0), sum(per_step[c] for c in cats)
-            diffs.append((abs(got - est), part, est, got))
-            lines.append(f"| {part} ({', '.join(cats)}) | {est * 1e3:.1f} | {got * 1e3:.1f} | {(got - est) * 1e3:+.1f} |")
-        lines.append(f"| idle gaps (plan: not counted) | 0.0 | {idle * 1e3:.1f} | {idle * 1e3:+.1f} |")
-        diffs.append((idle, "idle gaps", 0.0, idle))
-        top = sorted(diffs, reverse=True)[:3]
-        lines += ["", "Largest differences: " + "; ".join(f"{p} ({(g - e) * 1e3:+.1f} ms)" for _, p, e, g in top)]
+        lines += plan_lines(args.plan_json, per_step, idle)
     text = "\n".join(lines) + "\n"
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)

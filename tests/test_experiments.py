@@ -320,6 +320,19 @@ def test_profile_from_stored_ops_categorises_them_anew(tmp_path):
     assert rows["elementwise and copies"] == 20.0 and rows["host transfers"] == 0.0
     assert rows["attention backward"] == 100.0 and "sum of the stored op times: 195.0 ms" in text
     assert "measured step (host, mean of 2 traced steps): 196.0 ms" in text
+    # beside plan's parts (a plan --json of the same flags): the three largest differences named
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"estimate": {"parts": {"attention_s": 0.090, "matmul_s": 0.050, "elementwise_s": 0.02,
+                                                       "update_s": 0.001}}}))
+    pathlib.Path(f"{stem}.md").write_text("- measured step (host, mean of 2 traced steps): 196.0 ms; device ops busy "
+                                          "190.0 ms (9 ops a step)\n")
+    p = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_step.py"), "--from-ops",
+                        f"{stem}.ops.json.gz", "--plan-json", str(plan)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = pathlib.Path(f"{stem}.by_category.md").read_text()
+    assert "| matmul_s (GEMMs, MLP chunks, tiled loss) | 50.0 | 70.0 | +20.0 |" in text
+    assert "| idle gaps (plan: not counted) | 0.0 | 6.0 | +6.0 |" in text
+    assert "Largest differences: matmul_s (+20.0 ms); attention_s (+10.0 ms); idle gaps (+6.0 ms)" in text
     pathlib.Path(f"{stem}.hlo.txt.gz").unlink()
     p = subprocess.run([sys.executable, str(ROOT / "experiments" / "profile_step.py"), "--from-ops",
                         f"{stem}.ops.json.gz"], capture_output=True, text=True, timeout=120)
