@@ -18,8 +18,8 @@ flags. The peers (`peer_step.py`, imported by their child only), in the way a us
 - `transformers`: `AutoModelForCausalLM.from_config` of the same shapes, SDPA attention, gradient checkpointing,
   float32 weights under bfloat16 autocast, the global gradient norm clipped at 1 (as ours and the Trainer clip),
   `torch.optim.AdamW(fused=True)`; LoRA: a bfloat16 base and `peft.get_peft_model` with r 16, alpha 32 on the seven
-  projections, its float32 adapters under the same autocast (ours: the same adapters, `--lora-rank 16`; before
-  2026-11-29 the LoRA peer ran without autocast and no clipping: its adapters' GEMMs in float32, work ours does not do);
+  projections, its float32 adapters under the same autocast (ours: the same adapters, `--lora-rank 16`; through
+  2026-11-28 the LoRA peer ran without autocast and no clipping: its adapters' GEMMs in float32, work ours does not do);
 - `transformers+liger`: the same after `liger_kernel.transformers.apply_liger_kernel_to_<family>()` (fused linear
   cross-entropy, RMSNorm, SwiGLU, RoPE), when `liger-kernel` imports (a GPU with Triton; carried as a wheel);
 - either with `/no-checkpointing` (`--peers transformers+liger/no-checkpointing`): the same without gradient
@@ -154,7 +154,6 @@ def split_flags(flags: str) -> tuple[list[str], list[str]]:
 
 def ours(spec: dict) -> dict:
     """Our step: bench_train's, one document per row, on one device."""
-    sys.path.insert(0, str(HERE))
     import bench_train
 
     argv = ["--preset", spec["preset"], "--seq-lens", str(spec["seq_len"]), "--sp", "1", "--fsdp", "1",
@@ -175,7 +174,6 @@ def child_main(spec: dict) -> int:
         if spec["who"] == "ours":
             result = ours(spec)
         else:
-            sys.path.insert(0, str(HERE))
             from peer_step import peer  # torch, transformers, peft and liger: imported in the peer's child only
 
             result = peer(spec)

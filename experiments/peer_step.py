@@ -100,7 +100,7 @@ def peer(spec: dict) -> dict:
     def step() -> float:
         # bf16 autocast in both modes, as the Trainer runs with bf16=True: with LoRA, peft keeps the adapters in
         # float32 (its autocast_adapter_dtype), and without autocast their GEMMs ran in float32 on float32 copies of
-        # the inputs, work ours does not do (the LoRA peer rows before 2026-11-29 ran so)
+        # the inputs, work ours does not do (the LoRA peer rows through 2026-11-28 ran so)
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
             # transformers shifts the labels itself: the tokens as labels, as its users pass them (ours' targets)
             out = model(input_ids=ids, labels=ids, **extra)

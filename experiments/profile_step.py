@@ -63,10 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--plan-json", type=pathlib.Path, default=None)
     p.add_argument("--from-ops", type=pathlib.Path, default=None, help="a stored *.ops.json.gz: categorise it anew")
     known, rest = p.parse_known_args(argv)
-    if known.from_ops:
+    if known.from_ops:  # a stored profile: no step to build, so none of bench_train's flags
         return known
     args = bench_train.parse_args(rest)
-    args.profile_steps, args.plan_json = known.profile_steps, known.plan_json
+    args.profile_steps, args.plan_json, args.from_ops = known.profile_steps, known.plan_json, None
     return args
 
 
@@ -225,10 +225,11 @@ def from_ops(ops_path: pathlib.Path, plan_json: pathlib.Path | None = None) -> p
     if not str(ops_path).endswith(".ops.json.gz") or not ops_path.is_file() or not hlo.is_file():
         raise SystemExit(f"profile_step: --from-ops {ops_path}: give a *.ops.json.gz with its *.hlo.txt.gz beside it")
     categories = hlo_categories(gzip.open(hlo, "rt").read())
-    ops = json.load(gzip.open(ops_path, "rt"))  # [hlo_op, kernel, ms a step], largest first
+    # [hlo_op, kernel, ms a step], largest first; profiles taken before bbdfe5d (2026-11-28) named every memcpy
+    # event's kind "memcpy" (MemcpyD2D a host transfer)
+    ops = [(name, memcpy_kind(name) if kind == "memcpy" else kind, ms)
+           for name, kind, ms in json.load(gzip.open(ops_path, "rt"))]
     per = collections.Counter({c: 0.0 for c in CATEGORIES})
-    # profiles taken before bbdfe5d (2026-11-28) named every memcpy event's kind "memcpy" (MemcpyD2D a host transfer)
-    ops = [(name, memcpy_kind(name) if kind == "memcpy" else kind, ms) for name, kind, ms in ops]
     for name, kind, ms in ops:
         per[op_category(categories, name, kind)] += ms
     total = sum(per.values())
@@ -257,7 +258,7 @@ def from_ops(ops_path: pathlib.Path, plan_json: pathlib.Path | None = None) -> p
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if getattr(args, "from_ops", None):
+    if args.from_ops:
         out = from_ops(args.from_ops, args.plan_json)
         print(out.read_text() + f"wrote {out}")
         return 0

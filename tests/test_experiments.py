@@ -168,17 +168,14 @@ def test_bench_peers_keeps_a_comparison_when_its_time_runs_out(monkeypatch):
 def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
     """``transformers/no-checkpointing`` runs the peer's step without gradient checkpointing, the plain name with it
     (the peer always checkpointed before, while ours kept its products under SAVE: the ratio credited ours with a
-    recompute the peer need not run where its activations fit); an unknown peer or variant is refused in one line.
-    The peer does ours' work otherwise too (a review of the benchmark): the global norm clipped at 1 each step, bf16
-    autocast in LoRA mode as well, and ours' one-document rows on cuDNN's causal mask alone."""
+    recompute the peer need not run where its activations fit). The peer does ours' work otherwise too (a review of
+    the benchmark): the global norm clipped at 1 each step, bf16 autocast in LoRA mode as well."""
     pytest.importorskip("transformers")
+    import torch
     import transformers
 
     sys.path.insert(0, str(ROOT / "experiments"))
-    import bench_peers
     import peer_step
-
-    import torch
 
     enabled, clipped, autocast = [], [], []
     real = transformers.PreTrainedModel.gradient_checkpointing_enable
@@ -199,6 +196,16 @@ def test_peer_without_checkpointing_keeps_its_activations(monkeypatch):
         assert clipped == [1.0, 1.0] and autocast == [True, True], (name, mode, clipped, autocast)
     # --peer-profile: the peer's attention kernels by name and device time (GPU only: a CPU run leaves the note out)
     assert "attention" not in peer_step.peer({**spec, "peer": "transformers", "profile": True})
+
+
+def test_bench_peers_names_its_peers_and_ours_one_document_rows():
+    """The profiled peer's note names its attention kernels and their share of the step's device time; ours' rows of
+    one document take cuDNN's causal mask alone unless the flag set says otherwise; an unknown peer or variant is
+    refused in one line."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_peers
+    import peer_step
+
     note = peer_step.attention_kernels({"cudnn_generated_fort_native_sdpa_sm90_flash_bprop": 30.0,
                                         "pytorch_flash::flash_fwd_kernel": 10.0, "nvjet_sm90_tst_NNT": 60.0})
     assert note.startswith("peer's attention kernels 40.0 of 100.0 ms") and "sdpa_sm90_flash_bprop 30.0 ms" in note

@@ -205,11 +205,10 @@ def test_eight_devices_equal_one(case, seed):
     weight gradient at its largest by 1.3e-2 relative (3 of 12 seeds: the earlier 1e-4 failed those), by 1.7e-2 with
     cosine 0.9999837 in one full-suite run (16 more seeds: 15 exact, one flip at cosine 0.9999964). Rarer and broader
     (presumably a float32 sum in another order moving a tensor's amax, so its scale and the rounding of many of its
-    elements; not traced): at seed
-    1624255179 (one of 17 seeds; the others exact to 4e-7) the loss by 1.5e-5 relative and the attention weights'
-    gradients to cosine 0.9935, norms within 0.55%, max 0.124 relative (without float8 the same seed agrees to 8e-8).
-    Held at loss 1e-4, cosine 0.99 and norms within 2%: a wrong gradient, a missing sum (half or twice the norm) or
-    scale, is far outside. Tiled (mlp_chunk, attn_chunk):
+    elements; not traced): at seed 1624255179 (one of 17 seeds; the others exact to 4e-7) the loss by 1.5e-5
+    relative and the attention weights' gradients to cosine 0.9935, norms within 0.55%, max 0.124 relative (without
+    float8 the same seed agrees to 8e-8). Held at loss 1e-4, cosine 0.99 and norms within 2%: a wrong gradient, a
+    missing sum (half or twice the norm) or scale, is far outside. Tiled (mlp_chunk, attn_chunk):
     each chunk of each device is scaled on its own, so float8 rounding differs: loss within 1e-3 (measured 6e-5),
     gradient cosine > 0.98 (measured >= 0.983 over 6 seeds of each case) and norm within 10% of one device's; the
     delayed recipe's history: the weights' amaxes equal, the inputs' of the first projections too."""

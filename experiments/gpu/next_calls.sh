@@ -15,13 +15,14 @@
 # row): the before of those untimed changes, on the same flags, in the same call.
 #
 # A (limits 440 s): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and transformers +
-#    Liger (with and without gradient checkpointing), then ours in float8, then with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
+#    Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then with the layer
+#    loop unrolled (--scan-unroll: its zero fills and slice copies).
 # B (limits 590 s): llama3.1-8b LoRA r16 at 32K (bf16 and float8 with the MLP's products kept, --mlp-keep, beside
-#    transformers + peft and Liger: the 32K goals of issues 38 and 40; then bf16 as measured before), then at 8K (the float8 before/after; bf16 and float8 beside Liger with the matmul outputs
-#    kept, --remat save_matmuls, which LoRA could not afford before its adapters' full-width terms were recomputed,
-#    beside Liger with and without gradient checkpointing,
-#    and with --remat full as measured; then float8 with the layer loop unrolled: --scan-unroll drops the copies of
-#    each layer's frozen weights).
+#    transformers + peft and Liger: the 32K goals of issues 38 and 40; then bf16 as measured before), then at 8K
+#    beside Liger with and without gradient checkpointing (the float8 before/after; bf16 and float8 with the matmul
+#    outputs kept, --remat save_matmuls, which LoRA could not afford before its adapters' full-width terms were
+#    recomputed, and with --remat full as measured; then float8 with the layer loop unrolled: --scan-unroll drops the
+#    copies of each layer's frozen weights).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
 # D (limits 450 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger (and with
@@ -48,7 +49,7 @@ SAVE1="SAVE $ONE"
 KEEP1="KEEP $ONE"
 MLP1="KEEP_MLP $ONE"
 # the peer without gradient checkpointing (bench_peers.py's variant): its fastest step where its activations fit, beside
-# ours keeping its products (SAVE); every peer measured before 2026-11-29 checkpointed
+# ours keeping its products (SAVE); every peer measured through 2026-11-28 checkpointed
 NOCKPT=no-checkpointing
 # --peer-profile: one more peer step under torch's profiler, its attention kernels (which SDPA backend) and their time
 # in the row's note: whether the gap to ours is attention or the rest
