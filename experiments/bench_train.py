@@ -85,6 +85,22 @@ def random_batch(rows: int, seq_len: int, vocab: int, seed: int = 0, documents: 
     return {"tokens": tokens, "segment_ids": seg, "labels": next_token_labels(tokens, seg)}
 
 
+# ModelConfig fields newer than some packages bench_train runs, with the values that leave them off: the baseline of a
+# before/after (first_contact.sh) runs an earlier commit's package, which may lack them
+LATER_FIELDS = {"mlp_keep": False, "delta_precision": "highest", "delta_impl": "xla", "attn_max_documents": 0,
+                "scan_unroll": False}
+
+
+def known_fields(config_cls, values: dict) -> dict:
+    """``values`` that ``config_cls`` has a field for; one it lacks is dropped when off, refused in one line if set."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    for name, value in values.items():
+        if name not in fields and value != LATER_FIELDS.get(name):
+            raise SystemExit(f"bench_train.py: this package's {config_cls.__name__} has no {name} (given {value!r}); "
+                             f"drop its flag or run a package that has it")
+    return {name: value for name, value in values.items() if name in fields}
+
+
 def build(args, seq_len: int):
     """``(step, state, batch, local rows, cfg, mesh)``: the real training step of ``args``' model and flags at
     ``seq_len``, its state born sharded and one random batch (``random_batch``) on the mesh."""
@@ -108,13 +124,10 @@ def build(args, seq_len: int):
     sp = args.sp or n
     mesh = make_mesh(fsdp=args.fsdp, sp=sp)
     rows = args.batch_size or mesh.shape["data"] * mesh.shape["fsdp"]
+    later = {name: getattr(args, name, off) for name, off in LATER_FIELDS.items()}
     cfg = ModelConfig.from_preset(args.preset, attention_impl=args.attention, remat=args.remat,
-                                  attn_keep=args.attn_keep, mlp_keep=getattr(args, "mlp_keep", False),
-                                  loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
-                                  delta_precision=getattr(args, "delta_precision", "highest"),
-                                  delta_impl=getattr(args, "delta_impl", "xla"),
-                                  attn_max_documents=getattr(args, "attn_max_documents", 0),
-                                  scan_unroll=getattr(args, "scan_unroll", False))
+                                  attn_keep=args.attn_keep, loss_chunk=args.loss_chunk, mlp_chunk=args.mlp_chunk,
+                                  **known_fields(ModelConfig, later))
     if getattr(args, "fp8", "off") != "off":  # main() runs "both" as an "off" and an "on" row
         cfg = dataclasses.replace(cfg, fp8=True, fp8_recipe=getattr(args, "fp8_recipe", "current"))
     if args.lora_rank:
@@ -201,6 +214,9 @@ def main(argv=None) -> int:
     lora = (f"_lora{args.lora_rank}" if args.lora_rank else "") + ("" if args.fp8 == "off" else f"_fp8{args.fp8}")
     stem = args.out_dir / f"train_{args.preset}{lora}_{kind}_{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     print("wrote", *write_table(stem, "Training-step benchmark", meta, cols, rows))
+    if not any(r.get("step_s") for r in rows):  # a note per row is kept, but a run that timed nothing fails
+        print(f"bench_train: no row ran ({rows[0]['note']}); see the table's notes", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -54,6 +54,37 @@ def test_benchmarks_refuse_cpu_without_flag(tmp_path):
         assert p.returncode == 2 and "pass --allow-cpu" in p.stderr
 
 
+def test_bench_train_runs_an_earlier_package_and_fails_when_nothing_ran(monkeypatch, tmp_path):
+    """The before of a before/after runs an earlier commit's package (first_contact.sh's baseline): a config field it
+    lacks is left out when off and refused in one line when set; a run whose every row failed exits 1 (on a GPU the
+    baseline's rows were lost to ``mlp_keep``, unknown to the earlier package, while the step said exit 0)."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_train
+
+    @dataclasses.dataclass(frozen=True)
+    class Earlier:  # an earlier ModelConfig: no mlp_keep, no scan_unroll
+        attn_max_documents: int = 0
+
+    later = {"mlp_keep": False, "scan_unroll": False, "attn_max_documents": 1}
+    assert bench_train.known_fields(Earlier, later) == {"attn_max_documents": 1}
+    with pytest.raises(SystemExit, match="has no mlp_keep .given True.; drop its flag"):
+        bench_train.known_fields(Earlier, {**later, "mlp_keep": True})
+
+    def fail(args, seq_len):
+        raise TypeError("ModelConfig.__init__() got an unexpected keyword argument")
+
+    monkeypatch.setattr(bench_train, "bench_one", fail)
+    env_flags = os.environ.get("XLA_FLAGS")
+    try:
+        rc = bench_train.main(["--allow-cpu", "--quick", "--out-dir", str(tmp_path)])
+    finally:  # main() sets the fake-device count when it is unset: leave the process's environment as it was
+        if env_flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+    assert rc == 1 and "TypeError" in next(tmp_path.glob("*.md")).read_text()
+
+
 @pytest.mark.slow
 def test_gpu_first_contact_dry_run(tmp_path):
     """experiments/gpu/first_contact.sh --dry-run on CPU: every step runs (tiny sizes; GPU tests skipped) and exits 0,
