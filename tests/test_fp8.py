@@ -545,7 +545,7 @@ def test_plan_estimates_float8_gemms_at_their_own_rate():
     assert f8["parts"]["matmul_s"] == pytest.approx(want, rel=1e-9)
     assert f8["parts"]["matmul_fp8_s"] == pytest.approx((total - head) / (estimate.FP8_MATMUL_RATE * eff), rel=1e-9)
     assert bf16["parts"]["matmul_fp8_s"] == 0.0
-    assert any("fitted on two measured rows" in a and "--fp8" in a for a in f8["assumptions"])
+    assert any("fitted on measured rows" in a and "--fp8" in a for a in f8["assumptions"])
     assert not any("--fp8" in a for a in bf16["assumptions"])
 
 

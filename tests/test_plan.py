@@ -565,6 +565,8 @@ def test_the_nearest_measured_row_is_of_the_same_gpu_and_model():
     assert nearest("h200", "llama3.2-1b", 30000, lora=True).mode == "lora16"
     assert nearest("h100", "llama3.2-1b", 32768, flags="--attention pallas").flags.startswith("--attention pallas")
     assert nearest("h100", "qwen3-8b", 32768) is None
+    one = "--remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0 --attn-max-documents 1"
+    assert nearest("h200", "llama3.2-1b", 32768, flags=one).step_s == 1.040  # of two rows alike, the newer program's
     assert "measured (experiments/results/" in near.describe() and all(r.step_s > 0 for r in ROWS)
     import pathlib
 

@@ -14,28 +14,34 @@
 # 2026-11-28 (before the fused loss, the float8 GEMMs writing bf16 and cuDNN's causal mask alone for one document a
 # row): the before of those untimed changes, on the same flags, in the same call.
 #
-# A (limits 440 s): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and transformers +
-#    Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then with the layer
-#    loop unrolled (--scan-unroll: its zero fills and slice copies).
-# B (limits 590 s): llama3.1-8b LoRA r16 at 32K (bf16 and float8 with the MLP's products kept, --mlp-keep, beside
-#    transformers + peft and Liger: the 32K goals of issues 38 and 40; then bf16 as measured before), then at 8K
-#    beside Liger with and without gradient checkpointing (the float8 before/after; bf16 and float8 with the matmul
-#    outputs kept, --remat save_matmuls, which LoRA could not afford before its adapters' full-width terms were
-#    recomputed, and with --remat full as measured; then float8 with the layer loop unrolled: --scan-unroll drops the
-#    copies of each layer's frozen weights).
+# Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next D, C, F, then G (what A
+# and B left) and E. D and C together fit one session (790 s of limits; the machine started in about 30 s that day).
+# A (limits 440 s, ran 2026-11-28): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and
+#    transformers + Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then
+#    with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
+# B (limits 590 s, ran 2026-11-28): llama3.1-8b LoRA r16 at 32K (bf16 and float8 with the MLP's products kept,
+#    --mlp-keep, beside transformers + peft and Liger: the 32K goals of issues 38 and 40; then bf16 as measured
+#    before), then at 8K beside Liger with and without gradient checkpointing (bf16 and float8 with the matmul outputs
+#    kept, --remat save_matmuls; --remat full as measured before, in bf16 and float8; float8 with the layer loop
+#    unrolled).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
-# D (limits 450 s): llama3.2-1b at 8K beside both peers (and with --scan-unroll) and at 128K beside Liger (and with
-#    --mlp-keep, which --memory auto picks there: 109 GiB, an estimated 12.41 s against 12.70).
+# D (limits 450 s): llama3.2-1b at 8K beside both peers and Liger without checkpointing (bf16 and float8 with the
+#    products kept, --remat full, --scan-unroll) and at 128K beside Liger (and with --mlp-keep, which --memory auto
+#    picks there: 109 GiB, an estimated 12.41 s against 12.70).
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
 #    --fp8 and with it in each recipe (float8 within 1% of bf16 at the end; on CPUs the tiny preset, a 256-wide float32
 #    model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9% at seed 1:
 #    its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge the 1% goal).
+# G (limits 420 s): what A and B left (their baseline steps failed on a field the earlier package lacked, since
+#    fixed; the 8K float8 rows ran out of the part's time): llama3.2-1b at 32K before/after, and with --remat full
+#    beside the checkpointing peers (the like-for-like pair: 0.91x on an H100 on 2026-11-27, before the loss fix);
+#    llama3.1-8b LoRA at 8K in float8 with --remat full and with the layer loop unrolled, beside Liger.
 set -u
 cd "$(dirname "$0")/../.."
-CALL=${1:?usage: next_calls.sh A|B|C|D|E|F [--dry-run]}
+CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G [--dry-run]}
 DRY=${2:-}
 if [ -z "$DRY" ] && [ -z "${ULYSSES_JAX_COMMIT:-}" ] && ! git rev-parse -q HEAD > /dev/null 2>&1; then
   echo "next_calls.sh: no git here: give the commit measured, ULYSSES_JAX_COMMIT=<commit> (the CSVs name it)" >&2
@@ -102,8 +108,8 @@ or memory_flags"
     part c_delta STEPS="delta" DELTA_ARGS="--seq-lens 32768 --iters 3 --warmup 1" DELTA_LIMIT=90
     ;;
   D)
-    part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8|$KEEP1 --scan-unroll" \
-      PEER_ARGS="$S" PEERS_LIMIT=230
+    part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$KEEP1|$SAVE1 --scan-unroll" \
+      PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=230
     part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1|$MLP1" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=220
     ;;
@@ -115,8 +121,18 @@ or memory_flags"
   F)
     part f_fp8_curves STEPS="curves" CURVES_LIMIT=450
     ;;
+  G)
+    part g_1b_32k STEPS="baseline peers" BASELINE_LIMIT=60 \
+      BASELINE_ARGS="--preset llama3.2-1b --seq-lens 32768 --sp 1 --fsdp 1 --batch-size 1 --remat save_matmuls \
+--attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
+      PEER_ROWS=1b-32k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8" PEERS_LIMIT=190 \
+      PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT"
+    part g_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
+      PEER_FLAG_SETS="$KEEP1 --fp8|$SAVE1 --fp8 --scan-unroll|$SAVE1 --fp8" PEER_ARGS="$S --peers transformers+liger" \
+      PEERS_LIMIT=170
+    ;;
   *)
-    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E or F" >&2
+    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F or G" >&2
     exit 2
     ;;
 esac

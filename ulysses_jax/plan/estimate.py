@@ -10,7 +10,7 @@ Per step and per device, from the compiled plan:
   (``kernels/flash_estimate.py``) calibrated on the measured Triton tutorial kernel;
 * the other matmuls (projections, MLP, unembedding; every dot of the compiled program, re-runs included) at
   ``MATMUL_EFFICIENCY`` of ``MATMUL_RATE`` (the share measured steps reached, the work around the GEMMs included);
-  with ``--fp8`` all but the unembedding's at ``FP8_MATMUL_RATE`` (fitted on two measured rows) and ``FP8_PASSES``
+  with ``--fp8`` all but the unembedding's at ``FP8_MATMUL_RATE`` (fitted on measured rows) and ``FP8_PASSES``
   more elementwise passes for their amaxes and casts;
 * the gated delta rule of a hybrid's linear layers (Qwen3.5, Qwen3-Next): its FLOPs (``model.flops.delta_rule_flops``,
   the chunked kernel's forward and backward, a forward again per re-run of the layers) at ``DELTA_RATE``, measured
@@ -61,28 +61,32 @@ ATTENTION_RATES: dict[tuple[str, int], KernelRate] = {
     ("blockwise", 128): KernelRate(150e12, 150e12, "assumed, no published figure: the blockwise kernel is XLA ops"),
 }
 # the share of the hd128 rate at other head dims: hd64 fitted on the measured one-GPU steps (CALIBRATED_ON below: the
-# llama3.2-1b rows, cuDNN 9.19); hd256 assumed (FlashAttention-2/3 run below their hd128 rate there)
-HEAD_DIM_FACTOR = {64: (0.74, "fitted on measured steps"), 256: (0.9, "assumed")}
+# llama3.2-1b rows, cuDNN 9.19; 0.74 on the H100's rows of 2026-11-27, whose 1B steps ran cuDNN's packed layout);
+# hd256 assumed (FlashAttention-2/3 run below their hd128 rate there)
+HEAD_DIM_FACTOR = {64: (0.85, "fitted on measured steps"), 256: (0.9, "assumed")}
 # The trust band: published runs of the same model, context and GPU count took this many times the estimate's step
 # time (experiments/results/plan_calibration_h100.md, rerun 2026-11-27 with the estimate calibrated on our own
 # measured steps: TRL, torchtitan, the HF blog; their methods differ from ours, which is why the band is wide).
 CALIBRATION_SPREAD = (1.16, 2.61)
 MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-gpu notes), 790-800 in the anchors
-# The calibration on this project's own measured steps: one H100, batch 1, one document a row, bf16 and float8
-# (experiments/results/peers_h100_20261127.csv, 8 rows: llama3.2-1b full at 32K and 128K, llama3.1-8b LoRA r16 at
-# 8K and 32K). Fitted there (experiments/plan_vs_measured.py --fit, least squares on the relative error): the step's
-# matmuls, with what XLA fuses into them and around them (the tiled loss's softmax over the vocabulary, epilogues,
-# layout copies, launch gaps), ran at MATMUL_EFFICIENCY of MATMUL_RATE; float8 GEMMs at FP8_MATMUL_RATE of the same
-# kind; head_dim 64 attention at HEAD_DIM_FACTOR[64] of the hd128 rate. In-sample every row within 4%, each row left
-# out of the fit within 11% (experiments/results/plan_vs_measured_h100.md).
-CALIBRATED_ON = "experiments/results/peers_h100_20261127.csv"
-MATMUL_EFFICIENCY = 0.64
+# The calibration on this project's own measured steps: one H200, batch 1, one document a row, bf16 and float8, the
+# program of commit 274568a (experiments/results/peers_h200_20261128b.csv, 9 rows: llama3.2-1b full at 32K,
+# llama3.1-8b LoRA r16 at 8K and 32K). Fitted there (experiments/plan_vs_measured.py --fit, least squares on the
+# relative error): the step's matmuls, with what XLA fuses into them and around them (the tiled loss's softmax over
+# the vocabulary, epilogues, layout copies, launch gaps), ran at MATMUL_EFFICIENCY of MATMUL_RATE; float8 GEMMs at
+# FP8_MATMUL_RATE of the same kind; head_dim 64 attention at HEAD_DIM_FACTOR[64] of the hd128 rate. In-sample every
+# row within 6.2%, each row left out of the fit within 8.8% (experiments/results/plan_vs_measured_h200_20261128b.md).
+# The first fit, on the H100's 8 rows of 2026-11-27 (an older program: the loss's float32 GEMMs, cuDNN's packed
+# layout for every row), gave 0.64 and hd64 0.74 (experiments/results/plan_vs_measured_h100.md).
+CALIBRATED_ON = "experiments/results/peers_h200_20261128b.csv"
+MATMUL_EFFICIENCY = 0.68
 # float8 GEMM (--fp8; ours: per-tensor rescaled operands): the dense FP8 peak is 1979 TFLOP/s and large FP8 GEMMs
 # alone are reported at 1300-1500. Fitted at 865e12 on the H100's two float8 rows of 2026-11-27 (XLA's Triton float8
 # GEMMs); refitted on the H200's of 2026-11-28 (experiments/results/peers_h200_20261128.csv: cuBLASLt's float8 GEMMs,
 # which the same image's jax 0.11.2 picked there), where 865e12 put the step 16-22% over the measured one:
-# experiments/plan_vs_measured.py --fit gave the float8 matmuls x0.792 (plan_vs_measured_h200_before_refit.md)
-FP8_MATMUL_RATE = 1090e12
+# experiments/plan_vs_measured.py --fit gave the float8 matmuls x0.792 (plan_vs_measured_h200_before_refit.md): 1090e12;
+# with the calibration above (2026-11-28 evening, four float8 rows among the nine) 1110e12
+FP8_MATMUL_RATE = 1110e12
 FP8_PASSES = 12  # assumed: passes over [tokens, hidden] per layer (forward and backward) for float8 amaxes and casts
 # the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
 # shapes, 65,536 rows (8,192 tokens x top-8; 429 TFLOP/s at 262,144 rows): experiments/results/gpu_h100_20261126b
@@ -252,7 +256,7 @@ def step_estimate(p, model, kernel: str) -> dict:
         f"GEMM measured at 8192^3 ({MATMUL_RATE / 1e12:.0f}), the share the measured steps reached with the work "
         f"around their GEMMs (fitted on {CALIBRATED_ON}); {rerun_note}",
         *([f"--fp8: {fp8_flops / matmul_flops:.0%} of the matmul FLOPs (all but the unembedding) in float8 at "
-           f"{FP8_MATMUL_RATE * MATMUL_EFFICIENCY / 1e12:.0f} TFLOP/s (fitted on two measured rows; the FP8 peak is "
+           f"{FP8_MATMUL_RATE * MATMUL_EFFICIENCY / 1e12:.0f} TFLOP/s (fitted on measured rows; the FP8 peak is "
            f"1979), plus {FP8_PASSES} elementwise passes per layer for the amaxes and casts"] if fp8_flops else []),
         f"elementwise work: {ELEMENTWISE_PASSES} passes over [tokens, hidden] per layer forward at the HBM bandwidth "
         f"({t.hbm_bytes_per_s / 1e12:.2f} TB/s); optimizer update "

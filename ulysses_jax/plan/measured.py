@@ -37,6 +37,9 @@ _PEERS = "experiments/results/peers_h100_20261127.csv"
 _KEEP = _AUTO + " --attn-keep"
 _SAVE = "--attention auto --remat save_matmuls --attn-keep --loss-chunk 4096 --mlp-chunk 0"
 _PEERS_H200 = "experiments/results/peers_h200_20261128.csv"
+_PEERS_H200B = "experiments/results/peers_h200_20261128b.csv"
+_MLP_KEEP = "--attention auto --remat full --attn-keep --mlp-keep --loss-chunk 4096 --mlp-chunk 0"
+_ONE = " --attn-max-documents 1"
 ROWS: tuple[Measured, ...] = (
     Measured("h100", "llama3.2-1b", "full", 8192, 4, _CUDNN, 0.210, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
     Measured("h100", "llama3.2-1b", "full", 32768, 4, _CUDNN, 1.080, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
@@ -66,16 +69,30 @@ ROWS: tuple[Measured, ...] = (
         ("llama3.1-8b", "lora16", 8192, _KEEP, 0.787),
         ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8", 0.663),
         ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8 --attn-max-documents 1", 0.630))),
+    # the evening's (2026-11-28, commit 274568a): the fused loss, float8 GEMMs writing bf16, cuDNN's causal mask alone
+    # for one document a row; plan's calibration since (estimate.CALIBRATED_ON)
+    *(Measured("h200", preset, mode, seq, 1, flags + _ONE, step, _PEERS_H200B) for preset, mode, seq, flags, step in (
+        ("llama3.2-1b", "full", 32768, _SAVE, 1.040),
+        ("llama3.2-1b", "full", 32768, _SAVE + " --fp8", 0.964),
+        ("llama3.2-1b", "full", 32768, _SAVE + " --scan-unroll", 1.019),
+        ("llama3.1-8b", "lora16", 32768, _MLP_KEEP, 3.919),
+        ("llama3.1-8b", "lora16", 32768, _MLP_KEEP + " --fp8", 3.308),
+        ("llama3.1-8b", "lora16", 32768, _KEEP, 4.355),
+        ("llama3.1-8b", "lora16", 8192, _SAVE, 0.638),
+        ("llama3.1-8b", "lora16", 8192, _SAVE + " --fp8", 0.500),
+        ("llama3.1-8b", "lora16", 8192, _KEEP, 0.776))),
 )
 
 
 def nearest(gpu: str, preset: str, seq_len: int, *, lora: bool = False, flags: str = "") -> Measured | None:
     """The measured row closest to a plan: the same GPU kind and model (None if there is none), then the same mode,
-    then the nearest length (by ratio), then the most flags in common."""
+    then the nearest length (by ratio), then the most flags in common, the fewest others, the newest."""
     mode = "lora16" if lora else "full"
     rows = [r for r in ROWS if r.gpu == gpu and r.preset == preset]
     if not rows:
         return None
     given = set(flags.split())
+    order = {id(r): i for i, r in enumerate(rows)}  # a tie goes to the later row: the newer program's
     return min(rows, key=lambda r: (r.mode != mode, abs(math.log(r.seq_len / seq_len)),
-                                    -len(given & set(r.flags.split()))))
+                                    -len(given & set(r.flags.split())), len(set(r.flags.split()) - given),
+                                    -order[id(r)]))
