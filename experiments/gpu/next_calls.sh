@@ -35,7 +35,7 @@
 #    --fp8 and with it in each recipe (float8 within 1% of bf16 at the end; on CPUs the tiny preset, a 256-wide float32
 #    model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9% at seed 1:
 #    its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge the 1% goal).
-# G (limits 420 s): what A and B left (their baseline steps failed on a field the earlier package lacked, since
+# G (limits 450 s): what A and B left (their baseline steps failed on a field the earlier package lacked, since
 #    fixed; the 8K float8 rows ran out of the part's time): llama3.2-1b at 32K before/after, and with --remat full
 #    beside the checkpointing peers (the like-for-like pair: 0.91x on an H100 on 2026-11-27, before the loss fix);
 #    llama3.1-8b LoRA at 8K in float8 with --remat full and with the layer loop unrolled, beside Liger.
@@ -129,7 +129,7 @@ or memory_flags"
       PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT"
     part g_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
       PEER_FLAG_SETS="$KEEP1 --fp8|$SAVE1 --fp8 --scan-unroll|$SAVE1 --fp8" PEER_ARGS="$S --peers transformers+liger" \
-      PEERS_LIMIT=170
+      PEERS_LIMIT=200
     ;;
   *)
     echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F or G" >&2
