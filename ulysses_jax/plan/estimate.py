@@ -85,7 +85,7 @@ MATMUL_EFFICIENCY = 0.68
 # GEMMs); refitted on the H200's of 2026-11-28 (experiments/results/peers_h200_20261128.csv: cuBLASLt's float8 GEMMs,
 # which the same image's jax 0.11.2 picked there), where 865e12 put the step 16-22% over the measured one:
 # experiments/plan_vs_measured.py --fit gave the float8 matmuls x0.792 (plan_vs_measured_h200_before_refit.md): 1090e12;
-# with the calibration above (2026-11-28 evening, four float8 rows among the nine) 1110e12
+# with the calibration above (2026-11-28 evening, three float8 rows among the nine) 1110e12
 FP8_MATMUL_RATE = 1110e12
 FP8_PASSES = 12  # assumed: passes over [tokens, hidden] per layer (forward and backward) for float8 amaxes and casts
 # the experts' Pallas grouped matmul (kernels/grouped_matmul.py) on one H100, forward + backward, Qwen3-30B-A3B's
