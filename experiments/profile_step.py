@@ -233,8 +233,8 @@ def from_ops(ops_path: pathlib.Path, plan_json: pathlib.Path | None = None) -> p
     for name, kind, ms in ops:
         per[op_category(categories, name, kind)] += ms
     total = sum(per.values())
-    measured = next((ln for ln in table.read_text().splitlines() if ln.startswith("- measured step")), None) if (
-        table.is_file()) else None
+    table_lines = table.read_text().splitlines() if table.is_file() else []
+    measured = next((ln for ln in table_lines if ln.startswith("- measured step")), None)
     lines = [f"# {stem.name}: the stored op times by category", "",
              f"- command: `python experiments/profile_step.py --from-ops {ops_path.name}` (no GPU: the op times "
              f"stored by the profile, categorised by the rules of commit `{bench_train_commit()[:7]}`, "

@@ -40,12 +40,21 @@ _PEERS_H200 = "experiments/results/peers_h200_20261128.csv"
 _PEERS_H200B = "experiments/results/peers_h200_20261128b.csv"
 _MLP_KEEP = "--attention auto --remat full --attn-keep --mlp-keep --loss-chunk 4096 --mlp-chunk 0"
 _ONE = " --attn-max-documents 1"
+
+
+def _beside_peers(gpu: str, source: str, rows, suffix: str = "") -> tuple[Measured, ...]:
+    """Rows of one document each, timed beside the peers in one call (``experiments/bench_peers.py``): ``rows`` of
+    (preset, mode, seq_len, flags, step_s), ``suffix`` added to every row's flags."""
+    return tuple(Measured(gpu, preset, mode, seq, 1, flags + suffix, step, source)
+                 for preset, mode, seq, flags, step in rows)
+
+
 ROWS: tuple[Measured, ...] = (
     Measured("h100", "llama3.2-1b", "full", 8192, 4, _CUDNN, 0.210, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
     Measured("h100", "llama3.2-1b", "full", 32768, 4, _CUDNN, 1.080, f"{_H100}/train_cudnn_packed_20261126-140630.md"),
     Measured("h100", "llama3.2-1b", "full", 32768, 4, "--attention pallas --remat full --loss-chunk 4096 "
              "--mlp-chunk 4096", 1.902, f"{_H100}/train_pallas_20261126-140709.md"),
-    Measured("h100", "llama3.2-1b", "full", 32768, 4, _AUTO + " --attn-keep", 0.996,
+    Measured("h100", "llama3.2-1b", "full", 32768, 4, _KEEP, 0.996,
              f"{_H100}b/train_bench_keep.log"),
     Measured("h200", "llama3.2-1b", "full", 8192, 4, _AUTO, 0.196, f"{_H200}/b1_full.log"),
     Measured("h200", "llama3.2-1b", "full", 32768, 4, _AUTO, 1.038, f"{_H200}/b1_full.log"),
@@ -53,8 +62,8 @@ ROWS: tuple[Measured, ...] = (
     Measured("h200", "llama3.2-1b", "lora16", 32768, 4, _AUTO, 0.910, f"{_H200}/b1_lora_new.log"),
     Measured("h200", "llama3.1-8b", "lora16", 32768, 4, _AUTO, 3.785, f"{_H200}/b8_lora_new.log"),
     # one document a row, beside the peers in the same call (experiments/bench_peers.py); plan's calibration
-    *(Measured("h100", preset, mode, seq, 1, flags, step, _PEERS) for preset, mode, seq, flags, step in (
-        ("llama3.2-1b", "full", 32768, _KEEP.replace(" --attn-keep", ""), 1.478),
+    *_beside_peers("h100", _PEERS, (
+        ("llama3.2-1b", "full", 32768, _AUTO, 1.478),
         ("llama3.2-1b", "full", 32768, _KEEP, 1.312),
         ("llama3.2-1b", "full", 32768, _SAVE, 1.207),
         ("llama3.2-1b", "full", 32768, _KEEP + " --fp8", 1.309),
@@ -63,7 +72,7 @@ ROWS: tuple[Measured, ...] = (
         ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8", 0.766),
         ("llama3.1-8b", "lora16", 32768, _KEEP, 4.606))),
     # the same on an H200 (2026-11-28), after the tiled loss's float32 GEMMs were removed (layers.wide_dot)
-    *(Measured("h200", preset, mode, seq, 1, flags, step, _PEERS_H200) for preset, mode, seq, flags, step in (
+    *_beside_peers("h200", _PEERS_H200, (
         ("llama3.2-1b", "full", 32768, _SAVE, 1.106),
         ("llama3.2-1b", "full", 32768, _SAVE + " --attn-max-documents 1", 1.096),
         ("llama3.1-8b", "lora16", 8192, _KEEP, 0.787),
@@ -71,7 +80,7 @@ ROWS: tuple[Measured, ...] = (
         ("llama3.1-8b", "lora16", 8192, _KEEP + " --fp8 --attn-max-documents 1", 0.630))),
     # the evening's (2026-11-28, commit 274568a): the fused loss, float8 GEMMs writing bf16, cuDNN's causal mask alone
     # for one document a row; plan's calibration since (estimate.CALIBRATED_ON)
-    *(Measured("h200", preset, mode, seq, 1, flags + _ONE, step, _PEERS_H200B) for preset, mode, seq, flags, step in (
+    *_beside_peers("h200", _PEERS_H200B, (
         ("llama3.2-1b", "full", 32768, _SAVE, 1.040),
         ("llama3.2-1b", "full", 32768, _SAVE + " --fp8", 0.964),
         ("llama3.2-1b", "full", 32768, _SAVE + " --scan-unroll", 1.019),
@@ -80,7 +89,7 @@ ROWS: tuple[Measured, ...] = (
         ("llama3.1-8b", "lora16", 32768, _KEEP, 4.355),
         ("llama3.1-8b", "lora16", 8192, _SAVE, 0.638),
         ("llama3.1-8b", "lora16", 8192, _SAVE + " --fp8", 0.500),
-        ("llama3.1-8b", "lora16", 8192, _KEEP, 0.776))),
+        ("llama3.1-8b", "lora16", 8192, _KEEP, 0.776)), _ONE),
 )
 
 
@@ -92,7 +101,10 @@ def nearest(gpu: str, preset: str, seq_len: int, *, lora: bool = False, flags: s
     if not rows:
         return None
     given = set(flags.split())
-    order = {id(r): i for i, r in enumerate(rows)}  # a tie goes to the later row: the newer program's
-    return min(rows, key=lambda r: (r.mode != mode, abs(math.log(r.seq_len / seq_len)),
-                                    -len(given & set(r.flags.split())), len(set(r.flags.split()) - given),
-                                    -order[id(r)]))
+
+    def distance(i_row):  # a tie goes to the later row (-i): the newer program's
+        i, r = i_row
+        have = set(r.flags.split())
+        return (r.mode != mode, abs(math.log(r.seq_len / seq_len)), -len(given & have), len(have - given), -i)
+
+    return min(enumerate(rows), key=distance)[1]
