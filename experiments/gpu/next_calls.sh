@@ -14,8 +14,9 @@
 # 2026-11-28 (before the fused loss, the float8 GEMMs writing bf16 and cuDNN's causal mask alone for one document a
 # row): the before of those untimed changes, on the same flags, in the same call.
 #
-# Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next D, C, F, then G (what A
-# and B left) and E. D and C together fit one session (790 s of limits; the machine started in about 30 s that day).
+# Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next F and H (issue 40's two
+# open goals, the loss curves and 1.3x at 8K on the same flags: 470 + 300 s of limits, one session), then D and C
+# (790 s), then G and E.
 # A (limits 440 s, ran 2026-11-28): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and
 #    transformers + Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then
 #    with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
@@ -32,19 +33,20 @@
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
-#    --fp8 and with it in each recipe (float8 within 1% of bf16 at the end; on CPUs the tiny preset, a 256-wide float32
-#    model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9% at seed 1:
-#    its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge the 1% goal).
-# G (limits 580 s): what A and B left (their baseline steps failed on a field the earlier package lacked, since
-#    fixed; the 8K float8 rows ran out of the part's time): llama3.2-1b at 32K before/after, and with --remat full
-#    beside the checkpointing peers (the like-for-like pair: 0.91x on an H100 on 2026-11-27, before the loss fix);
-#    llama3.1-8b LoRA at 8K with the layer loop unrolled in float8 and bf16 (issue 40's 1.3x at the same flags;
-#    unrolled, the compiled float8 program writes 51.9 GiB less a step, its zero fills, slice updates and copies gone:
-#    about 12 ms of the 0.500 s step, an ESTIMATE, experiments/results/scan_unroll_h200.md), and float8 with --remat
-#    full, beside Liger; then the 1B step at 32K profiled by kernel (90 s more).
+#    --fp8 and with it in each recipe (float8 within 1% of bf16 at the end), each run keeping its matmul products
+#    (the same values as the preset's --remat full, in less of the call's time); on CPUs the tiny preset, a 256-wide
+#    float32 model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9%
+#    at seed 1: its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge 1%.
+# G (limits 340 s): what A left (its baseline step failed on a field the earlier package lacked, since fixed):
+#    llama3.2-1b at 32K before/after, and with --remat full beside the checkpointing peers (the like-for-like pair:
+#    0.91x on an H100 on 2026-11-27, before the loss fix); then the 1B step at 32K profiled by kernel (90 s more).
+# H (limits 280 s): llama3.1-8b LoRA at 8K, float8 and bf16, each with the layer loop unrolled and without, beside
+#    Liger, in one call: issue 40's 1.3x judged on the same flags (B measured 1.28x without unrolling). Unrolled, the
+#    compiled float8 program writes 51.9 GiB less a step, its zero fills, slice updates and copies gone: about 12 ms
+#    of the 0.500 s step, an ESTIMATE (experiments/results/scan_unroll_h200.md).
 set -u
 cd "$(dirname "$0")/../.."
-CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G [--dry-run]}
+CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G|H [--dry-run]}
 DRY=${2:-}
 if [ -z "$DRY" ] && [ -z "${ULYSSES_JAX_COMMIT:-}" ] && ! git rev-parse -q HEAD > /dev/null 2>&1; then
   echo "next_calls.sh: no git here: give the commit measured, ULYSSES_JAX_COMMIT=<commit> (the CSVs name it)" >&2
@@ -122,7 +124,11 @@ or memory_flags"
     part e_packed STEPS="peers" PEER_ROWS=1b-32k-packed4 PEER_FLAG_SETS="KEEP|SAVE" PEER_ARGS="$S" PEERS_LIMIT=200
     ;;
   F)
-    part f_fp8_curves STEPS="curves" CURVES_LIMIT=450
+    # the products kept (fp8_curves.py runs --memory manual: without these, the preset's --remat full, a slower step)
+    CURVES="--preset llama3.2-1b --steps 200 --seq-len 4096 --fp8-recipe both -- --loss-chunk 4096"
+    [ -n "$DRY" ] && CURVES="--preset tiny --steps 6 --seq-len 128 --fp8-recipe both -- --loss-chunk 8"
+    part f_fp8_curves STEPS="curves" CURVES_LIMIT=450 \
+      CURVES_ARGS="$CURVES --remat save_matmuls --attn-keep --mlp-chunk 0"
     ;;
   G)
     part g_1b_32k STEPS="baseline peers" BASELINE_LIMIT=60 \
@@ -130,16 +136,18 @@ or memory_flags"
 --attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
       PEER_ROWS=1b-32k PEER_FLAG_SETS="$KEEP1|$SAVE1|$KEEP1 --fp8" PEERS_LIMIT=190 \
       PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT"
-    part g_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
-      PEER_FLAG_SETS="$SAVE1 --fp8 --scan-unroll|$SAVE1 --scan-unroll|$SAVE1 --fp8|$KEEP1 --fp8" \
-      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=240
     # today's 1B step by kernel: do our cuDNN hd64 kernels on the causal mask alone take what the peer's took (160 /
     # 446 ms forward / backward in its profile of 2026-11-28 evening; ours 169 / 464 that morning, packed layout)?
     part g_profile STEPS="profile" PROFILE_LIMIT=90 PROFILE_ARGS="--seq-lens 32768 --remat save_matmuls --attn-keep \
 --loss-chunk 4096 --mlp-chunk 0 $ONE --profile-steps 2 --warmup 1"
     ;;
+  H)
+    part h_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
+      PEER_FLAG_SETS="$SAVE1 --fp8 --scan-unroll|$SAVE1 --scan-unroll|$SAVE1 --fp8|$SAVE1" \
+      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=280
+    ;;
   *)
-    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F or G" >&2
+    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F, G or H" >&2
     exit 2
     ;;
 esac
