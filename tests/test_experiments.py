@@ -545,3 +545,20 @@ def test_hlo_fills_counts_per_step():
     assert got["slice updates"] == (4, 4 * 512 * gib)
     assert got["copies"] == (1, 512 * gib)
     assert got["all kernels"] == (1 + 1 + 1 + 4 + 4 + 4, (2 * 2048 + 512 + 512 + 4 * 512 + 4 * 4 + 4 * 1) * gib)
+
+
+def test_hlo_traffic_counts_what_each_kernel_reads_and_writes():
+    """The same loop, by bytes moved (read + written) per step and by op (no op_name here: the opcode): the fill writes
+    its two 2 KiB buffers; the scaling reads 512 B and a 4 B scalar and writes 512 B; the copy reads and writes 512 B;
+    each of the 4 slice updates reads its 512 B update and the 4 B index and writes 512 B, never the 2 KiB buffer it
+    updates in place; the counter's add (4 B and two 4 B operands) and compare (1 B and two 4 B operands) 4 times."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import hlo_traffic
+
+    got = hlo_traffic.traffic(FILL_HLO)
+    gib = 1 / 2**30
+    assert got["fusion"] == (1 + 1 + 4, (2 * 2048 + (512 + 4 + 512) + 4 * (512 + 4 + 512)) * gib)
+    assert got["copy"] == (1, 2 * 512 * gib)
+    assert got["add"] == (4, 4 * 12 * gib)
+    assert got["compare"] == (4, 4 * 9 * gib)
+    assert set(got) == {"fusion", "copy", "add", "compare"}
