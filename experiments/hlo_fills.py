@@ -29,8 +29,7 @@ import re
 from ulysses_jax.plan import hlo
 
 KINDS = ("zero fills", "slice updates", "copies", "all kernels")
-NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
-             "after-all", "partition-id", "replica-id", "opt-barrier"}
+NO_KERNEL = hlo.NO_KERNEL
 
 
 def _roots(ins, comps: dict, instrs: dict) -> list:

@@ -6,13 +6,14 @@ side by side (e.g. the same step without and with --fp8), the ops that differ mo
     python experiments/hlo_traffic.py bf16.hlo fp8.hlo --top 12
 
 Reads the optimised HLO that ``plan --hlo-out`` writes. Every instruction that runs per step (``plan.hlo.executed``:
-loop bodies times their trip counts) as a kernel, but the GEMM fusions and the cuBLAS and cuDNN custom calls, is
-counted by the bytes it reads and writes: its result, and each operand whole, except an operand that the fused
-computation only slices (its slices are read) and the buffer a slice update writes into in place (the update alone
-is written). Rows are keyed by the op name XLA kept from JAX (the last three parts of ``op_name``, the loop and
-``jit(step)`` prefixes dropped). Bytes over a bandwidth are an ESTIMATE of time (the kernels as memory-bound, at
-``--bandwidth``: 4.3 TB/s is a device copy measured on an H200); a GPU's profile (``profile_step.py``) says what
-they take.
+loop bodies times their trip counts) as a kernel, but matmuls, custom calls (cuDNN attention, Pallas kernels),
+collectives and host transfers, is counted by the bytes it reads and writes (``plan.hlo.moved_bytes``): its result,
+and each operand whole, except an operand that the fused computation only slices (its slices are read) and the
+buffer a slice update writes into in place (the update alone is written); ``plan``'s estimate times their sum
+(``plan.hlo.kernel_bytes``). Rows are keyed by the op name XLA kept from JAX (the last three parts of ``op_name``,
+the loop and ``jit(step)`` prefixes dropped). Bytes over a bandwidth are an ESTIMATE of time (the kernels as
+memory-bound, at ``--bandwidth``: 4.3 TB/s is a device copy measured on an H200); a GPU's profile
+(``profile_step.py``) says what they take.
 """
 
 from __future__ import annotations
@@ -21,40 +22,7 @@ import argparse
 import collections
 import re
 
-from hlo_fills import NO_KERNEL  # beside this script
-
 from ulysses_jax.plan import hlo
-
-NOT_COUNTED = ("__cublas", "__cudnn")  # custom calls of GEMMs and attention: their own rates, not bandwidth
-
-
-def _fused(ins, comps: dict):
-    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-    return comps[m.group(1)] if ins.opcode == "fusion" and m else None
-
-
-def moved(ins, comps: dict, instrs: dict) -> int:
-    """Bytes ``ins`` reads and writes (a sliced operand: its slices; a slice update in place: the update)."""
-    body = _fused(ins, comps)
-    if body is None:
-        return hlo.array_bytes(ins.type) + sum(hlo.array_bytes(instrs[o].type) for o in ins.operands if o in instrs)
-    local = {i.name: i for i in body}
-    users = collections.defaultdict(list)
-    for i in body:
-        for o in i.operands:
-            users[o].append(i)
-    root = body[-1]  # HLO text ends a computation with its ROOT
-    outputs = [local[o] for o in root.operands] if root.opcode == "tuple" else [root]
-    in_place = {r.operands[0] for r in outputs if r.opcode == "dynamic-update-slice"}
-    total = sum(hlo.array_bytes((local[r.operands[1]] if r.opcode == "dynamic-update-slice" else r).type)
-                for r in outputs)
-    for p in (i for i in body if i.opcode == "parameter" and i.name not in in_place):
-        its = users[p.name]
-        if its and all(u.opcode in ("slice", "dynamic-slice") for u in its):
-            total += sum(hlo.array_bytes(u.type) for u in its)
-        else:
-            total += hlo.array_bytes(p.type)
-    return total
 
 
 def _key(ins) -> str:
@@ -66,16 +34,17 @@ def _key(ins) -> str:
 
 
 def traffic(text: str) -> dict[str, tuple[float, float]]:
-    """``{op: (runs per step, GiB moved per step)}`` of a compiled step's kernels other than GEMMs and attention."""
+    """``{op: (runs per step, GiB moved per step)}`` of the kernels ``plan.hlo.kernel_bytes`` counts (not matmuls,
+    attention, other custom calls, collectives or host transfers): their sum is its total."""
     comps, _ = hlo.parse(text)
     instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     runs, gib = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
-        if ins.opcode in NO_KERNEL or ins.name.startswith("gemm_fusion") or any(c in ins.attrs for c in NOT_COUNTED):
+        if ins.opcode in hlo.NO_KERNEL or hlo.counted_elsewhere(ins) or hlo.is_gemm(ins, comps):
             continue
         key = _key(ins)
         runs[key] += times
-        gib[key] += times * moved(ins, comps, instrs) / 2**30
+        gib[key] += times * hlo.moved_bytes(ins, comps, instrs) / 2**30
     return {k: (runs[k], gib[k]) for k in gib}
 
 

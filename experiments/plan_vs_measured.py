@@ -6,10 +6,11 @@
 
 Each configuration is compiled for one compile-only GPU of the row's kind (minutes on a CPU, no GPU). The target of
 issue 38: every estimate within 10% of its measured step. `--fit` solves, by non-negative least squares on the
-relative error, for the multipliers of three of the estimate's parts that would make it match: the attention of
-head_dim-64 models, the bf16 matmuls and the float8 matmuls (the rest, elementwise work and the optimizer update, kept
-as estimated; hd128 attention kept at its measured kernel rate). Multipliers near 1 say the constants of
-`ulysses_jax/plan/estimate.py` (HEAD_DIM_FACTOR, MATMUL_EFFICIENCY, FP8_MATMUL_RATE) are calibrated on these rows; it
+relative error, for the multipliers of four of the estimate's parts that would make it match: the attention of
+head_dim-64 models, the bf16 matmuls, the float8 matmuls and the other kernels (elementwise work, copies, the optimizer
+update: the compiled program's bytes; the rest kept as estimated, hd128 attention at its measured kernel rate).
+Multipliers near 1 say the constants of `ulysses_jax/plan/estimate.py` (HEAD_DIM_FACTOR, MATMUL_EFFICIENCY,
+FP8_MATMUL_RATE, KERNEL_BANDWIDTH_SHARE) are calibrated on these rows; it
 also refits with each row left out and predicts that row, the honest error of a calibration fitted on few rows.
 Results: a markdown table (and the fit) in --out-dir.
 """
@@ -47,13 +48,16 @@ def configurations(path: pathlib.Path) -> list[dict]:
 
 
 def features(rows: list[dict]):
-    """Per row: (hd64 attention s, bf16 matmul s, float8 matmul s, the rest as estimated s) from the plan's parts."""
+    """Per row: (hd64 attention s, bf16 matmul s, float8 matmul s, the other kernels' s, the rest as estimated s) from
+    the plan's parts (the other kernels: elementwise work, copies and the optimizer update, timed by their bytes)."""
     out = []
     for r in rows:
         parts, hd64 = r["parts"], r["head_dim"] == 64
         fp8 = parts.get("matmul_fp8_s", 0.0)
-        rest = parts["compute_s"] - parts["attention_s"] - parts["matmul_s"] + (0.0 if hd64 else parts["attention_s"])
-        out.append((parts["attention_s"] if hd64 else 0.0, parts["matmul_s"] - fp8, fp8, rest))
+        kernels = parts["elementwise_s"] + parts["update_s"]
+        rest = (parts["compute_s"] - parts["attention_s"] - parts["matmul_s"] - kernels
+                + (0.0 if hd64 else parts["attention_s"]))
+        out.append((parts["attention_s"] if hd64 else 0.0, parts["matmul_s"] - fp8, fp8, kernels, rest))
     return out
 
 
@@ -63,12 +67,12 @@ def fit(rows: list[dict]) -> list[str]:
 
     f = np.array(features(rows))
     measured = np.array([r["measured"] for r in rows])
-    cols = [i for i in range(3) if f[:, i].any()]
-    names = ["hd64 attention", "bf16 matmuls", "float8 matmuls"]
+    cols = [i for i in range(4) if f[:, i].any()]
+    names = ["hd64 attention", "bf16 matmuls", "float8 matmuls", "other kernels"]
 
     def solve(mask):
         w = 1 / measured[mask]
-        c, _ = nnls(f[mask][:, cols] * w[:, None], (measured[mask] - f[mask, 3]) * w)
+        c, _ = nnls(f[mask][:, cols] * w[:, None], (measured[mask] - f[mask, 4]) * w)
         return c
 
     c = solve(np.ones(len(rows), bool))
@@ -78,8 +82,8 @@ def fit(rows: list[dict]) -> list[str]:
     for k, r in enumerate(rows):
         mask = np.ones(len(rows), bool)
         mask[k] = False
-        pred = f[k, cols] @ c + f[k, 3]
-        loo = f[k, cols] @ solve(mask) + f[k, 3]
+        pred = f[k, cols] @ c + f[k, 4]
+        loo = f[k, cols] @ solve(mask) + f[k, 4]
         lines.append(f"| {r['label']} | {measured[k]:.3f} | {pred:.3f} | {pred / measured[k] - 1:+.1%} | {loo:.3f} | "
                      f"{loo / measured[k] - 1:+.1%} |")
     return lines

@@ -378,23 +378,25 @@ def test_profile_from_stored_ops_categorises_them_anew(tmp_path):
 
 
 def test_plan_vs_measured_fit_recovers_known_multipliers():
-    """experiments/plan_vs_measured.py --fit: rows made with hd64 attention x1.2, bf16 matmuls x1.5 and float8 x2 over
-    the estimate's parts give those multipliers back, every row fitted exactly and each left-out row predicted."""
+    """experiments/plan_vs_measured.py --fit: rows made with hd64 attention x1.2, bf16 matmuls x1.5, float8 x2 and the
+    other kernels x1.8 over the estimate's parts give those multipliers back, every row fitted exactly and each
+    left-out row predicted."""
     sys.path.insert(0, str(ROOT / "experiments"))
     from plan_vs_measured import fit
 
     rows = []
-    for k, (attn, mm, f8, rest, hd) in enumerate([(0.6, 0.4, 0.0, 0.05, 64), (0.5, 0.4, 0.0, 0.05, 64),
-                                                  (0.6, 0.3, 0.2, 0.06, 64), (2.0, 1.7, 0.0, 0.1, 128),
-                                                  (9.0, 1.5, 0.0, 0.2, 64), (0.1, 0.7, 0.0, 0.1, 128),
-                                                  (0.1, 0.2, 0.5, 0.1, 128)]):
-        parts = {"attention_s": attn, "matmul_s": mm + f8, "matmul_fp8_s": f8, "compute_s": attn + mm + f8 + rest}
-        measured = (1.2 * attn if hd == 64 else attn) + 1.5 * mm + 2.0 * f8 + rest
+    for k, (attn, mm, f8, kern, rest, hd) in enumerate([
+            (0.6, 0.4, 0.0, 0.05, 0.01, 64), (0.5, 0.4, 0.0, 0.03, 0.01, 64), (0.6, 0.3, 0.2, 0.06, 0.02, 64),
+            (2.0, 1.7, 0.0, 0.1, 0.0, 128), (9.0, 1.5, 0.0, 0.2, 0.1, 64), (0.1, 0.7, 0.0, 0.3, 0.0, 128),
+            (0.1, 0.2, 0.5, 0.1, 0.05, 128), (0.4, 0.2, 0.1, 0.4, 0.0, 64)]):
+        parts = {"attention_s": attn, "matmul_s": mm + f8, "matmul_fp8_s": f8, "elementwise_s": kern * 0.75,
+                 "update_s": kern * 0.25, "compute_s": attn + mm + f8 + kern + rest}
+        measured = (1.2 * attn if hd == 64 else attn) + 1.5 * mm + 2.0 * f8 + 1.8 * kern + rest
         rows.append({"parts": parts, "head_dim": hd, "measured": measured, "label": f"row {k}"})
     lines = fit(rows)
-    assert "hd64 attention x1.200, bf16 matmuls x1.500, float8 matmuls x2.000" in lines
+    assert "hd64 attention x1.200, bf16 matmuls x1.500, float8 matmuls x2.000, other kernels x1.800" in lines
     table = [ln for ln in lines if ln.startswith("| row ") and not ln.startswith("| row |")]
-    assert len(table) == 7 and all(ln.count("+0.0%") + ln.count("-0.0%") == 2 for ln in table), table
+    assert len(table) == 8 and all(ln.count("+0.0%") + ln.count("-0.0%") == 2 for ln in table), table
 
 
 def test_bench_peers_gives_xla_tokens_to_our_child_alone(monkeypatch):

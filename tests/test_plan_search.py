@@ -16,7 +16,7 @@ import pytest
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.lora_config import LoraConfig
-from ulysses_jax.plan import estimate, search
+from ulysses_jax.plan import estimate, hlo, search
 from ulysses_jax.plan.hlo import Collective
 from ulysses_jax.plan.planner import PlanConfig, budgets, plan
 from ulysses_jax.plan.search import memory_choices, search_units, seq_len_unit, tile_for
@@ -314,6 +314,71 @@ def _plan_stub(model, *, seq_len, devices, collectives=None, optimizer_on_host=F
                                  collectives=collectives or {}, optimizer_on_host=optimizer_on_host,
                                  breakdown={"optimizer": 10 * GiB}, memory={"host_transfer_bytes": host_transfer},
                                  flops_per_device=fl / devices)
+
+
+def test_estimate_times_the_compiled_programs_other_kernels_by_their_bytes():
+    """With a compiled program, the kernels other than matmuls, attention and collectives are timed by the bytes they
+    read and write there (the optimizer update's among them: no update part of its own) at KERNEL_BANDWIDTH_SHARE of
+    the HBM bandwidth; a slice update moves its update, not its buffer. Without one (or for an attention written as
+    XLA ops, whose elementwise work is in its rate) the passes per layer, and the update apart."""
+    text = """HloModule m
+
+%fused_dus (p0: f32[1024,256], p1: f32[256], p2: s32[]) -> f32[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  %p1 = f32[256]{0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %u = f32[1,256]{1,0} bitcast(%p1)
+  %z = s32[] constant(0)
+  ROOT %d = f32[1024,256]{1,0} dynamic-update-slice(%p0, %u, %p2, %z)
+}
+
+ENTRY %main (a: f32[1024,256], b: f32[256], i: s32[]) -> f32[1024,256] {
+  %a = f32[1024,256]{1,0} parameter(0)
+  %b = f32[256]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %e = f32[1024,256]{1,0} exponential(%a)
+  ROOT %f = f32[1024,256]{1,0} fusion(%e, %b, %i), kind=kLoop, calls=%fused_dus
+}
+"""
+    assert hlo.kernel_bytes(text) == 2 * 1024 * 256 * 4 + (256 * 4 + 256 * 4 + 4)
+    model = ModelConfig.from_preset("llama3.2-1b", remat="full")
+    stub = _plan_stub(model, seq_len=4096, devices=1)
+    stub.hlo_text, stub.mesh = text, {}
+    e = estimate.step_estimate(stub, model, "cudnn")
+    bw = TARGETS["h100"].hbm_bytes_per_s * estimate.KERNEL_BANDWIDTH_SHARE
+    assert math.isclose(e["parts"]["elementwise_s"], hlo.kernel_bytes(text) / bw) and e["parts"]["update_s"] == 0.0
+    assert any("counted in the compiled program" in a for a in e["assumptions"])
+    for kernel, program in (("cudnn", ""), ("xla", text)):
+        stub.hlo_text = program
+        e = estimate.step_estimate(stub, model, kernel)
+        act = 4096 * model.hidden * 2 * model.num_layers
+        assert math.isclose(e["parts"]["elementwise_s"], estimate.ELEMENTWISE_PASSES * 4 * act / bw)  # 1 re-run
+        assert e["parts"]["update_s"] > 0 and any("passes over [tokens, hidden]" in a for a in e["assumptions"])
+
+
+def test_kernel_bytes_leave_out_links_custom_calls_and_matmuls():
+    """Only the negate counts: the all-gather (a collective), the slice update into pinned host memory (an
+    asynchronous pair: a host transfer), the copy to host memory (layout memory space S(5)), the custom call (cuDNN's or
+    cuBLAS' own rate) and the dot have their time elsewhere in the estimate."""
+    text = """HloModule m
+
+ENTRY %main (a: f32[64,64], h: f32[4,64,64], i: s32[]) -> f32[64,64] {
+  %a = f32[64,64]{1,0} parameter(0)
+  %h = f32[4,64,64]{2,1,0:S(5)} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %n = f32[64,64]{1,0} negate(%a)
+  %g = f32[256,64]{1,0} all-gather(%n), replica_groups={{0,1,2,3}}, dimensions={0}
+  %u = f32[1,64,64]{2,1,0} bitcast(%n)
+  %s = ((f32[4,64,64]{2,1,0:S(5)}, f32[1,64,64]{2,1,0}, s32[], s32[], s32[]), f32[4,64,64]{2,1,0:S(5)}, u32[]) \
+dynamic-update-slice-start(%h, %u, %i, %z, %z)
+  %d = f32[4,64,64]{2,1,0:S(5)} dynamic-update-slice-done(%s)
+  %c = f32[64,64]{1,0:S(5)} copy(%n)
+  %k = (f32[64,64]{1,0}, u8[0]{0}) custom-call(%n, %n), custom_call_target="__cublas$gemm"
+  ROOT %m = f32[64,64]{1,0} dot(%n, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert hlo.kernel_bytes(text) == 2 * 64 * 64 * 4
 
 
 def test_estimate_is_the_sum_of_its_parts_by_hand():
