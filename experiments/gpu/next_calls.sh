@@ -28,8 +28,9 @@
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
 # D (limits 450 s): llama3.2-1b at 8K beside both peers and Liger without checkpointing (bf16 and float8 with the
-#    products kept, --remat full, --scan-unroll) and at 128K beside Liger, --mlp-keep first (--memory auto's pick
-#    there on a compile-only H200: 109 GiB, an estimated 10.98 s or 40.0% MFU, against 11.24 s with --attn-keep alone).
+#    products kept, --remat full, --scan-unroll) and at 128K beside Liger, --attn-keep first (--memory auto's pick
+#    there on a compile-only H200: 39.65 GiB, an estimated 10.98 s or 40.0% MFU), then with --mlp-keep (109 GiB,
+#    10.89 s, 40.4%: within the 2% auto breaks toward less memory).
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
@@ -117,9 +118,9 @@ or memory_flags"
   D)
     part d_1b_8k STEPS="peers" PEER_ROWS=1b-8k PEER_FLAG_SETS="$SAVE1|$SAVE1 --fp8|$KEEP1|$SAVE1 --scan-unroll" \
       PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=230
-    # --mlp-keep first (--memory auto's pick at 128K): a part cut by its limit keeps our fastest set beside Liger
+    # --memory auto's pick at 128K first: a part cut by its limit keeps what `train` runs by default beside Liger
     # (bench_peers.py runs our first set, then the peer, then the rest)
-    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$MLP1|$KEEP1" \
+    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1|$MLP1" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=220
     ;;
   E)
