@@ -40,7 +40,7 @@ def traffic(text: str) -> dict[str, tuple[float, float]]:
     instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     runs, gib = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
-        if ins.opcode in hlo.NO_KERNEL or hlo.counted_elsewhere(ins) or hlo.is_gemm(ins, comps):
+        if ins.opcode in hlo.NO_KERNEL or hlo.counted_elsewhere(ins, instrs) or hlo.is_gemm(ins, comps):
             continue
         key = _key(ins)
         runs[key] += times

@@ -381,6 +381,74 @@ dynamic-update-slice-start(%h, %u, %i, %z, %z)
     assert hlo.kernel_bytes(text) == 2 * 64 * 64 * 4
 
 
+def test_kernel_bytes_count_loop_trips_slices_through_bitcasts_and_skip_gemm_fusions():
+    """A loop of 4 trips: each reads a 1 KiB slice of a 16 KiB buffer (through a bitcast: the slice alone counts) and
+    writes it back doubled, a slice update in place (the 1 KiB update, not the buffer); a GEMM fusion (a dot in its
+    body: its own rate) and a kernel reading pinned host memory (layout S(5): timed as host traffic) count nothing.
+    Per trip: the slice fusion 1 KiB read + 1 KiB written, the update 1 KiB + 4 B index read and 1 KiB written, the
+    counter's add 12 B and compare 9 B."""
+    text = """HloModule m
+
+%fused_slice (p0: f32[16,256], p1: s32[]) -> f32[1,256] {
+  %p0 = f32[16,256]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %b = f32[4,4,256]{2,1,0} bitcast(%p0)
+  %c = f32[16,256]{1,0} bitcast(%b)
+  %z = s32[] constant(0)
+  %s = f32[1,256]{1,0} dynamic-slice(%c, %p1, %z), dynamic_slice_sizes={1,256}
+  ROOT %d = f32[1,256]{1,0} add(%s, %s)
+}
+
+%fused_update (q0: f32[16,256], q1: f32[1,256], q2: s32[]) -> f32[16,256] {
+  %q0 = f32[16,256]{1,0} parameter(0)
+  %q1 = f32[1,256]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %w = f32[16,256]{1,0} bitcast(%q0)
+  %z = s32[] constant(0)
+  %u = f32[16,256]{1,0} dynamic-update-slice(%w, %q1, %q2, %z)
+  ROOT %r = f32[16,256]{1,0} bitcast(%u)
+}
+
+%gemm (g0: f32[64,64], g1: f32[64,64]) -> f32[64,64] {
+  %g0 = f32[64,64]{1,0} parameter(0)
+  %g1 = f32[64,64]{1,0} parameter(1)
+  ROOT %g = f32[64,64]{1,0} dot(%g0, %g1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], f32[16,256])) -> (s32[], f32[16,256]) {
+  %t = (s32[], f32[16,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %buf = f32[16,256]{1,0} get-tuple-element(%t), index=1
+  %x = f32[1,256]{1,0} fusion(%buf, %i), kind=kLoop, calls=%fused_slice
+  %y = f32[16,256]{1,0} fusion(%buf, %x, %i), kind=kLoop, calls=%fused_update
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %o = (s32[], f32[16,256]{1,0}) tuple(%next, %y)
+}
+
+%cond (t: (s32[], f32[16,256])) -> pred[] {
+  %t = (s32[], f32[16,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[16,256], m: f32[64,64], h: f32[64,64]) -> f32[16,256] {
+  %a = f32[16,256]{1,0} parameter(0)
+  %m = f32[64,64]{1,0} parameter(1)
+  %h = f32[64,64]{1,0:S(5)} parameter(2)
+  %k = f32[64,64]{1,0} fusion(%m, %m), kind=kCustom, calls=%gemm
+  %e = f32[64,64]{1,0} negate(%h)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[16,256]{1,0}) tuple(%zero, %a)
+  %wl = (s32[], f32[16,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %res = f32[16,256]{1,0} get-tuple-element(%wl), index=1
+}
+"""
+    per_trip = (1024 + 4 + 1024) + (1024 + 4 + 1024) + 12 + 9
+    assert hlo.kernel_bytes(text) == 4 * per_trip
+
+
 def test_estimate_is_the_sum_of_its_parts_by_hand():
     """Llama-3.1-8B, 1M tokens on 8 H100s, remat full, Pallas attention, no collectives: the attention and matmul
     seconds recomputed here from the shapes and the table's rates."""
@@ -596,11 +664,12 @@ def test_estimate_counts_the_delta_rule_at_its_measured_rate():
 
 
 def test_estimate_updates_only_what_trains():
-    """AdamW's HBM traffic is counted for the parameters it updates: with LoRA the adapters alone (the frozen base
-    has no optimizer state), the head_dim-64 attention at the fitted share of the hd128 rate, labelled so."""
+    """AdamW's HBM traffic is counted for the parameters it updates (where no compiled program counts it, at the other
+    kernels' share of the bandwidth): with LoRA the adapters alone (the frozen base has no optimizer state), the
+    head_dim-64 attention at the fitted share of the hd128 rate, labelled so."""
     full = ModelConfig.from_preset("llama3.1-8b", remat="full")
     lora = dataclasses.replace(full, lora=LoraConfig(rank=16))
-    n, hbm = 1, TARGETS["h100"].hbm_bytes_per_s
+    n, hbm = 1, TARGETS["h100"].hbm_bytes_per_s * estimate.KERNEL_BANDWIDTH_SHARE
     e_full, e_lora = (estimate.step_estimate(_plan_stub(m, seq_len=8192, devices=n), m, "cudnn") for m in (full, lora))
     assert e_full["parts"]["update_s"] == pytest.approx(estimate.OPTIMIZER_BYTES_PER_PARAM * flops.param_count(full)
                                                         / hbm)

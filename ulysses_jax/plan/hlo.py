@@ -390,15 +390,19 @@ COUNTED_ELSEWHERE = (*KINDS, "send", "recv", "custom-call")
 _ASYNC = ("-start", "-update", "-done")
 
 
-def counted_elsewhere(ins: _Instr) -> bool:
-    """Whether ``ins`` is timed apart from the kernels ``kernel_bytes`` counts: a collective, a host transfer (an
-    asynchronous pair, a result in host memory) or a custom call."""
-    return ins.opcode.startswith(COUNTED_ELSEWHERE) or ins.opcode.endswith(_ASYNC) or "S(5)" in ins.type
+def counted_elsewhere(ins: _Instr, instrs: dict[str, _Instr] | None = None) -> bool:
+    """Whether ``ins`` is timed apart from the kernels ``kernel_bytes`` counts: a collective, a custom call, or a host
+    transfer (an asynchronous pair, a result in host memory, or, given the program's ``instrs``, an operand there: a
+    kernel reading pinned host memory reads it over PCIe, which the estimate times as host traffic)."""
+    if ins.opcode.startswith(COUNTED_ELSEWHERE) or ins.opcode.endswith(_ASYNC) or "S(5)" in ins.type:
+        return True
+    return instrs is not None and any("S(5)" in instrs[o].type for o in ins.operands if o in instrs)
 
 
 def moved_bytes(ins: _Instr, comps: dict[str, list[_Instr]], instrs: dict[str, _Instr]) -> int:
     """Bytes ``ins`` reads and writes: its result and operands, but for a fusion an operand its fused computation only
-    slices (the slices are read) and the buffer a slice update writes in place (the update alone is written)."""
+    slices (the slices are read) and the buffer a slice update writes in place (the update alone is written), bitcasts
+    looked through (they move nothing)."""
     m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
     if ins.opcode != "fusion" or m is None:
         return array_bytes(ins.type) + sum(array_bytes(instrs[o].type) for o in ins.operands if o in instrs)
@@ -408,13 +412,25 @@ def moved_bytes(ins: _Instr, comps: dict[str, list[_Instr]], instrs: dict[str, _
     for i in body:
         for o in i.operands:
             users[o].append(i)
+
+    def source(name: str) -> str:  # what a chain of bitcasts starts from
+        while local[name].opcode == "bitcast":
+            name = local[name].operands[0]
+        return name
+
+    def readers(name: str) -> list[_Instr]:  # the users of a value, through bitcasts
+        return [r for u in users[name] for r in (readers(u.name) if u.opcode == "bitcast" else [u])]
+
     root = body[-1]  # HLO text ends a computation with its ROOT
-    outputs = [local[o] for o in root.operands] if root.opcode == "tuple" else [root]
-    in_place = {r.operands[0] for r in outputs if r.opcode == "dynamic-update-slice"}
-    total = sum(array_bytes((local[r.operands[1]] if r.opcode == "dynamic-update-slice" else r).type) for r in outputs)
+    outputs = [local[source(o)] for o in root.operands] if root.opcode == "tuple" else [local[source(root.name)]]
+    updates = [r for r in outputs if r.opcode == "dynamic-update-slice"]
+    in_place = {source(r.operands[0]) for r in updates}
+    total = sum(array_bytes(local[r.operands[1]].type) for r in updates)
+    total += sum(array_bytes(local[o].type) for o in (root.operands if root.opcode == "tuple" else [root.name])
+                 if local[source(o)].opcode != "dynamic-update-slice")
     for p in (i for i in body if i.opcode == "parameter" and i.name not in in_place):
-        its = users[p.name]
-        sliced = its and all(u.opcode in ("slice", "dynamic-slice") for u in its)
+        its = readers(p.name)  # sliced: only ever the array a slice is taken of (not, say, its start index)
+        sliced = its and all(u.opcode in ("slice", "dynamic-slice") and source(u.operands[0]) == p.name for u in its)
         total += sum(array_bytes(u.type) for u in its) if sliced else array_bytes(p.type)
     return total
 
@@ -434,4 +450,4 @@ def kernel_bytes(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | No
     comps, _ = parse(hlo_text)
     instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     return sum(times * moved_bytes(ins, comps, instrs) for ins, times in executed(hlo_text, branch_shares)
-               if ins.opcode not in NO_KERNEL and not counted_elsewhere(ins) and not is_gemm(ins, comps))
+               if ins.opcode not in NO_KERNEL and not counted_elsewhere(ins, instrs) and not is_gemm(ins, comps))
