@@ -29,8 +29,8 @@
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
 # D (limits 450 s): llama3.2-1b at 8K beside both peers and Liger without checkpointing (bf16 and float8 with the
 #    products kept, --remat full, --scan-unroll) and at 128K beside Liger, --attn-keep first (--memory auto's pick
-#    there on a compile-only H200: 39.65 GiB, an estimated 10.98 s or 40.0% MFU), then with --mlp-keep (109 GiB,
-#    10.89 s, 40.4%: within the 2% auto breaks toward less memory).
+#    there on a compile-only H200: 39.65 GiB, an estimated 11.01 s or 40.0% MFU), then with --mlp-keep (109 GiB,
+#    10.91 s, 40.3%: within the 2% auto breaks toward less memory).
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
@@ -41,7 +41,7 @@
 # G (limits 360 s): what A left (its baseline step failed on a field the earlier package lacked, since fixed):
 #    llama3.2-1b at 32K before/after, and with --remat full beside the checkpointing peers (the like-for-like pair:
 #    0.91x on an H100 on 2026-11-27, before the loss fix), and with --mlp-keep (--memory auto's pick there since the
-#    estimate counts the program's bytes: 1.06 s against save_matmuls' 1.05, 4.75 GiB less); then the 1B step at 32K
+#    estimate counts the program's bytes: 1.065 s against save_matmuls' 1.056, 4.75 GiB less); then the 1B step at 32K
 #    profiled by kernel (90 s more).
 # H (limits 280 s): llama3.1-8b LoRA at 8K, float8 and bf16, each with the layer loop unrolled and without, beside
 #    Liger, in one call: issue 40's 1.3x judged on the same flags (B measured 1.28x without unrolling). Unrolled, the
