@@ -26,10 +26,10 @@ import argparse
 import collections
 import re
 
-from ulysses_jax.plan import hlo
+from ulysses_jax.plan import hlo, traffic
 
 KINDS = ("zero fills", "slice updates", "copies", "all kernels")
-NO_KERNEL = hlo.NO_KERNEL
+NO_KERNEL = traffic.NO_KERNEL
 
 
 def _roots(ins, comps: dict, instrs: dict) -> list:

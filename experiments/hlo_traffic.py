@@ -7,10 +7,10 @@ side by side (e.g. the same step without and with --fp8), the ops that differ mo
 
 Reads the optimised HLO that ``plan --hlo-out`` writes. Every instruction that runs per step (``plan.hlo.executed``:
 loop bodies times their trip counts) as a kernel, but matmuls, custom calls (cuDNN attention, Pallas kernels),
-collectives and host transfers, is counted by the bytes it reads and writes (``plan.hlo.moved_bytes``): its result,
+collectives and host transfers, is counted by the bytes it reads and writes (``plan.traffic.moved_bytes``): its result,
 and each operand whole, except an operand that the fused computation only slices (its slices are read) and the
 buffer a slice update writes into in place (the update alone is written); ``plan``'s estimate times their sum
-(``plan.hlo.kernel_bytes``). Rows are keyed by the op name XLA kept from JAX (the last three parts of ``op_name``,
+(``plan.traffic.kernel_bytes``). Rows are keyed by the op name XLA kept from JAX (the last three parts of ``op_name``,
 the loop and ``jit(step)`` prefixes dropped). Bytes over a bandwidth are an ESTIMATE of time (the kernels as
 memory-bound, at ``--bandwidth``: 4.3 TB/s is a device copy measured on an H200); a GPU's profile
 (``profile_step.py``) says what they take.
@@ -23,6 +23,7 @@ import collections
 import re
 
 from ulysses_jax.plan import hlo
+from ulysses_jax.plan import traffic as plan_traffic
 
 
 def _key(ins) -> str:
@@ -34,17 +35,18 @@ def _key(ins) -> str:
 
 
 def traffic(text: str) -> dict[str, tuple[float, float]]:
-    """``{op: (runs per step, GiB moved per step)}`` of the kernels ``plan.hlo.kernel_bytes`` counts (not matmuls,
+    """``{op: (runs per step, GiB moved per step)}`` of the kernels ``plan.traffic.kernel_bytes`` counts (not matmuls,
     attention, other custom calls, collectives or host transfers): their sum is its total."""
     comps, _ = hlo.parse(text)
     instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     runs, gib = collections.Counter(), collections.Counter()
     for ins, times in hlo.executed(text):
-        if ins.opcode in hlo.NO_KERNEL or hlo.counted_elsewhere(ins, instrs) or hlo.is_gemm(ins, comps):
+        if (ins.opcode in plan_traffic.NO_KERNEL or plan_traffic.counted_elsewhere(ins, instrs)
+                or plan_traffic.is_gemm(ins, comps)):
             continue
         key = _key(ins)
         runs[key] += times
-        gib[key] += times * hlo.moved_bytes(ins, comps, instrs) / 2**30
+        gib[key] += times * plan_traffic.moved_bytes(ins, comps, instrs) / 2**30
     return {k: (runs[k], gib[k]) for k in gib}
 
 

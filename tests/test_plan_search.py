@@ -16,7 +16,7 @@ import pytest
 from ulysses_jax.model import flops
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.lora_config import LoraConfig
-from ulysses_jax.plan import estimate, hlo, search
+from ulysses_jax.plan import estimate, search, traffic
 from ulysses_jax.plan.hlo import Collective
 from ulysses_jax.plan.planner import PlanConfig, budgets, plan
 from ulysses_jax.plan.search import memory_choices, search_units, seq_len_unit, tile_for
@@ -340,13 +340,13 @@ ENTRY %main (a: f32[1024,256], b: f32[256], i: s32[]) -> f32[1024,256] {
   ROOT %f = f32[1024,256]{1,0} fusion(%e, %b, %i), kind=kLoop, calls=%fused_dus
 }
 """
-    assert hlo.kernel_bytes(text) == 2 * 1024 * 256 * 4 + (256 * 4 + 256 * 4 + 4)
+    assert traffic.kernel_bytes(text) == 2 * 1024 * 256 * 4 + (256 * 4 + 256 * 4 + 4)
     model = ModelConfig.from_preset("llama3.2-1b", remat="full")
     stub = _plan_stub(model, seq_len=4096, devices=1)
     stub.hlo_text, stub.mesh = text, {}
     e = estimate.step_estimate(stub, model, "cudnn")
     bw = TARGETS["h100"].hbm_bytes_per_s * estimate.KERNEL_BANDWIDTH_SHARE
-    assert math.isclose(e["parts"]["elementwise_s"], hlo.kernel_bytes(text) / bw) and e["parts"]["update_s"] == 0.0
+    assert math.isclose(e["parts"]["elementwise_s"], traffic.kernel_bytes(text) / bw) and e["parts"]["update_s"] == 0.0
     assert any("counted in the compiled program" in a for a in e["assumptions"])
     for kernel, program in (("cudnn", ""), ("xla", text)):
         stub.hlo_text = program
@@ -378,7 +378,7 @@ dynamic-update-slice-start(%h, %u, %i, %z, %z)
   ROOT %m = f32[64,64]{1,0} dot(%n, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """
-    assert hlo.kernel_bytes(text) == 2 * 64 * 64 * 4
+    assert traffic.kernel_bytes(text) == 2 * 64 * 64 * 4
 
 
 def test_kernel_bytes_count_loop_trips_slices_through_bitcasts_and_skip_gemm_fusions():
@@ -446,7 +446,7 @@ ENTRY %main (a: f32[16,256], m: f32[64,64], h: f32[64,64]) -> f32[16,256] {
 }
 """
     per_trip = (1024 + 4 + 1024) + (1024 + 4 + 1024) + 12 + 9
-    assert hlo.kernel_bytes(text) == 4 * per_trip
+    assert traffic.kernel_bytes(text) == 4 * per_trip
 
 
 def test_estimate_is_the_sum_of_its_parts_by_hand():

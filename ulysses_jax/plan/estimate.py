@@ -18,7 +18,7 @@ Per step and per device, from the compiled plan:
   the compiled program's counts cannot tell which one ran;
 * every other kernel (norms, RoPE, SwiGLU, residual adds, the loss's softmax, float8 amaxes and casts, copies,
   fills, slice updates, the optimizer update) by the bytes it reads and writes in the compiled program
-  (``hlo.kernel_bytes``) at ``KERNEL_BANDWIDTH_SHARE`` of the HBM bandwidth (fitted: launch gaps included);
+  (``traffic.kernel_bytes``) at ``KERNEL_BANDWIDTH_SHARE`` of the HBM bandwidth (fitted: launch gaps included);
 * collectives: bytes over NVLink and the network at ``LINK_EFFICIENCY`` of the nominal bandwidths; those the compiled
   schedule runs asynchronously beside compute (``hlo.Collective.overlapped_bytes``) are hidden up to the compute
   time, the rest is exposed;
@@ -40,7 +40,7 @@ from ulysses_jax.model import flops
 from ulysses_jax.model.delta_net import group_heads
 from ulysses_jax.model.layer_kinds import layer_windows
 from ulysses_jax.parallel.head_layout import plan_heads
-from ulysses_jax.plan import hlo, reruns
+from ulysses_jax.plan import reruns, traffic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ DELTA_RATE = 6.7e12
 LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe bandwidth a transfer achieves
 # The kernels that are neither matmuls, attention nor collectives (norms, RoPE, SwiGLU, residual adds, the loss's
 # softmax, float8 amaxes and casts, copies, fills, slice updates, the optimizer update) are timed by the bytes the
-# compiled program's kernels read and write (hlo.kernel_bytes) at KERNEL_BANDWIDTH_SHARE of the HBM bandwidth: fitted
+# compiled program's kernels read and write (traffic.kernel_bytes) at KERNEL_BANDWIDTH_SHARE of the HBM bandwidth: fitted
 # on the measured steps (CALIBRATED_ON), it takes in their launch gaps and kernels below the bandwidth. Where the
 # program cannot tell them apart (a hybrid's delta rule, attention written as XLA ops), ELEMENTWISE_PASSES over
 # [tokens, hidden] per layer forward (FP8_PASSES more for float8) and the optimizer update apart: what the nine
@@ -208,12 +208,12 @@ def counted_reruns(p, model, kernel: str, layer_mm: float, head_mm: float) -> tu
 
 def counted_kernel_bytes(p, model, kernel: str) -> float | None:
     """Bytes per step per device that the compiled program's kernels other than matmuls, attention, collectives and
-    host transfers read and write (``hlo.kernel_bytes``), or None where they cannot be told apart: no program, or an
+    host transfers read and write (``traffic.kernel_bytes``), or None where they cannot be told apart: no program, or an
     attention or delta rule written as XLA ops (whose elementwise work is in their own rates)."""
     text = getattr(p, "hlo_text", "")
     if not text or kernel not in ("cudnn", "pallas") or model.linear_layers:
         return None
-    return hlo.kernel_bytes(text, reruns.branch_shares(model))
+    return traffic.kernel_bytes(text, reruns.branch_shares(model))
 
 
 def step_estimate(p, model, kernel: str) -> dict:
