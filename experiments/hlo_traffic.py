@@ -22,7 +22,6 @@ import argparse
 import collections
 import re
 
-from ulysses_jax.plan import hlo
 from ulysses_jax.plan import traffic as plan_traffic
 
 
@@ -37,16 +36,11 @@ def _key(ins) -> str:
 def traffic(text: str) -> dict[str, tuple[float, float]]:
     """``{op: (runs per step, GiB moved per step)}`` of the kernels ``plan.traffic.kernel_bytes`` counts (not matmuls,
     attention, other custom calls, collectives or host transfers): their sum is its total."""
-    comps, _ = hlo.parse(text)
-    instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
     runs, gib = collections.Counter(), collections.Counter()
-    for ins, times in hlo.executed(text):
-        if (ins.opcode in plan_traffic.NO_KERNEL or plan_traffic.counted_elsewhere(ins, instrs)
-                or plan_traffic.is_gemm(ins, comps)):
-            continue
+    for ins, times, moved in plan_traffic.kernels(text):
         key = _key(ins)
         runs[key] += times
-        gib[key] += times * plan_traffic.moved_bytes(ins, comps, instrs) / 2**30
+        gib[key] += times * moved / 2**30
     return {k: (runs[k], gib[k]) for k in gib}
 
 

@@ -21,23 +21,28 @@ COUNTED_ELSEWHERE = (*KINDS, "send", "recv", "custom-call")
 _ASYNC = ("-start", "-update", "-done")
 
 
-def counted_elsewhere(ins: Instr, instrs: dict[str, Instr] | None = None) -> bool:
+def _fused(ins: Instr, comps: dict[str, list[Instr]]) -> list[Instr] | None:
+    """The fused computation a fusion runs, or None for any other instruction."""
+    m = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.opcode == "fusion" else None
+    return None if m is None else comps[m.group(1)]
+
+
+def counted_elsewhere(ins: Instr, instrs: dict[str, Instr]) -> bool:
     """Whether ``ins`` is timed apart from the kernels ``kernel_bytes`` counts: a collective, a custom call, or a host
-    transfer (an asynchronous pair, a result in host memory, or, given the program's ``instrs``, an operand there: a
-    kernel reading pinned host memory reads it over PCIe, which the estimate times as host traffic)."""
+    transfer (an asynchronous pair, or a result or operand in host memory: a kernel reading pinned host memory reads
+    it over PCIe, which the estimate times as host traffic)."""
     if ins.opcode.startswith(COUNTED_ELSEWHERE) or ins.opcode.endswith(_ASYNC) or "S(5)" in ins.type:
         return True
-    return instrs is not None and any("S(5)" in instrs[o].type for o in ins.operands if o in instrs)
+    return any("S(5)" in instrs[o].type for o in ins.operands if o in instrs)
 
 
 def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Instr]) -> int:
     """Bytes ``ins`` reads and writes: its result and operands, but for a fusion an operand its fused computation only
     slices (the slices are read) and the buffer a slice update writes in place (the update alone is written), bitcasts
     looked through (they move nothing)."""
-    m = re.search(r"calls=%([\w.\-]+)", ins.attrs)
-    if ins.opcode != "fusion" or m is None:
+    body = _fused(ins, comps)
+    if body is None:
         return array_bytes(ins.type) + sum(array_bytes(instrs[o].type) for o in ins.operands if o in instrs)
-    body = comps[m.group(1)]
     local = {i.name: i for i in body}
     users = defaultdict(list)
     for i in body:
@@ -53,12 +58,14 @@ def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Ins
         return [r for u in users[name] for r in (readers(u.name) if u.opcode == "bitcast" else [u])]
 
     root = body[-1]  # HLO text ends a computation with its ROOT
-    outputs = [local[source(o)] for o in root.operands] if root.opcode == "tuple" else [local[source(root.name)]]
-    updates = [r for r in outputs if r.opcode == "dynamic-update-slice"]
-    in_place = {source(r.operands[0]) for r in updates}
-    total = sum(array_bytes(local[r.operands[1]].type) for r in updates)
-    total += sum(array_bytes(local[o].type) for o in (root.operands if root.opcode == "tuple" else [root.name])
-                 if local[source(o)].opcode != "dynamic-update-slice")
+    in_place, total = set(), 0
+    for out in (root.operands if root.opcode == "tuple" else (root.name,)):
+        made = local[source(out)]
+        if made.opcode == "dynamic-update-slice":  # written in place: the update alone
+            in_place.add(source(made.operands[0]))
+            total += array_bytes(local[made.operands[1]].type)
+        else:
+            total += array_bytes(local[out].type)
     for p in (i for i in body if i.opcode == "parameter" and i.name not in in_place):
         its = readers(p.name)  # sliced: only ever the array a slice is taken of (not, say, its start index)
         sliced = its and all(u.opcode in ("slice", "dynamic-slice") and source(u.operands[0]) == p.name for u in its)
@@ -68,17 +75,21 @@ def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Ins
 
 def is_gemm(ins: Instr, comps: dict[str, list[Instr]]) -> bool:
     """A matmul kernel: a ``dot`` or ``convolution``, or a fusion around one (XLA's Triton GEMM fusions)."""
-    if ins.opcode in ("dot", "convolution"):
-        return True
-    m = re.search(r"calls=%([\w.\-]+)", ins.attrs) if ins.opcode == "fusion" else None
-    return m is not None and any(i.opcode in ("dot", "convolution") for i in comps[m.group(1)])
+    body = [ins] if ins.opcode in ("dot", "convolution") else _fused(ins, comps) or []
+    return any(i.opcode in ("dot", "convolution") for i in body)
+
+
+def kernels(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | None = None):
+    """``(instruction, runs per step, bytes it moves a run)`` of each kernel that is not a matmul, attention, another
+    custom call, a collective or a host transfer: the elementwise work, reductions, copies, fills and slice updates
+    (and the optimizer update's), runs counted by ``executed``."""
+    comps, _ = parse(hlo_text)
+    instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
+    for ins, times in executed(hlo_text, branch_shares):
+        if ins.opcode not in NO_KERNEL and not counted_elsewhere(ins, instrs) and not is_gemm(ins, comps):
+            yield ins, times, moved_bytes(ins, comps, instrs)
 
 
 def kernel_bytes(hlo_text: str, branch_shares: dict[int, tuple[float, ...]] | None = None) -> float:
-    """Bytes per step read and written by the kernels that are not matmuls, attention, other custom calls,
-    collectives or host transfers: the elementwise work, reductions, copies, fills and slice updates (and the optimizer
-    update's), each instruction times its runs (``executed``)."""
-    comps, _ = parse(hlo_text)
-    instrs = {i.name: i for body in comps.values() for i in body}  # instruction names are the module's, unique
-    return sum(times * moved_bytes(ins, comps, instrs) for ins, times in executed(hlo_text, branch_shares)
-               if ins.opcode not in NO_KERNEL and not counted_elsewhere(ins, instrs) and not is_gemm(ins, comps))
+    """Bytes per step that ``kernels`` read and write, all told."""
+    return sum(times * moved for _, times, moved in kernels(hlo_text, branch_shares))
