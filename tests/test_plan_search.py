@@ -449,6 +449,47 @@ ENTRY %main (a: f32[16,256], m: f32[64,64], h: f32[64,64]) -> f32[16,256] {
     assert traffic.kernel_bytes(text) == 4 * per_trip
 
 
+def test_kernel_bytes_count_a_gather_as_the_elements_it_takes():
+    """The tiled loss takes each token's label logit from a chunk's float32 logits: a gather of 8 values out of
+    [8, 1000] reads those 8 (32 B), not the 32,000 B chunk; the same chunk read whole by a reduction counts whole, and
+    an operand used as the gather's indices counts whole too."""
+    text = """HloModule m
+
+%fused_take (p0: f32[8,1000], p1: s32[8,1]) -> f32[8] {
+  %p0 = f32[8,1000]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %b = f32[8,1000]{1,0} bitcast(%p0)
+  %g = f32[8,1]{1,0} gather(%b, %p1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, \
+index_vector_dim=1, slice_sizes={1,1}
+  ROOT %r = f32[8]{0} bitcast(%g)
+}
+
+%max (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%x, %y)
+}
+
+%fused_max (q0: f32[8,1000]) -> f32[8] {
+  %q0 = f32[8,1000]{1,0} parameter(0)
+  %c = f32[] constant(-inf)
+  ROOT %r = f32[8]{0} reduce(%q0, %c), dimensions={1}, to_apply=%max
+}
+
+ENTRY %main (l: f32[8,1000], i: s32[8,1]) -> (f32[8], f32[8]) {
+  %l = f32[8,1000]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  %t = f32[8]{0} fusion(%l, %i), kind=kLoop, calls=%fused_take
+  %x = f32[8]{0} fusion(%l), kind=kInput, calls=%fused_max
+  ROOT %o = (f32[8]{0}, f32[8]{0}) tuple(%t, %x)
+}
+"""
+    take = 8 * 4 + 8 * 4 + 8 * 4  # the 8 logits gathered, the 8 indices, the 8 results
+    assert traffic.kernel_bytes(text) == take + (8 * 1000 * 4 + 8 * 4)
+    by_index = text.replace("gather(%b, %p1)", "gather(%p1, %b)")  # the chunk as indices: read whole
+    assert traffic.kernel_bytes(by_index) == 8 * 1000 * 4 + 8 * 4 + 8 * 4 + (8 * 1000 * 4 + 8 * 4)
+
+
 def test_estimate_is_the_sum_of_its_parts_by_hand():
     """Llama-3.1-8B, 1M tokens on 8 H100s, remat full, Pallas attention, no collectives: the attention and matmul
     seconds recomputed here from the shapes and the table's rates."""
@@ -682,3 +723,47 @@ def test_estimate_updates_only_what_trains():
     rate, note = estimate.attention_rate("cudnn", 64)
     assert rate.forward == pytest.approx(estimate.ATTENTION_RATES["cudnn", 128].forward * estimate.HEAD_DIM_FACTOR[64][0])
     assert "fitted on measured steps" in note
+
+
+def test_memory_auto_on_one_gpu_unrolls_the_chosen_set_where_it_is_faster_and_fits(monkeypatch):
+    """On one GPU the fastest set is compiled once more with ``--scan-unroll`` and taken by the 2% rule where it
+    fits: 3% faster in 2 GiB more wins; 1% faster loses (within the estimate's error, more memory); over the budget,
+    or on 8 GPUs, or with ``--no-memory-unroll`` (train: ``--no-scan-unroll``), or a set holding host memory, the
+    loop stays scanned. The unrolled trial is listed with the others."""
+    def step_s(cfg, n):
+        base = {"full": 2.0, "save_matmuls": 1.8, "offload": 3.0}[cfg.remat] + 0.5 * bool(cfg.attn_chunk)
+        return base * (1 - gain) if cfg.scan_unroll else base
+
+    fake, compiled = _fake_plan(device_per_token=100_000, host_per_token=0, step_s=step_s)
+
+    def sized(cfg, **kw):  # unrolled: 2 GiB more (or over the budget)
+        p = fake(cfg, **kw)
+        p.memory["total_bytes"] += (extra if cfg.scan_unroll else 0)
+        p.fits = p.fits_device = p.memory["total_bytes"] <= p.memory["budget_bytes"]
+        return p
+
+    monkeypatch.setattr(search, "plan", sized)
+    mesh = types.SimpleNamespace(shape={"ring": 1, "sp": 1})
+    monkeypatch.setattr(search, "_mesh", lambda cfg, model, n: (None, mesh))
+    one = PlanConfig(preset="tiny", seq_len=32768, batch_size=1, memory="auto", kernels=False, devices=1,
+                     mesh=MeshConfig(fsdp=1, sp=1))
+    cases = [(one, 0.03, 2 * GiB, True), (one, 0.01, 2 * GiB, False), (one, 0.03, 200 * GiB, False),
+             (dataclasses.replace(one, memory_unroll=False), 0.03, 2 * GiB, False),
+             (dataclasses.replace(one, devices=8), 0.03, 2 * GiB, False)]
+    for cfg, gain, extra, unrolled in cases:
+        compiled.clear()
+        lines = []
+        best = search.auto_fit(cfg, log=lines.append, detail=False)
+        assert best.memory_flags.startswith("--remat save_matmuls --attn-keep"), best.memory_flags
+        assert best.memory_flags.endswith("--scan-unroll") == unrolled, (gain, extra, best.memory_flags)
+        assert best.memory_changes.get("scan_unroll", False) == unrolled
+        tried = [c for c, _, _ in compiled if c.scan_unroll]
+        assert len(tried) == (cfg.devices == 1 and cfg.memory_unroll)  # the winner alone, once
+        assert all(c.remat == "save_matmuls" for c in tried)
+        flags = [a["flags"] for a in best.alternatives] + [best.memory_flags]
+        assert sum(f.endswith("--scan-unroll") for f in flags) == len(tried)
+    host = PlanConfig(preset="tiny", seq_len=32768, batch_size=1, memory="auto", kernels=False, devices=1)
+    on_host, on_device = (types.SimpleNamespace(memory={"host_bytes": n}) for n in (GiB, 0))
+    assert search.unrollable(host, on_device, {}) and not search.unrollable(host, on_host, {})
+    assert not search.unrollable(host, on_device, {"offload_params": True})
+    assert not search.unrollable(dataclasses.replace(host, scan_unroll=True), on_device, {})

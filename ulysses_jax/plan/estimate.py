@@ -77,7 +77,8 @@ MATMUL_RATE = 790e12  # bf16 GEMM on H100: 798 TFLOP/s measured at 8192^3 (aot-g
 # relative error): the matmuls ran at MATMUL_EFFICIENCY of MATMUL_RATE, float8 GEMMs at FP8_MATMUL_RATE of the same
 # kind, head_dim 64 attention at HEAD_DIM_FACTOR[64] of the hd128 rate, and the other kernels moved their bytes at
 # KERNEL_BANDWIDTH_SHARE of the HBM bandwidth. In-sample every row within 3.0%, each row left out of the fit within
-# 5.2% (experiments/results/plan_vs_measured_h200_20261128c.md). Before the other kernels were timed by the compiled
+# 5.2% (experiments/results/plan_vs_measured_h200_20261128c.md; the same after the gather fix, _20261129.md).
+# Before the other kernels were timed by the compiled
 # program's bytes (16 passes a layer: a fifth of what those programs move), the fit put the rest into the matmuls
 # (0.68, hd64 0.85, float8 1110e12): rows within 6.2%, left out within 8.8%, and a program's copies and fills (what
 # --scan-unroll removes) were not seen (plan_vs_measured_h200_20261128b.md). The first fit, on the H100's 8 rows of
@@ -109,8 +110,10 @@ LINK_EFFICIENCY = 0.8  # assumed: share of the nominal NVLink / network / PCIe b
 # on the measured steps (CALIBRATED_ON), it takes in their launch gaps and kernels below the bandwidth. Where the
 # program cannot tell them apart (a hybrid's delta rule, attention written as XLA ops), ELEMENTWISE_PASSES over
 # [tokens, hidden] per layer forward (FP8_PASSES more for float8) and the optimizer update apart: what the nine
-# measured rows' programs moved besides their update, 43-68 passes and 26-46 more for float8
-KERNEL_BANDWIDTH_SHARE = 0.51
+# measured rows' programs moved besides their update, 43-68 passes and 26-46 more for float8. 0.51 until 2026-11-29:
+# a gather (the tiled loss's label logit) had been counted as reading its whole operand, 16 GiB a step at llama3.2-1b
+# 32K; refitted on the same rows with it counted as the elements it takes (plan_vs_measured_h200_20261129.md)
+KERNEL_BANDWIDTH_SHARE = 0.505
 ELEMENTWISE_PASSES = 56
 OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW in float32: read parameter, gradient, 2 moments; write parameter, 2 moments
 

@@ -38,8 +38,9 @@ def counted_elsewhere(ins: Instr, instrs: dict[str, Instr]) -> bool:
 
 def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Instr]) -> int:
     """Bytes ``ins`` reads and writes: its result and operands, but for a fusion an operand its fused computation only
-    slices (the slices are read) and the buffer a slice update writes in place (the update alone is written), bitcasts
-    looked through (they move nothing)."""
+    slices or gathers from (the slices, or the gathered elements, are read: e.g. the label's logit taken from a chunk's
+    logits) and the buffer a slice update writes in place (the update alone is written), bitcasts looked through (they
+    move nothing)."""
     body = _fused(ins, comps)
     if body is None:
         return array_bytes(ins.type) + sum(array_bytes(instrs[o].type) for o in ins.operands if o in instrs)
@@ -67,8 +68,9 @@ def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Ins
         else:
             total += array_bytes(local[out].type)
     for p in (i for i in body if i.opcode == "parameter" and i.name not in in_place):
-        its = readers(p.name)  # sliced: only ever the array a slice is taken of (not, say, its start index)
-        sliced = its and all(u.opcode in ("slice", "dynamic-slice") and source(u.operands[0]) == p.name for u in its)
+        its = readers(p.name)  # sliced: only ever the array a slice or gather takes from (not its start or indices)
+        sliced = its and all(u.opcode in ("slice", "dynamic-slice", "gather") and source(u.operands[0]) == p.name
+                             for u in its)
         total += sum(array_bytes(u.type) for u in its) if sliced else array_bytes(p.type)
     return total
 
