@@ -3,6 +3,7 @@ and rows, gradient accumulation by tokens, and the tiled loss equal to the plain
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -258,3 +259,51 @@ def test_fused_loss_sums_the_unembedding_gradient_in_float32(seed):
     p[np.arange(len(lab)), np.maximum(lab, 0)] -= 1.0
     p[lab < 0] = 0.0
     assert rel_err(dw, p.T @ h64) <= 2.0**-8
+
+
+def test_one_pass_logsumexp_equals_the_float64_one(seed):
+    """``one_pass_logsumexp`` (one reduction of (maximum, sum) pairs) against NumPy's float64 log-sum-exp: rows of
+    logits spread over +-60 (a vocabulary not a power of two), equal logits, one logit far above the rest, and rows
+    near float32's lowest; within 2e-6 of each row's magnitude. An infinite logit gives NaN, never a finite loss."""
+    from ulysses_jax.model.loss import one_pass_logsumexp
+
+    x = 20.0 * jax.random.normal(jax.random.key(seed), (4, 3, 5003))
+    x = x.at[0, 0].set(7.0).at[0, 1, 17].set(1e4).at[1, 0].set(-3e38).at[1, 1, :5].set(-1e30)
+    x64 = np.asarray(x, np.float64)
+    m = x64.max(-1, keepdims=True)
+    want = (m + np.log(np.exp(x64 - m).sum(-1, keepdims=True)))[..., 0]
+    got = np.asarray(jax.jit(one_pass_logsumexp)(x), np.float64)
+    assert np.all(np.abs(got - want) <= 2e-6 * np.maximum(np.abs(want), 1.0)), np.abs(got - want).max()
+    assert got[0, 0] == pytest.approx(7.0 + np.log(5003), abs=1e-5) and got[0, 1] == 1e4
+    assert np.isnan(one_pass_logsumexp(x.at[2, 2, 3].set(jnp.inf))[2, 2])
+
+
+@pytest.mark.aot
+def test_the_fused_loss_reads_each_chunks_logits_once_for_its_log_sum_exp():
+    """The tiled loss's chunk compiled for a compile-only H100 (its gradients, as training runs it): the float32
+    logits [c, V] are read whole by two kernels: one reduction for the log-sum-exp (maximum and sum in one pass;
+    ``jax.nn.logsumexp``'s two reductions each read them) and the pass that writes the logits' gradient; the label's
+    logit is a gather, fused into that pass or apart (plan.traffic counts its elements). The kernels reading
+    them move 2.5 times their bytes (two reads and the bfloat16 gradient's write; with the two reductions, 3.5)."""
+    from ulysses_jax.model.loss import fused_cross_entropy_sum
+    from ulysses_jax.plan import hlo, traffic
+    from ulysses_jax.plan.targets import target_devices
+
+    n, c, d, v = 2, 512, 256, 32000
+    h = jax.ShapeDtypeStruct((n, 1, c, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((v, d), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((n, 1, c), jnp.int32)
+    with jax.default_device(target_devices("h100", devices=1)[0]):
+        step = jax.jit(jax.grad(fused_cross_entropy_sum, argnums=(0, 1)))
+        text = step.trace(h, w, labels).lower().compile().as_text()
+    comps, _ = hlo.parse(text)
+    instrs = {i.name: i for body in comps.values() for i in body}
+    logits = [i for i in instrs.values()  # the GEMM kernel (a fusion around the dot, or cuBLAS' call), not its dot
+              if i.type.startswith(f"f32[{c},{v}]") and i.opcode != "dot" and traffic.is_gemm(i, comps)]
+    assert len(logits) == 1, [i.type for i in logits]
+    readers = [i for i in instrs.values() if logits[0].name in i.operands]
+    bodies = [" ".join(j.opcode for j in comps[re.search(r"calls=%([\w.\-]+)", r.attrs).group(1)]) for r in readers]
+    assert sum("reduce" in b and "gather" not in b for b in bodies) == 1, bodies
+    assert len(readers) <= 3, bodies  # the gather apart, or fused into the gradient's pass
+    moved = sum(traffic.moved_bytes(r, comps, instrs) for r in readers) / (c * v * 4)
+    assert moved < 2.7, moved  # in the logits' bytes

@@ -18,7 +18,8 @@ Tiled loss (``ModelConfig.loss_chunk``): inside ``shard_map``, each device cuts 
 hidden states into chunks of ``loss_chunk`` tokens and computes logits, log-sum-exp and the label's
 logit one chunk at a time; only ``[b, loss_chunk, V]`` float32 logits exist at once, never ``[B, S, V]``. Under
 differentiation each chunk's gradients come with its value (``fused_cross_entropy_sum``): the logits are computed
-once. Sums and counts are ``psum``-ed over all mesh axes.
+once, and read twice after their GEMM writes them: once for their log-sum-exp (``one_pass_logsumexp``: the maximum and
+the sum in one reduction) and once to write their gradient. Sums and counts are ``psum``-ed over all mesh axes.
 """
 
 from __future__ import annotations
@@ -81,12 +82,33 @@ def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.
     return jnp.sum(token_losses(logits_BSV, labels_BS)), jnp.sum(labels_BS >= 0, dtype=jnp.int32)
 
 
+def one_pass_logsumexp(x: jax.Array) -> jax.Array:
+    """``logsumexp`` over the last axis of float32 ``x`` in one reduction: each element enters as ``(x, 1)`` and two
+    partial results ``(m, s)`` (a maximum and the sum of ``exp`` relative to it) combine as the online softmax does,
+    ``(max(m1, m2), s1 exp(m1 - m) + s2 exp(m2 - m))``. XLA reduces the maximum and the sum of ``jax.nn.logsumexp``
+    in two passes, each reading all of ``x``; this reads it once (the tiled loss: a chunk's float32 logits, 2 GiB for
+    4096 tokens of a 128K vocabulary). The start value is the lowest finite float32, not ``-inf``, so that two start
+    values combine to ``(lowest, 0)``, not NaN. Finite ``x`` gives ``jax.nn.logsumexp``'s value up to rounding; an
+    infinite or NaN ``x`` gives NaN (the training loop stops on a non-finite loss either way)."""
+    def combine(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+
+    start = (jnp.array(jnp.finfo(jnp.float32).min, jnp.float32), jnp.array(0.0, jnp.float32))
+    x = x.astype(jnp.float32)
+    m, s = jax.lax.reduce((x, jnp.ones_like(x)), start, combine, (x.ndim - 1,))
+    return m + jnp.log(s)
+
+
 def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):
     """One chunk of the fused loss: ``(sum of its token losses, d sum / d h, d sum / d w or None)``. The logits'
     gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to bfloat16 before its two GEMMs where
     the operands are bfloat16 (``layers.cotangent_dtype``), as ``layers.wide_dot``'s backward does."""
     logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
-    losses_bc, lse_bc = _losses_and_lse(logits_bcV, labels_bc)
+    lse_bc = one_pass_logsumexp(logits_bcV)
+    label_logit_bc = jnp.take_along_axis(logits_bcV, jnp.maximum(labels_bc, 0)[..., None], axis=-1)[..., 0]
+    losses_bc = jnp.where(labels_bc >= 0, lse_bc - label_logit_bc, 0.0)
     onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == jnp.maximum(labels_bc, 0)[..., None]
     d_bcV = jnp.exp(logits_bcV - lse_bc[..., None]) - onehot_bcV
     d_bcV = jnp.where((labels_bc >= 0)[..., None], d_bcV, 0.0).astype(cotangent_dtype(h_bcD, w_VD))
