@@ -99,6 +99,22 @@ def test_the_line_names_a_faster_set_that_took_more_memory(monkeypatch):
         lines[1])
 
 
+@pytest.mark.parametrize("args", [[], ["--no-scan-unroll"], ["--scan-unroll"]])
+def test_one_gpu_trains_the_chosen_set_unrolled_unless_the_loop_is_given(monkeypatch, args):
+    """On one GPU the chosen set is tried with its layer loop unrolled (5% faster here, in the same memory) and
+    trained so; ``--no-scan-unroll`` keeps the loop, ``--scan-unroll`` unrolls every set (no extra trial)."""
+    from ulysses_jax.cli import _given
+
+    planned = stand_in(monkeypatch, sp=1, step=lambda cfg: step_seconds(cfg) * (0.95 if cfg.scan_unroll else 1))
+    cfg = parse(["train", "--preset", "tiny", "--seq-len", "32768", *args])
+    one = dataclasses.replace(job(sp=1), devices=1)
+    picked, _ = decide(cfg, one, given=_given(args), log=lambda line: None, log_file=False,
+                       agree=lambda outcome: None)
+    assert picked.scan_unroll == (args != ["--no-scan-unroll"])
+    assert sum(c.scan_unroll for c in planned) == {(): 1, ("--no-scan-unroll",): 0}.get(tuple(args), len(planned))
+    assert (picked.remat, picked.attn_keep) == ("save_matmuls", True)
+
+
 def test_a_smaller_memory_pool_lowers_the_device_budget(monkeypatch):
     planned = stand_in(monkeypatch)
     decide(TrainConfig(preset="tiny", seq_len=8 * 4096, memory_fraction=0.76), job(memory_fraction=0.76),

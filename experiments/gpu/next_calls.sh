@@ -10,13 +10,13 @@
 #   ULYSSES_JAX_COMMIT=<commit> bash experiments/gpu/next_calls.sh B   # here; carry .whl and .baseline, made below)
 #   PYTHON=.venv/bin/python bash experiments/gpu/next_calls.sh A --dry-run    # CPU: the same parts on tiny rows
 #
-# .baseline: `mkdir -p .baseline && git archive 9a55de8 ulysses_jax | tar -x -C .baseline`, the package measured on
-# 2026-11-28 (before the fused loss, the float8 GEMMs writing bf16 and cuDNN's causal mask alone for one document a
-# row): the before of those untimed changes, on the same flags, in the same call.
+# .baseline: `rm -rf .baseline && mkdir -p .baseline && git archive 274568a ulysses_jax | tar -x -C .baseline`, the
+# package of the rows measured on 2026-11-28 evening (A and B ran with 9a55de8's, the morning's): G's before, on the
+# same flags, in the same call.
 #
-# Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next F and H (issue 40's two
-# open goals, the loss curves and 1.3x at 8K on the same flags: 470 + 300 s of limits, one session), then D and C
-# (790 s), then G and E.
+# Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next G and F (issue 38's
+# principal goal, 1.5x transformers at 1B 32K, then issue 40's loss curves: 310 + 450 s of limits, one session), then
+# H and J, then D and C, then E and I.
 # A (limits 440 s, ran 2026-11-28): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and
 #    transformers + Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then
 #    with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
@@ -38,18 +38,24 @@
 #    (the same values as the preset's --remat full, in less of the call's time); on CPUs the tiny preset, a 256-wide
 #    float32 model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9%
 #    at seed 1: its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge 1%.
-# G (limits 360 s): what A left (its baseline step failed on a field the earlier package lacked, since fixed):
-#    llama3.2-1b at 32K before/after, and with --remat full beside the checkpointing peers (the like-for-like pair:
-#    0.91x on an H100 on 2026-11-27, before the loss fix), and with --mlp-keep (--memory auto's pick there since the
-#    estimate counts the program's bytes: 1.065 s against save_matmuls' 1.056, 4.75 GiB less); then the 1B step at 32K
-#    profiled by kernel (90 s more).
+# G (limits 310 s): issue 38's principal goal, llama3.2-1b full at 32K beside transformers (1.5x), Liger (1.25x) and
+#    Liger without checkpointing, in one call: --remat save_matmuls unrolled first (1.019 s on 2026-11-28, 1.49x; since
+#    then the tiled loss's log-sum-exp reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 6 ms), then
+#    as measured before, --attn-keep alone, and --mlp-keep (--memory auto's pick there on a compile-only H200, now
+#    unrolled); before it, the package of the last measured rows (.baseline at 274568a) on the save_matmuls flags:
+#    what changed since, in the same call.
+# J (limits 260 s): llama3.1-8b LoRA r16 at 32K, --mlp-keep unrolled (--memory auto's pick there on a compile-only
+#    H200 since it tries the chosen set unrolled: 105.01 GiB, an ESTIMATED 3.90 s against 4.02 looped) beside the
+#    looped set (3.919 s on 2026-11-28) and transformers + peft, in one call.
+# I (limits 90 s): the 1B step at 32K profiled by kernel (do our cuDNN hd64 kernels on the causal mask alone take what
+#    the peer's took: 160 / 446 ms forward / backward in its profile of 2026-11-28 evening).
 # H (limits 280 s): llama3.1-8b LoRA at 8K, float8 and bf16, each with the layer loop unrolled and without, beside
 #    Liger, in one call: issue 40's 1.3x judged on the same flags (B measured 1.28x without unrolling). Unrolled, the
 #    compiled float8 program writes 51.9 GiB less a step, its zero fills, slice updates and copies gone: about 12 ms
 #    of the 0.500 s step, an ESTIMATE (experiments/results/scan_unroll_h200.md).
 set -u
 cd "$(dirname "$0")/../.."
-CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G|H [--dry-run]}
+CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G|H|I|J [--dry-run]}
 DRY=${2:-}
 if [ -z "$DRY" ] && [ -z "${ULYSSES_JAX_COMMIT:-}" ] && ! git rev-parse -q HEAD > /dev/null 2>&1; then
   echo "next_calls.sh: no git here: give the commit measured, ULYSSES_JAX_COMMIT=<commit> (the CSVs name it)" >&2
@@ -139,12 +145,18 @@ or memory_flags"
     part g_1b_32k STEPS="baseline peers" BASELINE_LIMIT=60 \
       BASELINE_ARGS="--preset llama3.2-1b --seq-lens 32768 --sp 1 --fsdp 1 --batch-size 1 --remat save_matmuls \
 --attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
-      PEER_ROWS=1b-32k PEER_FLAG_SETS="$KEEP1|$SAVE1|$MLP1|$KEEP1 --fp8" PEERS_LIMIT=210 \
-      PEER_ARGS="$S --peers transformers+liger,transformers+liger/$NOCKPT"
+      PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1 --scan-unroll|$SAVE1|$KEEP1|$MLP1 --scan-unroll" PEERS_LIMIT=250 \
+      PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT"
+    ;;
+  J)
+    part j_8b_lora_32k STEPS="peers" PEER_ROWS=8b-lora-32k PEER_FLAG_SETS="$MLP1 --scan-unroll|$MLP1" \
+      PEER_ARGS="--steps 2 --warmup 1 --peers transformers" PEERS_LIMIT=260
+    ;;
+  I)
     # today's 1B step by kernel: do our cuDNN hd64 kernels on the causal mask alone take what the peer's took (160 /
     # 446 ms forward / backward in its profile of 2026-11-28 evening; ours 169 / 464 that morning, packed layout)?
-    part g_profile STEPS="profile" PROFILE_LIMIT=90 PROFILE_ARGS="--seq-lens 32768 --remat save_matmuls --attn-keep \
---loss-chunk 4096 --mlp-chunk 0 $ONE --profile-steps 2 --warmup 1"
+    part i_profile STEPS="profile" PROFILE_LIMIT=90 PROFILE_ARGS="--seq-lens 32768 --remat save_matmuls --attn-keep \
+--loss-chunk 4096 --mlp-chunk 0 $ONE --scan-unroll --profile-steps 2 --warmup 1"
     ;;
   H)
     part h_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
@@ -152,7 +164,7 @@ or memory_flags"
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=280
     ;;
   *)
-    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F, G or H" >&2
+    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F, G, H, I or J" >&2
     exit 2
     ;;
 esac

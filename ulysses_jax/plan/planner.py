@@ -76,6 +76,10 @@ class PlanConfig(TrainConfig):
     groups) and print the train flags: of those that fit --seq-len the one of the shortest estimated step (within 2%
     of it, the least memory), or with --find-max-seq-len the one with the longest context; host memory within
     --host-memory-gib. (train --memory auto does the same by itself)"""
+    memory_unroll: bool = True
+    """--memory auto for --seq-len on one GPU: also compile the chosen set with the layer loop unrolled
+    (--scan-unroll: no stacked buffers of saved values filled and sliced, more memory) and take it where it fits and
+    its estimated step is more than 2% shorter; --no-memory-unroll keeps the loop (train: --no-scan-unroll)"""
     host_memory_gib: float | None = None
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""

@@ -267,9 +267,10 @@ def cfg_host_budget(cfg: PlanConfig) -> int:
 
 def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) -> Plan:
     """``--memory auto`` for ``--seq-len``: of ``memory_choices`` that fit both budgets, the one with the lowest
-    estimated step time (``_fastest``: within 2% of it, the least memory); the others are printed as runners-up.
-    ``detail``: compile the chosen set again with its largest buffers and kernels (``train --memory auto`` takes
-    the trial's plan as it is)."""
+    estimated step time (``_fastest``: within 2% of it, the least memory); the others are printed as runners-up. On
+    one GPU that set is compiled once more with the layer loop unrolled and taken unrolled by the same rule where it
+    fits (``unrollable``). ``detail``: compile the chosen set again with its largest buffers and kernels (``train
+    --memory auto`` takes the trial's plan as it is)."""
     model = _model(cfg)
     _, mesh = _mesh(cfg, model, cfg.seq_len)
     local = cfg.seq_len // (mesh.shape["ring"] * mesh.shape["sp"]) if cfg.seq_len % (
@@ -282,12 +283,7 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
             log(f"  skipped: {flags}: {skip}")
             results.append(_summary(flags, None, length=cfg.seq_len, note=f"skipped: {skip}"))
             continue
-        p = plan(dataclasses.replace(cfg, memory="manual", **changes), detail=False)
-        if on_trial is not None:
-            on_trial(p)
-        e = p.estimate
-        log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
-            f"{'fits' if p.fits else 'over'}, estimated {e['step_seconds']:.2f} s per step  {flags}")
+        p = _trial(cfg, flags, changes, log, on_trial)
         results.append(_summary(flags, p, length=cfg.seq_len))
         if p.fits:
             fitting.append((p, flags, changes))
@@ -296,6 +292,13 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
                          f"host budgets (host: {gib(cfg_host_budget(cfg))} GiB per GPU); plan more devices, or find "
                          f"the longest that fits with --find-max-seq-len")
     p, flags, changes = _fastest(fitting)
+    if unrollable(cfg, p, changes):  # the winner with its layer loop unrolled: one compile more
+        flags_u, changes_u = f"{flags} --scan-unroll", {**changes, "scan_unroll": True}
+        u = _trial(cfg, flags_u, changes_u, log, on_trial)
+        results.append(_summary(flags_u, u, length=cfg.seq_len))
+        if u.fits:
+            fitting.append((u, flags_u, changes_u))
+            p, flags, changes = _fastest([(p, flags, changes), (u, flags_u, changes_u)])
     if detail:
         chosen = _choose(cfg, p, flags, changes)
     else:
@@ -305,6 +308,27 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
     log(f"Chosen (--memory auto): the lowest estimated step time of the {len(fitting)} sets that fit, each listed "
         f"above (within {NEAR:.0%} of it, the one needing the least memory, the device's alone first): {flags}")
     return chosen
+
+
+def _trial(cfg: PlanConfig, flags: str, changes: dict, log, on_trial) -> Plan:
+    """One set's plan (compiled, without the detail), logged as a line of the search."""
+    p = plan(dataclasses.replace(cfg, memory="manual", **changes), detail=False)
+    if on_trial is not None:
+        on_trial(p)
+    log(f"  {gib(p.memory['total_bytes']):>8} GiB per device, {gib(p.memory['host_bytes']):>8} GiB host: "
+        f"{'fits' if p.fits else 'over'}, estimated {p.estimate['step_seconds']:.2f} s per step  {flags}")
+    return p
+
+
+def unrollable(cfg: PlanConfig, p: Plan, changes: dict) -> bool:
+    """Whether ``auto_fit`` also tries the chosen set with the layer loop unrolled (``--scan-unroll``): one GPU
+    (``transformer.py``: a speed tool for one GPU; on several, the scan keeps one layer's gathered weights at a
+    time), the loop not already unrolled, ``--memory-unroll`` on, and the set holding nothing in host memory
+    (``scan_unroll`` refuses ``offload_params``; the offload sets are the memory-bound ones). Measured on an H200
+    (llama3.2-1b at 32K, same call): 1.040 -> 1.019 s, 1.7 GiB more (``experiments/results/peers_h200_20261128b.csv``);
+    the estimate credits the fills and slice updates it removes by their bytes."""
+    return (cfg.memory_unroll and cfg.devices == 1 and not cfg.scan_unroll and p.memory["host_bytes"] == 0
+            and not changes.get("offload_params"))
 
 
 NEAR = 0.02  # a lead this small is inside the estimate's error (within 5.2% of each step measured on an H200)

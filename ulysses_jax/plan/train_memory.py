@@ -140,7 +140,9 @@ def decide(cfg: TrainConfig, job: Job, *, given: set[str] | frozenset[str] = fro
         log(f"memory: the preset's tools, no search (plan compiles for {' and '.join(t.upper() for t in TARGETS)} "
             f"only, not {job.device_kind}); memory flags change them, --memory manual drops this line")
         return cfg, None
-    pcfg = plan_config(cfg, job, target)
+    # the layer loop unrolled where it fits and is faster (search.unrollable), unless --scan-unroll or
+    # --no-scan-unroll is given
+    pcfg = dataclasses.replace(plan_config(cfg, job, target), memory_unroll="scan_unroll" not in given)
     _, device_budget, host_budget, _ = budgets(pcfg, get_target(target))
     on = f"{job.devices} {target.upper()}{'s' if job.devices > 1 else ''}"
     log(f"memory: no memory flag given (--memory auto): compiling the step with each set of memory tools `plan "
