@@ -451,8 +451,9 @@ ENTRY %main (a: f32[16,256], m: f32[64,64], h: f32[64,64]) -> f32[16,256] {
 
 def test_kernel_bytes_count_a_gather_as_the_elements_it_takes():
     """The tiled loss takes each token's label logit from a chunk's float32 logits: a gather of 8 values out of
-    [8, 1000] reads those 8 (32 B), not the 32,000 B chunk; the same chunk read whole by a reduction counts whole, and
-    an operand used as the gather's indices counts whole too."""
+    [8, 1000] reads those 8 (32 B), not the 32,000 B chunk; the same chunk read whole by a reduction counts whole (in
+    another fusion, or in the gather's own), an operand used as the gather's indices counts whole too, and a gather
+    with repeated indices that takes more elements than its operand holds counts the operand once."""
     text = """HloModule m
 
 %fused_take (p0: f32[8,1000], p1: s32[8,1]) -> f32[8] {
@@ -488,6 +489,30 @@ ENTRY %main (l: f32[8,1000], i: s32[8,1]) -> (f32[8], f32[8]) {
     assert traffic.kernel_bytes(text) == take + (8 * 1000 * 4 + 8 * 4)
     by_index = text.replace("gather(%b, %p1)", "gather(%p1, %b)")  # the chunk as indices: read whole
     assert traffic.kernel_bytes(by_index) == 8 * 1000 * 4 + 8 * 4 + 8 * 4 + (8 * 1000 * 4 + 8 * 4)
+    # the chunk also read by a reduction in the same fusion: read whole
+    both = text.replace("  ROOT %r = f32[8]{0} bitcast(%g)\n}\n\n%max",
+                        "  %n = f32[8]{0} reduce(%p0, %z), dimensions={1}, to_apply=%max\n"
+                        "  %z = f32[] constant(0)\n  %q = f32[8]{0} bitcast(%g)\n"
+                        "  ROOT %r = f32[8]{0} add(%q, %n)\n}\n\n%max")
+    assert both != text and traffic.kernel_bytes(both) == 8 * 1000 * 4 + 8 * 4 + 8 * 4 + (8 * 1000 * 4 + 8 * 4)
+    # a gather taking more elements than the operand holds (repeated indices): the operand read once, no more
+    repeated = """HloModule m
+
+%fused_take (p0: f32[8,2], p1: s32[32,2]) -> f32[32] {
+  %p0 = f32[8,2]{1,0} parameter(0)
+  %p1 = s32[32,2]{1,0} parameter(1)
+  %g = f32[32,1]{1,0} gather(%p0, %p1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0,1}, \
+index_vector_dim=1, slice_sizes={1,1}
+  ROOT %r = f32[32]{0} bitcast(%g)
+}
+
+ENTRY %main (l: f32[8,2], i: s32[32,2]) -> f32[32] {
+  %l = f32[8,2]{1,0} parameter(0)
+  %i = s32[32,2]{1,0} parameter(1)
+  ROOT %t = f32[32]{0} fusion(%l, %i), kind=kLoop, calls=%fused_take
+}
+"""
+    assert traffic.kernel_bytes(repeated) == 8 * 2 * 4 + 32 * 2 * 4 + 32 * 4
 
 
 def test_estimate_is_the_sum_of_its_parts_by_hand():

@@ -257,3 +257,22 @@ def test_the_host_budget_is_shared_by_the_hosts_gpus_however_processes_drive_the
     monkeypatch.setattr(jax, "process_count", lambda: processes)
     job = train_memory.job_of(TrainConfig(), mesh, 1)
     assert job.hosts == 1 and job.host_memory_gib == pytest.approx(train_memory.host_memory_gib(8))
+
+
+def test_an_unrolled_loop_chosen_by_auto_is_recorded_as_its_choice(tmp_path):
+    """``train``'s record names every setting ``--memory auto`` chose, with why, the layer loop unrolled among them
+    (``scan_unroll`` is not a memory flag: given alone it does not stop the search); the run trains unrolled."""
+    from ulysses_jax.train.config import memory_changes
+    from ulysses_jax.train.devices import MeshConfig
+    from ulysses_jax.train.trainer import setup_train
+
+    cfg = TrainConfig(preset="tiny", batch_size=2, seq_len=128, steps=2, progress=False, attention="xla",
+                      mesh=MeshConfig(fsdp=2, sp=4), run_dir=str(tmp_path / "run"))
+    picked = dataclasses.replace(cfg, remat="full", scan_unroll=True)
+    assert memory_changes(cfg, picked) == {"remat": "full"} and not memory_flags_given(
+        dataclasses.replace(cfg, scan_unroll=True))
+    run = setup_train(cfg, memory_setup=lambda c, mesh, batch_size: (picked, WHY))
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["defaults"]["scan_unroll"] == {"value": True, "why": WHY}
+    assert record["defaults"]["remat"] == {"value": "full", "why": WHY}
+    assert record["config"]["scan_unroll"] is True and run.model.scan_unroll

@@ -40,7 +40,7 @@
 #    at seed 1: its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge 1%.
 # G (limits 310 s): issue 38's principal goal, llama3.2-1b full at 32K beside transformers (1.5x), Liger (1.25x) and
 #    Liger without checkpointing, in one call: --remat save_matmuls unrolled first (1.019 s on 2026-11-28, 1.49x; since
-#    then the tiled loss's log-sum-exp reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 6 ms), then
+#    then the tiled loss's log-sum-exp reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 7 ms), then
 #    as measured before, --attn-keep alone, and --mlp-keep (--memory auto's pick there on a compile-only H200, now
 #    unrolled); before it, the package of the last measured rows (.baseline at 274568a) on the save_matmuls flags:
 #    what changed since, in the same call.

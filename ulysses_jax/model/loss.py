@@ -82,14 +82,17 @@ def cross_entropy_sum(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.
     return jnp.sum(token_losses(logits_BSV, labels_BS)), jnp.sum(labels_BS >= 0, dtype=jnp.int32)
 
 
+@jax.custom_jvp
 def one_pass_logsumexp(x: jax.Array) -> jax.Array:
-    """``logsumexp`` over the last axis of float32 ``x`` in one reduction: each element enters as ``(x, 1)`` and two
+    """``logsumexp`` over the last axis of ``x`` in float32, in one reduction: each element enters as ``(x, 1)`` and two
     partial results ``(m, s)`` (a maximum and the sum of ``exp`` relative to it) combine as the online softmax does,
     ``(max(m1, m2), s1 exp(m1 - m) + s2 exp(m2 - m))``. XLA reduces the maximum and the sum of ``jax.nn.logsumexp``
     in two passes, each reading all of ``x``; this reads it once (the tiled loss: a chunk's float32 logits, 2 GiB for
     4096 tokens of a 128K vocabulary). The start value is the lowest finite float32, not ``-inf``, so that two start
-    values combine to ``(lowest, 0)``, not NaN. Finite ``x`` gives ``jax.nn.logsumexp``'s value up to rounding; an
-    infinite or NaN ``x`` gives NaN (the training loop stops on a non-finite loss either way)."""
+    values combine to ``(lowest, 0)``, not NaN. Finite ``x`` gives ``jax.nn.logsumexp``'s value up to rounding, a row
+    of ``-inf`` gives ``-inf``; ``+inf`` or NaN in a row gives NaN (the training loop stops on a non-finite loss either
+    way). Differentiable: its derivative is the softmax of ``x`` (a rule of its own; XLA's variadic reduction has
+    none)."""
     def combine(a, b):
         (m1, s1), (m2, s2) = a, b
         m = jnp.maximum(m1, m2)
@@ -101,20 +104,34 @@ def one_pass_logsumexp(x: jax.Array) -> jax.Array:
     return m + jnp.log(s)
 
 
+@one_pass_logsumexp.defjvp
+def _one_pass_logsumexp_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    lse = one_pass_logsumexp(x)
+    p = jnp.exp(x.astype(jnp.float32) - lse[..., None])
+    return lse, jnp.sum(p * dx.astype(jnp.float32), axis=-1)
+
+
+def _chunk_loss_sum(logits_bcV: jax.Array, labels_bc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum of a chunk's token losses, its log-sum-exps)``: ``cross_entropy_sum``'s sum with the one-pass
+    log-sum-exp; the label's logit a gather."""
+    lse_bc = one_pass_logsumexp(logits_bcV)
+    label_logit_bc = jnp.take_along_axis(logits_bcV, jnp.maximum(labels_bc, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(labels_bc >= 0, lse_bc - label_logit_bc, 0.0)), lse_bc
+
+
 def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):
     """One chunk of the fused loss: ``(sum of its token losses, d sum / d h, d sum / d w or None)``. The logits'
     gradient, ``softmax - onehot(label)`` (0 at ignored labels), is rounded to bfloat16 before its two GEMMs where
     the operands are bfloat16 (``layers.cotangent_dtype``), as ``layers.wide_dot``'s backward does."""
     logits_bcV = jnp.einsum("bcd,vd->bcv", h_bcD, w_VD, preferred_element_type=jnp.float32)
-    lse_bc = one_pass_logsumexp(logits_bcV)
-    label_logit_bc = jnp.take_along_axis(logits_bcV, jnp.maximum(labels_bc, 0)[..., None], axis=-1)[..., 0]
-    losses_bc = jnp.where(labels_bc >= 0, lse_bc - label_logit_bc, 0.0)
+    total, lse_bc = _chunk_loss_sum(logits_bcV, labels_bc)
     onehot_bcV = jnp.arange(logits_bcV.shape[-1]) == jnp.maximum(labels_bc, 0)[..., None]
     d_bcV = jnp.exp(logits_bcV - lse_bc[..., None]) - onehot_bcV
     d_bcV = jnp.where((labels_bc >= 0)[..., None], d_bcV, 0.0).astype(cotangent_dtype(h_bcD, w_VD))
     dh_bcD = jnp.einsum("bcv,vd->bcd", d_bcV, w_VD, preferred_element_type=jnp.float32).astype(h_bcD.dtype)
     dw_VD = jnp.einsum("bcv,bcd->vd", d_bcV, h_bcD, preferred_element_type=jnp.float32) if grad_w else None
-    return jnp.sum(losses_bc), dh_bcD, dw_VD
+    return total, dh_bcD, dw_VD
 
 
 def _fused_loop(h_nbcD, w_VD, labels_nbc, grad_w: bool):
@@ -145,7 +162,7 @@ def fused_cross_entropy_sum(h_nbcD, w_VD, labels_nbc):
     whose loop XLA then runs before the layers' backward rather than after it."""
     def body(total, xs):
         logits_bcV = jnp.einsum("bcd,vd->bcv", xs[0], w_VD, preferred_element_type=jnp.float32)
-        return total + cross_entropy_sum(logits_bcV, xs[1])[0], None
+        return total + _chunk_loss_sum(logits_bcV, xs[1])[0], None
 
     zero = vary_like(vary_like(jnp.zeros((), jnp.float32), h_nbcD), w_VD)
     return jax.lax.scan(body, zero, (h_nbcD, labels_nbc))[0]

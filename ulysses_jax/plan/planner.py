@@ -78,8 +78,9 @@ class PlanConfig(TrainConfig):
     --host-memory-gib. (train --memory auto does the same by itself)"""
     memory_unroll: bool = True
     """--memory auto for --seq-len on one GPU: also compile the chosen set with the layer loop unrolled
-    (--scan-unroll: no stacked buffers of saved values filled and sliced, more memory) and take it where it fits and
-    its estimated step is more than 2% shorter; --no-memory-unroll keeps the loop (train: --no-scan-unroll)"""
+    (--scan-unroll: no stacked buffers of saved values filled and sliced, more memory) and, where it fits, pick again
+    by the same rule (the shortest estimate; within 2% of it, the least memory); --no-memory-unroll keeps the loop
+    (train: --no-scan-unroll)"""
     host_memory_gib: float | None = None
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""

@@ -71,7 +71,8 @@ def moved_bytes(ins: Instr, comps: dict[str, list[Instr]], instrs: dict[str, Ins
         its = readers(p.name)  # sliced: only ever the array a slice or gather takes from (not its start or indices)
         sliced = its and all(u.opcode in ("slice", "dynamic-slice", "gather") and source(u.operands[0]) == p.name
                              for u in its)
-        total += sum(array_bytes(u.type) for u in its) if sliced else array_bytes(p.type)
+        # a gather may take an element more than once (repeated indices): never more than the operand is read
+        total += min(sum(array_bytes(u.type) for u in its), array_bytes(p.type)) if sliced else array_bytes(p.type)
     return total
 
 

@@ -173,10 +173,11 @@ def memory_flags_given(cfg: TrainConfig, given: set[str] | frozenset[str] = froz
     return [runconfig.flag(path) for path in MEMORY_SETTINGS if path in given or path in changed]
 
 
-def memory_changes(before: TrainConfig, after: TrainConfig) -> dict:
-    """``{setting: value}`` of the ``MEMORY_SETTINGS`` that ``after`` sets otherwise than ``before``."""
+def memory_changes(before: TrainConfig, after: TrainConfig, also: tuple[str, ...] = ()) -> dict:
+    """``{setting: value}`` of the ``MEMORY_SETTINGS`` (and the settings ``also`` names) that ``after`` sets otherwise
+    than ``before``."""
     a, b = runconfig.to_dict(before), runconfig.to_dict(after)
-    return {path: runconfig.get(b, path) for path in MEMORY_SETTINGS
+    return {path: runconfig.get(b, path) for path in MEMORY_SETTINGS + also
             if runconfig.get(a, path) != runconfig.get(b, path)}
 
 

@@ -1,9 +1,8 @@
 """The training job: setup and the loop (settings: ``config.py``; the step: ``step.py``; eval: ``evaluate.py``).
 
 ``train(TrainConfig(...))`` is what ``ulysses-jax train`` runs (the CLI flags are generated from the dataclass).
-Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError``
-that names the flag and the fix; the run record (``run.json``, see ``runconfig.py``) is written once the step has
-compiled.
+Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError`` that
+names the flag and the fix; the run record (``run.json``, see ``runconfig.py``) is written once the step has compiled.
 
 The loop stops cleanly on SIGTERM or SIGINT (what SLURM and Ctrl-C send): it finishes the step under way, writes a
 checkpoint and returns with ``stopped_by`` set; a second signal stops at once. A non-finite loss stops without saving.
@@ -258,7 +257,8 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
     memory_chosen = {}  # the memory tools memory_setup chose: recorded with why, as the defaults' choices are
     if memory_setup is not None and not resuming:  # a resumed run keeps the tools it recorded
         picked, why = memory_setup(cfg, mesh=mesh, batch_size=batch_size)
-        if memory_chosen := {k: {"value": v, "why": why} for k, v in memory_changes(cfg, picked).items()}:
+        changes = memory_changes(cfg, picked, also=("scan_unroll",))  # auto may unroll the loop: search.unrollable
+        if memory_chosen := {k: {"value": v, "why": why} for k, v in changes.items()}:
             cfg, model = picked, model_config(picked, summary.vocab_size)
             check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
             check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
