@@ -15,7 +15,7 @@
 # same flags, in the same call.
 #
 # Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next G and F (issue 38's
-# principal goal, 1.5x transformers at 1B 32K, then issue 40's loss curves: 310 + 450 s of limits, one session), then
+# principal goal, 1.5x transformers at 1B 32K, then issue 40's loss curves: 340 + 450 s of limits, one session), then
 # H and J, then D and C, then E and I.
 # A (limits 440 s, ran 2026-11-28): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and
 #    transformers + Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then
@@ -38,12 +38,13 @@
 #    (the same values as the preset's --remat full, in less of the call's time); on CPUs the tiny preset, a 256-wide
 #    float32 model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9%
 #    at seed 1: its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge 1%.
-# G (limits 310 s): issue 38's principal goal, llama3.2-1b full at 32K beside transformers (1.5x), Liger (1.25x) and
+# G (limits 340 s): issue 38's principal goal, llama3.2-1b full at 32K beside transformers (1.5x), Liger (1.25x) and
 #    Liger without checkpointing, in one call: --remat save_matmuls unrolled first (1.019 s on 2026-11-28, 1.49x; since
 #    then the tiled loss's log-sum-exp reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 7 ms), then
-#    as measured before, --attn-keep alone, and --mlp-keep (--memory auto's pick there on a compile-only H200, now
-#    unrolled); before it, the package of the last measured rows (.baseline at 274568a) on the save_matmuls flags:
-#    what changed since, in the same call.
+#    --mlp-keep unrolled (--memory auto's pick there on a compile-only H200), save_matmuls looped as measured before,
+#    and --attn-keep alone (--remat full: the like-for-like pair of the checkpointing peers); before them, the package
+#    of the last measured rows (.baseline at 274568a) on the save_matmuls flags: what changed since, in the same call.
+#    (Call A, three sets of ours and the three peers, took 227 s of its peers step.)
 # J (limits 260 s): llama3.1-8b LoRA r16 at 32K, --mlp-keep unrolled (--memory auto's pick there on a compile-only
 #    H200 since it tries the chosen set unrolled: 105.01 GiB, an ESTIMATED 3.90 s against 4.02 looped) beside the
 #    looped set (3.919 s on 2026-11-28) and transformers + peft, in one call.
@@ -145,7 +146,7 @@ or memory_flags"
     part g_1b_32k STEPS="baseline peers" BASELINE_LIMIT=60 \
       BASELINE_ARGS="--preset llama3.2-1b --seq-lens 32768 --sp 1 --fsdp 1 --batch-size 1 --remat save_matmuls \
 --attn-keep --loss-chunk 4096 --mlp-chunk 0 $ONE $S" \
-      PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1 --scan-unroll|$SAVE1|$KEEP1|$MLP1 --scan-unroll" PEERS_LIMIT=250 \
+      PEER_ROWS=1b-32k PEER_FLAG_SETS="$SAVE1 --scan-unroll|$MLP1 --scan-unroll|$SAVE1|$KEEP1" PEERS_LIMIT=280 \
       PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT"
     ;;
   J)
