@@ -39,11 +39,12 @@
 #    float32 model at lr 3e-3, parted from float32 by +1.7-2.1% with current scaling at seed 0 and by -0.9 to -1.9%
 #    at seed 1: its float8 runs part from float32 by about 2% either way, by seed: the tiny run cannot judge 1%.
 # G (limits 340 s): issue 38's principal goal, llama3.2-1b full at 32K beside transformers (1.5x), Liger (1.25x) and
-#    Liger without checkpointing, in one call: --remat save_matmuls unrolled first (1.019 s on 2026-11-28, 1.49x; since
-#    then the tiled loss's log-sum-exp reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 7 ms), then
-#    --mlp-keep unrolled (--memory auto's pick there on a compile-only H200), save_matmuls looped as measured before,
-#    and --attn-keep alone (--remat full: the like-for-like pair of the checkpointing peers); before them, the package
-#    of the last measured rows (.baseline at 274568a) on the save_matmuls flags: what changed since, in the same call.
+#    Liger without checkpointing, in one call: --remat save_matmuls unrolled first (--memory auto's pick there on a
+#    compile-only H200, an ESTIMATED 1.008 s; 1.019 s on 2026-11-28, 1.49x; since then the tiled loss's log-sum-exp
+#    reads each chunk's logits once, 15.7 GiB less a step, an ESTIMATED 7 ms), then --mlp-keep unrolled (auto's pick
+#    until the 2% rule was kept for sets near the budget), save_matmuls looped as measured before, and --attn-keep
+#    alone (--remat full: the like-for-like pair of the checkpointing peers); before them, the package of the last
+#    measured rows (.baseline at 274568a) on the save_matmuls flags: what changed since, in the same call.
 #    (Call A, three sets of ours and the three peers, took 227 s of its peers step.)
 # J (limits 260 s): llama3.1-8b LoRA r16 at 32K, --mlp-keep unrolled (--memory auto's pick there on a compile-only
 #    H200 since it tries the chosen set unrolled: 105.01 GiB, an ESTIMATED 3.90 s against 4.02 looped) beside the
