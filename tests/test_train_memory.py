@@ -80,8 +80,8 @@ def test_no_memory_flag_on_a_gpu_takes_the_fastest_set_that_fits_and_says_why(mo
     fits = sum(c.remat != "save_matmuls" and not c.mlp_keep for c in planned)
     assert lines[1] == (
         f"memory: --remat full --attn-keep --loss-chunk 4000 --mlp-chunk 4000 (--memory auto, no memory flag given: "
-        f"the shortest estimated step (within 2%, the least memory, where the shortest needs over 75% of the budget), "
-        f"1.250 s, of the {fits} sets that fit 71.2 GiB "
+        f"the shortest estimated step (within 2%, the least memory where none needs at most 75% of the budget and no "
+        f"host memory), 1.250 s, of the {fits} sets that fit 71.2 GiB "
         f"per H100 and 100.0 GiB of host memory per GPU; the next fastest 1.300 s; {len(planned)} compiled in 0 s; "
         f"--memory manual keeps the preset's)")
 
@@ -97,7 +97,7 @@ def test_the_line_names_a_faster_set_that_took_more_memory(monkeypatch):
     picked, _ = decide(TrainConfig(preset="tiny", seq_len=8 * 12_000, batch_size=1), job(), log=lines.append,
                        log_file=False, agree=lambda outcome: None)
     assert (picked.remat, picked.attn_keep, picked.mlp_keep) == ("full", True, False)
-    assert "budget), 1.250 s, of the" in lines[1] and "; the fastest 1.240 s, within 2% of it in more memory;" in (
+    assert "host memory), 1.250 s, of the" in lines[1] and "; the fastest 1.240 s, within 2% of it in more memory;" in (
         lines[1])
 
 
@@ -213,7 +213,7 @@ def test_train_applies_records_and_says_the_choice(monkeypatch, tmp_path, capsys
     said = [ln for ln in out.splitlines() if ln.startswith("memory: ")]
     assert len(said) == 2 and said[1].startswith(
         "memory: --remat full (--memory auto, no memory flag given: the shortest estimated step (within 2%, the least "
-        "memory, where the shortest needs over 75% of the budget), 1.300 s, of the ")
+        "memory where none needs at most 75% of the budget and no host memory), 1.300 s, of the ")
     assert f"each in {tmp_path / 'search.log'}" in said[1] and "--remat full" in (tmp_path / "search.log").read_text()
     record = json.loads((run / "run.json").read_text())
     assert record["config"]["remat"] == "full" and record["compute"]["remat"] == "full"

@@ -27,10 +27,10 @@
 #    unrolled).
 # C (limits 340 s): the small hybrid (Qwen3.5-0.8B shapes at 8K, both delta walks) beside transformers'
 #    Qwen3_5ForCausalLM, the GPU tests that have not run yet, then the delta rule alone at 32K.
-# D (limits 450 s): llama3.2-1b at 8K beside both peers and Liger without checkpointing (bf16 and float8 with the
-#    products kept, --remat full, --scan-unroll) and at 128K beside Liger, --attn-keep first (--memory auto's pick
-#    there on a compile-only H200: 39.65 GiB, an estimated 11.01 s or 40.0% MFU), then with --mlp-keep (109 GiB,
-#    10.91 s, 40.3%: within the 2% auto breaks toward less memory).
+# D (limits 530 s): llama3.2-1b at 8K beside both peers and Liger without checkpointing (bf16 and float8 with the
+#    products kept, --remat full, --scan-unroll) and at 128K beside Liger, --attn-keep unrolled first (--memory
+#    auto's pick there on a compile-only H200: 41.18 GiB, an ESTIMATED 10.93 s or 40.3% MFU), then looped (39.65 GiB,
+#    10.96 s), then with --mlp-keep (109 GiB, 10.87 s: within 2%, and over 75% of the budget).
 # E (limits 350 s): llama3.1-8b LoRA at 64K beside Liger, and packed rows (4 documents a row) beside transformers on
 #    flex attention and Liger.
 # F (limits 450 s): issue 40's loss goal: llama3.2-1b, 200 steps of 2 x 4096 tokens of the built-in corpus, without
@@ -128,8 +128,8 @@ or memory_flags"
       PEER_ARGS="$S --peers transformers,transformers+liger,transformers+liger/$NOCKPT" PEERS_LIMIT=230
     # --memory auto's pick at 128K first: a part cut by its limit keeps what `train` runs by default beside Liger
     # (bench_peers.py runs our first set, then the peer, then the rest)
-    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1|$MLP1" \
-      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=220
+    part d_1b_128k STEPS="peers" PEER_ROWS=1b-128k PEER_FLAG_SETS="$KEEP1 --scan-unroll|$KEEP1|$MLP1" \
+      PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=300
     ;;
   E)
     part e_8b_lora_64k STEPS="peers" PEER_ROWS=8b-lora-64k PEER_FLAG_SETS="$KEEP1" \

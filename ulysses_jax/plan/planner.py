@@ -73,14 +73,14 @@ class PlanConfig(TrainConfig):
     memory: Literal["manual", "auto"] = "manual"
     """auto: compile the sets of memory tools (remat full, with attention's output kept, with the MLP's products
     too, every k-th layer, offload with the optimizer in host memory, every 2nd layer, the tiled attention in head
-    groups) and print the train flags: of those that fit --seq-len the one of the shortest estimated step (within 2%
-    of it, the least memory), or with --find-max-seq-len the one with the longest context; host memory within
+    groups) and print the train flags: of those that fit --seq-len the one of the shortest estimated step (of those
+    within 2% of it, the fastest needing at most 75% of the device budget and no host memory, or where none does the
+    least memory), or with --find-max-seq-len the one with the longest context; host memory within
     --host-memory-gib. (train --memory auto does the same by itself)"""
     memory_unroll: bool = True
     """--memory auto for --seq-len on one GPU: also compile the chosen set with the layer loop unrolled
     (--scan-unroll: no stacked buffers of saved values filled and sliced, more memory) and, where it fits, pick again
-    by the same rule (the shortest estimate; within 2% of it, the least memory); --no-memory-unroll keeps the loop
-    (train: --no-scan-unroll)"""
+    by the same rule; --no-memory-unroll keeps the loop (train: --no-scan-unroll)"""
     host_memory_gib: float | None = None
     """pinned host memory per GPU a plan may use; None: 90% of the target's node over its GPUs (an 8-GPU node with
     2 TB: 209.5 GiB), printed with the plan"""

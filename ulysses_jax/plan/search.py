@@ -306,8 +306,8 @@ def auto_fit(cfg: PlanConfig, *, log=print, on_trial=None, detail: bool = True) 
         chosen.memory_flags, chosen.memory_changes = flags, changes
     chosen.alternatives = [r for r in results if r["flags"] != flags]
     log(f"Chosen (--memory auto): the lowest estimated step time of the {len(fitting)} sets that fit, each listed "
-        f"above (where it needs over {ROOMY:.0%} of the device budget or host memory: within {NEAR:.0%} of it, the one "
-        f"needing the least memory, the device's alone first): {flags}")
+        f"above (of those within {NEAR:.0%} of it, the fastest needing no host memory and at most {ROOMY:.0%} of the "
+        f"device budget; where none does, the one needing the least memory): {flags}")
     return chosen
 
 
@@ -341,19 +341,20 @@ ROOMY = 0.75
 
 
 def _fastest(fitting: list) -> tuple:
-    """The ``(plan, flags, changes)`` of ``fitting`` with the lowest estimated step time, where it needs no host memory
-    and at most ``ROOMY`` of the device budget; otherwise, of those within ``NEAR`` of it, the one that needs no host
-    memory and then the least device memory. A set that holds 3x the memory near the budget for an estimated 1%
-    (Llama-3.1-8B LoRA at 32K on an H200: ``save_matmuls`` 114 GiB of 126 and 4.60 s against ``--attn-keep``'s 35 GiB
-    and 4.64 s) is not worth the risk of a step that does not fit; one that fills a third of the GPU (llama3.2-1b at
-    32K: 47.8 GiB) is, where its estimate is the shortest, the set to train with."""
-    first = min(fitting, key=lambda f: f[0].estimate["step_seconds"])
-    memory = first[0].memory
-    if memory["host_bytes"] == 0 and memory["total_bytes"] <= ROOMY * memory["budget_bytes"]:
-        return first
-    best = first[0].estimate["step_seconds"]
-    near = [f for f in fitting if f[0].estimate["step_seconds"] <= best * (1 + NEAR)]
-    return min(near, key=lambda f: (f[0].memory["host_bytes"] > 0, f[0].memory["total_bytes"]))
+    """The ``(plan, flags, changes)`` to train with, of the sets in ``fitting`` within ``NEAR`` of the lowest estimated
+    step time: the fastest of those that need no host memory and at most ``ROOMY`` of the device budget; where none
+    does, the one that needs no host memory and then the least device memory (ties: the faster). A set near the budget
+    for an estimated 1% (as ``save_matmuls`` for Llama-3.1-8B LoRA at 32K on an H200: 114 GiB of 126, 4.51 s, against
+    ``--mlp-keep``'s 94 GiB and 4.02 s, in the other direction) is not worth the risk of a step that does not fit; one
+    that fills a third of the GPU (llama3.2-1b at 32K: 47.8 GiB) is, where its estimate is the shortest."""
+    step = lambda f: f[0].estimate["step_seconds"]  # noqa: E731
+    best = min(step(f) for f in fitting)
+    near = [f for f in fitting if step(f) <= best * (1 + NEAR)]
+    roomy = [f for f in near if f[0].memory["host_bytes"] == 0
+             and f[0].memory["total_bytes"] <= ROOMY * f[0].memory["budget_bytes"]]
+    if roomy:
+        return min(roomy, key=lambda f: (step(f), f[0].memory["total_bytes"]))
+    return min(near, key=lambda f: (f[0].memory["host_bytes"] > 0, f[0].memory["total_bytes"], step(f)))
 
 
 def log_alternatives(p: Plan, log) -> None:

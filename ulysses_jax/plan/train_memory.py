@@ -3,9 +3,9 @@
 
 On an H100 or H200, a new run given no memory flag (``train.config.MEMORY_SETTINGS``) compiles its step with each set
 of ``search.memory_choices`` for compile-only GPUs of its own kind, with its own model, mesh, batch and length
-(``search.auto_fit``), and trains with the set of the shortest estimated step (``estimate.py``; where that set needs
-over 75% of the device budget or host memory, of those within 2% of it the one needing the least memory; on one GPU
-the pick is tried with the layer loop unrolled too) among those within both
+(``search.auto_fit``), and trains with the set of the shortest estimated step (``estimate.py``; of those within 2% of
+it, the fastest that needs at most 75% of the device budget and no host memory, or where none does the one needing the
+least memory; on one GPU the pick is tried with the layer loop unrolled too) among those within both
 budgets: XLA's buffers within 0.9 of the device (scaled with the memory pool where ``--memory-fraction`` or the
 environment changes it), pinned host memory within 90% of this machine's memory over its GPUs. One line says what it
 picked and why; each set's figures go to a log file that line names.
@@ -40,7 +40,7 @@ from ulysses_jax.train.config import TrainConfig, memory_flags_given
 from ulysses_jax.train.devices import DEFAULT_MEMORY_FRACTION, MeshConfig, check_memory_fraction, memory_pool
 
 WHY = ("--memory auto: the shortest estimated step of the sets of memory tools that fit (within 2% of it, the least "
-       "memory where the shortest needs over 75% of the device budget)")  # run.json's defaults
+       "memory where none needs at most 75% of the device budget and no host memory)")  # run.json's defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +180,7 @@ def decide(cfg: TrainConfig, job: Job, *, given: set[str] | frozenset[str] = fro
     elif other is not None:  # faster by less than NEAR, in more memory near the budget (search._fastest)
         nxt = f"; the fastest {seconds(other)}, within {NEAR:.0%} of it in more memory"
     log(f"memory: {p.memory_flags} (--memory auto, no memory flag given: the shortest estimated step (within "
-        f"{NEAR:.0%}, the least memory, where the shortest needs over {ROOMY:.0%} of the budget), "
+        f"{NEAR:.0%}, the least memory where none needs at most {ROOMY:.0%} of the budget and no host memory), "
         f"{seconds(p.estimate['step_seconds'])}, of the {len(fit) + 1} set{'s' if fit else ''} that fit "
         f"{_gib(p.memory['budget_bytes'])} per {target.upper()} and {_gib(p.memory['host_budget_bytes'])} of host "
         f"memory per GPU{nxt}; {compiled} compiled in {time.perf_counter() - t0:.0f} s{where}; --memory manual keeps "

@@ -46,8 +46,9 @@ class TrainConfig:
     --mlp-chunk, --attn-chunk, --attn-head-chunk, --delta-head-chunk, --attn-recompute, --attn-keep, --mlp-keep,
     --param-dtype, --offload-params, --optim.offload, --optim.master-weights: MEMORY_SETTINGS) compiles its step with
     each set of memory tools `plan --memory auto` tries and trains with the one of the shortest estimated step that
-    fits (within 2% of it, the one needing the least memory), said at start; manual: the flags as given, the
-    preset's tools where none is. The two are the same on CPUs, other GPUs and with --resume"""
+    fits (of those within 2% of it, the fastest needing at most 75% of the device budget and no host memory, or where
+    none does the least memory; on one GPU also tried with the layer loop unrolled), said at start; manual: the flags
+    as given, the preset's tools where none is. The two are the same on CPUs, other GPUs and with --resume"""
     remat: Remat | None = None  # rematerialisation per layer; None: the preset's
     remat_every: int | None = None  # with --remat: keep every k-th layer's input, re-run k layers (None: 1)
     remat_nested: bool = False
