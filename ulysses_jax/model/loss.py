@@ -64,12 +64,17 @@ def shift_labels(tokens_BS: jax.Array, segment_ids_BS: jax.Array | None = None) 
     return labels_BS
 
 
+def _losses_given_lse(logits_BSV: jax.Array, labels_BS: jax.Array, lse_BS: jax.Array) -> jax.Array:
+    """``lse - logits[label]`` per position (the label's logit a gather); 0 where the label is negative."""
+    label_logit_BS = jnp.take_along_axis(logits_BSV, jnp.maximum(labels_BS, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(labels_BS >= 0, lse_BS - label_logit_BS, 0.0)
+
+
 def _losses_and_lse(logits_BSV: jax.Array, labels_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(token_losses, logsumexp(logits))``, float32."""
     logits_BSV = logits_BSV.astype(jnp.float32)
     lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
-    label_logit_BS = jnp.take_along_axis(logits_BSV, jnp.maximum(labels_BS, 0)[..., None], axis=-1)[..., 0]
-    return jnp.where(labels_BS >= 0, lse_BS - label_logit_BS, 0.0), lse_BS
+    return _losses_given_lse(logits_BSV, labels_BS, lse_BS), lse_BS
 
 
 def token_losses(logits_BSV: jax.Array, labels_BS: jax.Array) -> jax.Array:
@@ -113,11 +118,10 @@ def _one_pass_logsumexp_jvp(primals, tangents):
 
 
 def _chunk_loss_sum(logits_bcV: jax.Array, labels_bc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(sum of a chunk's token losses, its log-sum-exps)``: ``cross_entropy_sum``'s sum with the one-pass
-    log-sum-exp; the label's logit a gather."""
+    """``(sum of a chunk's float32 token losses, its log-sum-exps)``: ``cross_entropy_sum``'s sum with the one-pass
+    log-sum-exp."""
     lse_bc = one_pass_logsumexp(logits_bcV)
-    label_logit_bc = jnp.take_along_axis(logits_bcV, jnp.maximum(labels_bc, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(labels_bc >= 0, lse_bc - label_logit_bc, 0.0)), lse_bc
+    return jnp.sum(_losses_given_lse(logits_bcV, labels_bc, lse_bc)), lse_bc
 
 
 def _chunk(h_bcD, w_VD, labels_bc, grad_w: bool):

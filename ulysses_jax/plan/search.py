@@ -343,10 +343,9 @@ ROOMY = 0.75
 def _fastest(fitting: list) -> tuple:
     """The ``(plan, flags, changes)`` to train with, of the sets in ``fitting`` within ``NEAR`` of the lowest estimated
     step time: the fastest of those that need no host memory and at most ``ROOMY`` of the device budget; where none
-    does, the one that needs no host memory and then the least device memory (ties: the faster). A set near the budget
-    for an estimated 1% (as ``save_matmuls`` for Llama-3.1-8B LoRA at 32K on an H200: 114 GiB of 126, 4.51 s, against
-    ``--mlp-keep``'s 94 GiB and 4.02 s, in the other direction) is not worth the risk of a step that does not fit; one
-    that fills a third of the GPU (llama3.2-1b at 32K: 47.8 GiB) is, where its estimate is the shortest."""
+    does, the one that needs no host memory and then the least device memory (ties: the faster). An estimated 1-2%
+    is inside the estimate's error: worth a set that fills a third of the GPU (llama3.2-1b at 32K: 47.8 GiB of 126),
+    not one near the budget, where the risk is a step that does not fit."""
     step = lambda f: f[0].estimate["step_seconds"]  # noqa: E731
     best = min(step(f) for f in fitting)
     near = [f for f in fitting if step(f) <= best * (1 + NEAR)]

@@ -174,12 +174,20 @@ def memory_flags_given(cfg: TrainConfig, given: set[str] | frozenset[str] = froz
     return [runconfig.flag(path) for path in MEMORY_SETTINGS if path in given or path in changed]
 
 
-def memory_changes(before: TrainConfig, after: TrainConfig, also: tuple[str, ...] = ()) -> dict:
-    """``{setting: value}`` of the ``MEMORY_SETTINGS`` (and the settings ``also`` names) that ``after`` sets otherwise
-    than ``before``."""
+# What ``--memory auto`` may set: the memory tools, and on one GPU the layer loop's unrolling
+# (``plan.search.unrollable``), which is not a memory flag (given alone, it does not stop the search)
+AUTO_SETTINGS = (*MEMORY_SETTINGS, "scan_unroll")
+
+
+def memory_changes(before: TrainConfig, after: TrainConfig, settings: tuple[str, ...] = MEMORY_SETTINGS) -> dict:
+    """``{setting: value}`` of the ``settings`` that ``after`` sets otherwise than ``before``."""
     a, b = runconfig.to_dict(before), runconfig.to_dict(after)
-    return {path: runconfig.get(b, path) for path in MEMORY_SETTINGS + also
-            if runconfig.get(a, path) != runconfig.get(b, path)}
+    return {path: runconfig.get(b, path) for path in settings if runconfig.get(a, path) != runconfig.get(b, path)}
+
+
+def auto_changes(before: TrainConfig, after: TrainConfig) -> dict:
+    """``memory_changes`` over ``AUTO_SETTINGS``: what ``--memory auto`` chose (``train`` records it with why)."""
+    return memory_changes(before, after, AUTO_SETTINGS)
 
 
 # ------------------------------------------------------------------------------------ setup

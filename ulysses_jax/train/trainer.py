@@ -43,10 +43,10 @@ from ulysses_jax.train.checkpoint import Checkpointer, gather
 from ulysses_jax.train.config import (
     PRESET_AND_HF,
     TrainConfig,
+    auto_changes,
     data_config,
     default_run_dir,
     lora_settings,
-    memory_changes,
     model_config,
 )
 from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_total_bytes re-exported)
@@ -257,8 +257,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
     memory_chosen = {}  # the memory tools memory_setup chose: recorded with why, as the defaults' choices are
     if memory_setup is not None and not resuming:  # a resumed run keeps the tools it recorded
         picked, why = memory_setup(cfg, mesh=mesh, batch_size=batch_size)
-        changes = memory_changes(cfg, picked, also=("scan_unroll",))  # auto may unroll the loop: search.unrollable
-        if memory_chosen := {k: {"value": v, "why": why} for k, v in changes.items()}:
+        if memory_chosen := {k: {"value": v, "why": why} for k, v in auto_changes(cfg, picked).items()}:
             cfg, model = picked, model_config(picked, summary.vocab_size)
             check_parallel(model, mesh, seq_len=cfg.seq_len, batch_size=batch_size, grad_accum=cfg.grad_accum)
             check_offload_params(model.offload_params, cfg.optim, cfg.grad_accum)
