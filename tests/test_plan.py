@@ -328,7 +328,8 @@ def test_optimizer_offload_puts_the_state_in_host_memory():
     assert opt == on_device.breakdown["optimizer"]
     assert 0 <= opt - 6 * offloaded.breakdown["parameters"] <= 16  # 3 float32 copies of bf16 parameters, 2 counts
     assert offloaded.optimizer_on_host and not on_device.optimizer_on_host
-    assert on_device.memory["host_bytes"] == 0 and offloaded.memory["host_bytes"] >= opt
+    # one copy of the state (its step counts stay on the device)
+    assert on_device.memory["host_bytes"] == 0 and opt - 16 <= offloaded.memory["host_bytes"] <= 1.02 * opt
     assert offloaded.memory["argument_bytes"] <= on_device.memory["argument_bytes"] - opt + 16  # counts stay
     assert offloaded.memory["total_bytes"] < on_device.memory["total_bytes"] - opt // 2  # less what streams
     assert offloaded.memory["host_transfer_bytes"] == 2 * opt and on_device.memory["host_transfer_bytes"] == 0
@@ -406,7 +407,8 @@ def test_streamed_update_writes_the_layers_parameters_in_place():
     """--optim.offload: the update's new layer parameters go into the donated stacks, not into new zeros buffers (XLA
     created those with the gradients' before the backward and held them through it: 15 GiB on one H100 for
     Llama-3.1-8B). The step's temporaries are then those of the gradient alone plus one layer's float32 state in
-    and out (6 x 4 bytes per parameter of a layer: 12/32 of the bf16 stack of 32 layers), not one stack more."""
+    and out (6 x 4 bytes per parameter of a layer: 12/32 of the bf16 stack of 32 layers), not one stack more; and
+    the new state in host memory is written into the donated state, not into a second copy of it."""
     from ulysses_jax.train.step import OptimConfig, _loss_sums
 
     cfg = ModelConfig(**{**WIDE, "num_layers": 32, "hidden": 512, "num_heads": 4, "mlp_dim": 2048})
@@ -417,6 +419,12 @@ def test_streamed_update_writes_the_layers_parameters_in_place():
     assert stacked > 200 * 2**20
     assert mem.temp_size_in_bytes < alone.temp_size_in_bytes + alone.output_size_in_bytes + 0.6 * stacked, (
         mem.temp_size_in_bytes, alone.temp_size_in_bytes, alone.output_size_in_bytes, stacked)
+    # the state is kept by layer (optimizer.per_layer): each layer's new state goes back into the donated buffer it
+    # came from. Stacked, the scan's outputs were new stacks: a second copy of the whole state in host memory (1,440
+    # of 1,443 MiB here; 77.6 GiB for Qwen3-8B, beyond the lent machine's 128 GiB)
+    host_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
+    assert mem.host_argument_size_in_bytes >= host_state - 16 and mem.host_temp_size_in_bytes < 0.02 * host_state, (
+        mem.host_temp_size_in_bytes, host_state)
 
 
 def test_head_groups_shrink_the_kernels_buffers(tmp_path):

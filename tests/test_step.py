@@ -7,10 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ulysses_jax import make_mesh
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.loss import shift_labels
+from ulysses_jax.train import optimizer
 from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.step import (
     OptimConfig,
@@ -221,6 +224,73 @@ def test_a_checkpoint_of_another_layout_says_so_and_offers_no_other_step(tmp_pat
     ck.close()
 
 
+@pytest.mark.parametrize("saved_offload", [True, False], ids=["by-layer-to-stacked", "stacked-to-by-layer"])
+def test_a_checkpoint_resumes_across_the_optimizer_state_layouts(tmp_path, saved_offload):
+    """--optim.offload keeps the optimizer state by layer (a list of arrays per stacked parameter), the on-device
+    optimizer stacked: a run saved with one resumes with the other (--memory auto may pick either), with the same
+    values in the target's shardings and memory kinds; export reads the float32 master weights from either; and a
+    checkpoint of another model is still refused as one, whichever layout the target has."""
+    cfg = dataclasses.replace(CFG, num_layers=3, param_dtype="bfloat16")
+    mesh = make_mesh(fsdp=2, sp=4)
+    txs = {off: make_optimizer(OptimConfig(master_weights=True, offload=off), 10) for off in (True, False)}
+    tx = txs[saved_offload]
+    graphdef, state = init_state(cfg, mesh, tx, seed=0)
+    step = make_train_step(graphdef, tx, make_schedule(OptimConfig(), 10), mesh, state_shardings(state))
+    state, _ = step(state, random_batch(0, rows=2))  # moments not zero
+    assert optimizer.is_layered(state["opt_state"]) == saved_offload
+    saved = jax.tree.map(np.asarray, optimizer.stacked_layers(state))
+    ck = Checkpointer(tmp_path, keep=2)
+    ck.save(1, state, {"it": 1})
+    ck.close()
+    _, target = abstract_state(cfg, mesh, txs[not saved_offload])
+    ck = Checkpointer(tmp_path, keep=2)
+    restored, data_state = ck.restore(1, target)
+    assert data_state == {"it": 1} and optimizer.is_layered(restored["opt_state"]) != saved_offload
+    assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), restored) == jax.tree.map(
+        lambda x: (x.shape, x.dtype, x.sharding), target)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored["opt_state"]) if x.ndim} == {
+        "device" if saved_offload else "pinned_host"}
+    got = jax.tree.map(np.asarray, optimizer.stacked_layers(restored))
+    for (path, a), b in zip(jax.tree.leaves_with_path(saved), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    ck.close()
+    ck = Checkpointer(tmp_path, create=False)  # as export reads it
+    master = ck.restore_master(1, target["params"])
+    for a, b in zip(jax.tree.leaves(saved["opt_state"].master), jax.tree.leaves(master), strict=True):
+        assert b.dtype == np.float32
+        np.testing.assert_array_equal(a, np.asarray(b))
+    _, other = abstract_state(dataclasses.replace(cfg, qkv_bias=True), mesh, tx)
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/1 holds parameters laid out unlike this model's"):
+        ck.restore(1, other)
+    ck.close()
+
+
+def test_the_layers_of_the_state_split_and_stack_back():
+    """``per_layer`` lists a stacked leaf's layers (arrays, ``ShapeDtypeStruct``s and shardings, the layer axis dropped
+    from the spec); ``stacked_layers`` gives the stacks back; a stack sharded over its layer axis is refused in one
+    line; and the streamed update refuses a state kept by layer with the layers' parameters in host memory."""
+    mesh = make_mesh(fsdp=2, sp=4)
+    x = jnp.arange(24.0).reshape(3, 2, 4)
+    tree = {"blocks": {"w": x}, "embed": jnp.ones((2,))}
+    split = optimizer.per_layer(tree)
+    assert len(split["blocks"]["w"]) == 3 and split["embed"] is tree["embed"]
+    np.testing.assert_array_equal(split["blocks"]["w"][1], x[1])
+    np.testing.assert_array_equal(optimizer.stacked_layers(split)["blocks"]["w"], x)
+    sh = NamedSharding(mesh, P(None, "fsdp"), memory_kind="pinned_host")
+    shardings = optimizer.per_layer({"blocks": {"w": sh}, "embed": sh}, like=tree)
+    assert shardings["blocks"]["w"] == [NamedSharding(mesh, P("fsdp"), memory_kind="pinned_host")] * 3
+    abstract = optimizer.per_layer({"blocks": {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)}})
+    assert optimizer.stacked_layers(abstract)["blocks"]["w"].sharding == sh
+    with pytest.raises(ValueError, match=r"a stacked parameter's layer axis is sharded \(P\('fsdp',\)\)"):
+        optimizer.per_layer({"blocks": {"w": NamedSharding(mesh, P("fsdp"))}}, like={"blocks": {"w": x}})
+    tx = optimizer.Optimizer.of(1.0, optax.adamw(1e-3), offload=True)
+    params = {"blocks": {"w": x}}
+    state = tx.init(optimizer.per_layer(params))
+    assert optimizer.is_layered(state) and not optimizer.is_layered(tx.init(params))
+    with pytest.raises(ValueError, match="the optimizer state is kept by layer"):
+        optimizer.streamed_update(tx, params, state, params, host_params=True)
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     tx = make_optimizer(OptimConfig(), 10)
     mesh = make_mesh(fsdp=2, sp=4)
@@ -311,12 +381,14 @@ def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master, field
         step = make_train_step(graphdef, tx, make_schedule(optim, 10), mesh, state_shardings(state))
         kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["opt_state"]) if x.ndim}
         assert kinds == {"pinned_host" if off else "device"}
+        # in host memory with the layers' parameters on the device: a list of arrays per stacked parameter
+        assert optimizer.is_layered(state["opt_state"]) == (off and not params_off)
         layer_kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["blocks"])}
         assert layer_kinds == {"pinned_host" if params_off else "device"}
         assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["embed_VD"])} == {"device"}
         before = jax.tree.map(lambda x: (x.dtype, x.sharding), state)
         state, first = step(state, batch)
-        after_one = jax.tree.map(np.asarray, state)
+        after_one = jax.tree.map(np.asarray, optimizer.stacked_layers(state))  # compared stack by stack
         state, second = step(state, batch)
         assert jax.tree.map(lambda x: (x.dtype, x.sharding), state) == before
         results.append((float(first["loss"]), float(second["loss"]), float(first["grad_norm"]), after_one))

@@ -16,7 +16,7 @@
 #
 # Order: A and B ran on 2026-11-28 (one H200, experiments/results/gpu_h200_20261128b/); next G and F (issue 38's
 # principal goal, 1.5x transformers at 1B 32K, then issue 40's loss curves: 340 + 450 s of limits, one session), then
-# H and J, then D and C, then E and I.
+# H and J, then D and C, then E and I, then K.
 # A (limits 440 s, ran 2026-11-28): llama3.2-1b full at 32K: before/after, then ours in bf16 beside transformers and
 #    transformers + Liger (with and without gradient checkpointing, the peers profiled), then ours in float8, then
 #    with the layer loop unrolled (--scan-unroll: its zero fills and slice copies).
@@ -51,13 +51,18 @@
 #    looped set (3.919 s on 2026-11-28) and transformers + peft, in one call.
 # I (limits 90 s): the 1B step at 32K profiled by kernel (do our cuDNN hd64 kernels on the causal mask alone take what
 #    the peer's took: 160 / 446 ms forward / backward in its profile of 2026-11-28 evening).
+# K (limits 300 s): qwen3-8b full fine-tuning at 32K with the optimizer in host memory (issue 38's row "if it fits
+#    one GPU"): since 2026-11-29 the state in host memory is kept by layer and updated in place, 91.54 GiB of pinned
+#    host memory by plan's count on a compile-only H200 (169.17 before: the scan's outputs were a second copy), within
+#    the lent machine's 128 GiB; an ESTIMATED 9.99 s a step, 3.84 s of it the state over PCIe
+#    (experiments/results/plan_qwen3_8b_32k_h200_host_optimizer.md). Run it after the others.
 # H (limits 280 s): llama3.1-8b LoRA at 8K, float8 and bf16, each with the layer loop unrolled and without, beside
 #    Liger, in one call: issue 40's 1.3x judged on the same flags (B measured 1.28x without unrolling). Unrolled, the
 #    compiled float8 program writes 51.9 GiB less a step, its zero fills, slice updates and copies gone: about 12 ms
 #    of the 0.500 s step, an ESTIMATE (experiments/results/scan_unroll_h200.md).
 set -u
 cd "$(dirname "$0")/../.."
-CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G|H|I|J [--dry-run]}
+CALL=${1:?usage: next_calls.sh A|B|C|D|E|F|G|H|I|J|K [--dry-run]}
 DRY=${2:-}
 if [ -z "$DRY" ] && [ -z "${ULYSSES_JAX_COMMIT:-}" ] && ! git rev-parse -q HEAD > /dev/null 2>&1; then
   echo "next_calls.sh: no git here: give the commit measured, ULYSSES_JAX_COMMIT=<commit> (the CSVs name it)" >&2
@@ -160,13 +165,19 @@ or memory_flags"
     part i_profile STEPS="profile" PROFILE_LIMIT=90 PROFILE_ARGS="--seq-lens 32768 --remat save_matmuls --attn-keep \
 --loss-chunk 4096 --mlp-chunk 0 $ONE --scan-unroll --profile-steps 2 --warmup 1"
     ;;
+  K)
+    # the peer keeps float32 weights, gradients and AdamW moments on the device (131 GB for 8.2B parameters): its
+    # out-of-memory is the row's peer column, and it runs after ours (bench_peers.py: our first set, then the peer)
+    part k_qwen3_8b_32k STEPS="peers" PEER_ROWS=qwen3-8b-32k PEER_FLAG_SETS="HOST_OPTIM --attn-keep $ONE" \
+      PEER_ARGS="--steps 2 --warmup 1 --peers transformers" PEERS_LIMIT=300
+    ;;
   H)
     part h_8b_lora_8k STEPS="peers" PEER_ROWS=8b-lora-8k \
       PEER_FLAG_SETS="$SAVE1 --fp8 --scan-unroll|$SAVE1 --scan-unroll|$SAVE1 --fp8|$SAVE1" \
       PEER_ARGS="$S --peers transformers+liger" PEERS_LIMIT=280
     ;;
   *)
-    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F, G, H, I or J" >&2
+    echo "next_calls.sh: unknown call $CALL; choose A, B, C, D, E, F, G, H, I, J or K" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from ulysses_jax.train import optimizer
+
 _IO_ERRNOS = {errno.EIO, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.ETIMEDOUT, errno.ESTALE,
               errno.EAGAIN, errno.EBUSY, errno.ENOTCONN, errno.EHOSTDOWN, errno.ECONNRESET}
 _IO_WORDS = ("PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "Input/output error", "Permission denied",
@@ -43,6 +45,11 @@ def _io_error(e: BaseException) -> str | None:
                 return word
         e = e.__cause__ or e.__context__
     return None
+
+
+def _tree_mismatch(e: BaseException) -> bool:
+    """Whether Orbax refused the restore because the target's tree is not the checkpoint's."""
+    return any(words in str(e) for words in ("tree structures do not match", "Type mismatch at key path"))
 
 
 class Checkpointer:
@@ -87,12 +94,16 @@ class Checkpointer:
         Returns ``(state, data position)``; with ``params_only``, ``({"params": ...}, None)``.
         """
         items = {"params": ocp.args.StandardRestore(abstract_state["params"])}
-        if not params_only:
-            train = {k: v for k, v in abstract_state.items() if k != "params"}
-            items.update(train=ocp.args.StandardRestore(train), data=ocp.args.JsonRestore())
-        restored = self._restore(step, items)
         if params_only:
-            return {"params": restored["params"]}, None
+            return {"params": self._restore(step, items)["params"]}, None
+        train = {k: v for k, v in abstract_state.items() if k != "params"}
+        items.update(train=ocp.args.StandardRestore(train), data=ocp.args.JsonRestore())
+        # the optimizer state kept by layer or stacked (optimizer.layered: --optim.offload with the layers'
+        # parameters on the device, or not): a checkpoint of one layout resumes in the other
+        other = {**train, "opt_state": optimizer.other_layout(train["opt_state"])}
+        restored = self._restore(step, items, {**items, "train": ocp.args.StandardRestore(other)})
+        if restored.get("relaid"):
+            restored["train"]["opt_state"] = optimizer.relayout(restored["train"]["opt_state"], train["opt_state"])
         return {"params": restored["params"], **restored["train"]}, restored["data"]
 
     def restore_master(self, step: int, abstract_params):
@@ -102,15 +113,29 @@ class Checkpointer:
 
         master = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=a.sharding),
                               abstract_params)
-        item = {"opt_state": {"master": master}}
-        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), item)
-        restored = self._restore(step, {"train": ocp.args.PyTreeRestore(item, restore_args, partial_restore=True)})
-        return jax.tree.map(lambda _, x: x, master, restored["train"]["opt_state"]["master"])
+        def args(master):
+            item = {"opt_state": {"master": master}}
+            restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), item)
+            return {"train": ocp.args.PyTreeRestore(item, restore_args, partial_restore=True)}
 
-    def _restore(self, step: int, items: dict):
+        restored = self._restore(step, args(master), args(optimizer.per_layer(master)))  # stacked, or by layer
+        got = restored["train"]["opt_state"]["master"]
+        return jax.tree.map(lambda _, x: x, master, optimizer.relayout(got, master) if restored.get("relaid") else got)
+
+    def _restore(self, step: int, items: dict, relaid: dict | None = None):
+        """The checkpoint's ``items``; where their tree does not match it, ``relaid`` (the optimizer state in its other
+        layout, ``optimizer.other_layout``), with ``"relaid": True`` in the result."""
         where = self.directory / str(step)
         try:
-            return self.manager.restore(step, args=ocp.args.Composite(**items))
+            try:
+                return self.manager.restore(step, args=ocp.args.Composite(**items))
+            except Exception as e:  # noqa: BLE001 - classified below, after the other layout is tried
+                if relaid is None or _io_error(e) is not None or not _tree_mismatch(e):
+                    raise
+                try:
+                    return {**self.manager.restore(step, args=ocp.args.Composite(**relaid)), "relaid": True}
+                except Exception:  # noqa: BLE001 - not the other layout either: the first error tells why
+                    raise e from None
         except Exception as e:  # noqa: BLE001 - Orbax and TensorStore raise many kinds; we classify them
             io = _io_error(e)
             if io is not None:

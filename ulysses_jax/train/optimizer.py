@@ -12,6 +12,15 @@ Two choices, each an ``OptimConfig`` flag (``step.py``):
     at a time). Stacks of different lengths (a hybrid's token mixers, each stacked over its own layers) get a
     scan each (``stack_groups``). Gradients are clipped first, over the whole model, on the device.
 
+The state's layout in host memory (``layered``): each stacked parameter's state is a list of one array per layer
+(``per_layer``), and the update is a loop over the layers unrolled in the program, so each layer's new state goes
+back into the donated buffer it came from. Stacked, as a scan's inputs, the new state was a scan's outputs: new
+stacks, a second copy of the whole state in host memory (77.6 GiB of 169 for Qwen3-8B at 32K on one H200: more
+than the lent machine's 128 GiB); a scan updating stacks in place does not compile (below). With the stacked layers'
+parameters in host memory too (``ModelConfig.offload_params``) the state stays stacked: the new parameters must be
+new host stacks there, which only a scan's outputs give. A checkpoint of either layout resumes in the other
+(``checkpoint.py``).
+
 Both give the update of the plain on-device optimizer: the same optax transforms run on slices, and every
 one of them is elementwise but the global-norm clip, which runs once on all gradients.
 
@@ -20,12 +29,14 @@ The moves between device and pinned host memory are ``model/host_offload.py``'s.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.model.host_offload import HOST, STACKED, to_device, to_host
 
@@ -53,6 +64,100 @@ def with_master_weights(tx: optax.GradientTransformation) -> optax.GradientTrans
         return updates, MasterState(optax.apply_updates(state.master, updates), inner)
 
     return optax.GradientTransformation(init, update)
+
+
+def _is_layers(x) -> bool:
+    return isinstance(x, list)
+
+
+def layered(tx, offload_params: bool) -> bool:
+    """Whether ``tx``'s state keeps each stacked parameter's layers as separate arrays (``per_layer``): with the
+    state in host memory (``offload``) and the stacked parameters on the device."""
+    return bool(getattr(tx, "offload", False)) and not offload_params
+
+
+def _layer_sharding(s):
+    """The sharding of one layer of a stack sharded as ``s`` (its leading, layer axis is not sharded)."""
+    if not isinstance(s, NamedSharding):
+        return s
+    if s.spec and s.spec[0] is not None:
+        raise ValueError(f"a stacked parameter's layer axis is sharded ({s.spec}), so the optimizer state in host "
+                         f"memory cannot be kept by layer: map \"layers\" to no mesh axis (parallel/sharding.py), or "
+                         f"train without --optim.offload")
+    return NamedSharding(s.mesh, P(*s.spec[1:]), memory_kind=s.memory_kind)
+
+
+def _stack_sharding(s):
+    return NamedSharding(s.mesh, P(None, *s.spec), memory_kind=s.memory_kind) if isinstance(s, NamedSharding) else s
+
+
+def per_layer(tree, like=None):
+    """``tree`` (parameters, their shardings or ``ShapeDtypeStruct``s, or an optimizer state holding such trees)
+    with each stacked leaf (under ``blocks``) replaced by the list of its layers. ``like``: a tree of arrays or
+    ``ShapeDtypeStruct``s of the same structure giving the stacks' lengths (needed for shardings)."""
+    like = tree if like is None else like
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+
+    def split(x, ref, stacked):
+        if not stacked:
+            return x
+        n = ref.shape[0]
+        if is_sharding(x):
+            return [_layer_sharding(x)] * n
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))] * n
+        return [x[i] for i in range(n)]
+
+    return jax.tree.map(split, tree, like, stacked_flags(like), is_leaf=is_sharding)
+
+
+def stacked_layers(tree):
+    """``per_layer``'s inverse: each list of layers (arrays or ``ShapeDtypeStruct``s) stacked into one leaf."""
+
+    def stack(x):
+        if not _is_layers(x):
+            return x
+        if isinstance(x[0], jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((len(x), *x[0].shape), x[0].dtype, sharding=_stack_sharding(x[0].sharding))
+        return jnp.stack(x)
+
+    return jax.tree.map(stack, tree, is_leaf=_is_layers)
+
+
+def is_layered(tree) -> bool:
+    """Whether ``tree`` (an optimizer state) holds ``per_layer``'s lists."""
+    return any(_is_layers(x) for x in jax.tree.leaves(tree, is_leaf=_is_layers))
+
+
+def other_layout(abstract):
+    """``abstract`` (an optimizer state of ``ShapeDtypeStruct``s) in the other layout: stacked where it is kept by
+    layer, by layer where stacked."""
+    return stacked_layers(abstract) if is_layered(abstract) else per_layer(abstract)
+
+
+def relayout(state, abstract):
+    """``state`` (an optimizer state, or a part of one such as the master weights) laid out as ``abstract`` (the same
+    state in the other layout, ``ShapeDtypeStruct``s with shardings): a checkpoint written with the state kept by
+    layer resumed with it stacked, or the other way. One stacked parameter at a time: its layers go through the
+    device and out to ``abstract``'s memory (host or device); the inputs are donated."""
+    on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731  (a no-op for device arrays)
+    sources = jax.tree.leaves(state, is_leaf=_is_layers)
+    targets, treedef = jax.tree.flatten(abstract, is_leaf=_is_layers)
+    out = []
+    for x, t in zip(sources, targets, strict=True):
+        if _is_layers(t):
+            move = jax.jit(lambda x: [on_device(x)[i] for i in range(len(t))], out_shardings=[a.sharding for a in t],
+                           donate_argnums=0)
+        elif _is_layers(x):
+            move = jax.jit(lambda xs: jnp.stack([on_device(x) for x in xs]), out_shardings=t.sharding,
+                           donate_argnums=0)
+        else:
+            out.append(x)
+            continue
+        with warnings.catch_warnings():  # donated to be freed at once: a slice or stack cannot reuse the buffer
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            out.append(move(x))
+    return jax.tree.unflatten(treedef, out)
 
 
 class Optimizer(NamedTuple):
@@ -104,10 +209,10 @@ def stack_groups(params) -> list[int]:
 
 
 def _kinds(adamw, adam_state, params, groups) -> list:
-    """Per leaf of ``adam_state``: its parameter's ``stack_groups`` entry (a stack length, or 0: a parameter-shaped
-    leaf of a parameter not stacked), or ``"scalar"``."""
+    """Per leaf of ``adam_state`` (a list of layers counted as one): its parameter's ``stack_groups`` entry (a stack
+    length, or 0: a parameter-shaped leaf of a parameter not stacked), or ``"scalar"``."""
     tree = jax.tree.unflatten(jax.tree.structure(params), groups)
-    return jax.tree.leaves(optax.tree_map_params(adamw, lambda _, g: g, adam_state, tree,
+    return jax.tree.leaves(optax.tree_map_params(adamw, lambda _, g: g, adam_state, tree, is_leaf=_is_layers,
                                                  transform_non_params=lambda _: "scalar"))
 
 
@@ -115,7 +220,7 @@ def _fill(values, like, mask):
     """``like``'s positions: the next of ``values`` where ``mask``, else an empty array of ``like``'s dtype (the
     optax transforms run on every leaf; an empty one costs nothing and keeps the tree and its names whole)."""
     it = iter(values)
-    return [next(it) if m else jnp.zeros((0,), x.dtype) for x, m in zip(like, mask)]
+    return [next(it) if m else jnp.zeros((0,), (x[0] if _is_layers(x) else x).dtype) for x, m in zip(like, mask)]
 
 
 def _sum_of_squares(stacked, prep):
@@ -173,8 +278,12 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     else:
         def clipped(g):
             return seen(prep(g))
-    g_leaves, w_leaves = jax.tree.leaves(grads), jax.tree.leaves(weights)
-    s_leaves, s_def = jax.tree.flatten(adam_state)
+    layers = is_layered(adam_state)  # per_layer's lists: the loop below, not the scan
+    if layers and host_params:
+        raise ValueError("the optimizer state is kept by layer (per_layer), but --offload-params streams stacks: "
+                         "make the state with optimizer.layered(tx, offload_params=True), which keeps it stacked")
+    g_leaves, w_leaves = jax.tree.leaves(grads), jax.tree.leaves(weights, is_leaf=_is_layers)
+    s_leaves, s_def = jax.tree.flatten(adam_state, is_leaf=_is_layers)
     g_seen = [jax.ShapeDtypeStruct((), jnp.float32 if master else x.dtype) for x in g_leaves]  # dtypes only
     kinds = _kinds(adamw, adam_state, params, groups)
 
@@ -229,7 +338,24 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
             body, (jnp.zeros((), jnp.int32), layer_params if in_place else []), xs)
         return stacks if in_place else p_layers, m_layers, s_layers
 
-    stacked = {length: scan_layers(length) for length in lengths}
+    def loop_layers(length: int):
+        """``scan_layers`` for a state kept by layer: a loop unrolled in the program. Each layer's new state and
+        master weights go to host memory as outputs of their own, which XLA writes into the donated inputs they
+        came from: no second copy of the state (a scan's outputs are new stacks). The parameters' stacks on the
+        device are updated in place, one layer at a time."""
+        flags = [n == length for n in groups]
+        stacks, g_stacks = pick(p_leaves, flags), pick(g_leaves, flags)
+        states, masters = pick(s_leaves, [k == length for k in kinds]), pick(w_leaves, flags) if master else []
+        new_m, new_s = [], []
+        for i in range(length):
+            w = [m[i] for m in masters] if master else [p[i] for p in stacks]
+            w, st, _ = run([g[i] for g in g_stacks], [x[i] for x in states], w, length)
+            stacks = [jax.lax.dynamic_update_index_in_dim(p, x.astype(p.dtype), i, axis=0) for p, x in zip(stacks, w)]
+            new_m.append(to_host(w) if master else [])
+            new_s.append(st)
+        return stacks, [list(x) for x in zip(*new_m)], [list(x) for x in zip(*new_s)]
+
+    stacked = {length: (loop_layers if layers else scan_layers)(length) for length in lengths}
     rest = [not n for n in groups]
     w_rest, s_rest, scalars = run(pick(g_leaves, rest), pick(s_leaves, [k == 0 for k in kinds]), pick(w_leaves, rest),
                                   0)

@@ -216,6 +216,14 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
     )
 
 
+def _opt_init(tx, config: ModelConfig, trained, shardings):
+    """``(init, shardings)``: the optimizer state's ``init`` of the trained parameters and the parameter shardings
+    its parameter-shaped parts follow; kept by layer where ``optimizer.layered`` says (the state in host memory)."""
+    if not optimizer.layered(tx, config.offload_params):
+        return tx.init, shardings
+    return (lambda p: tx.init(optimizer.per_layer(p))), optimizer.per_layer(shardings, like=trained)
+
+
 def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transformer | None = None
                ) -> tuple[nnx.GraphDef, dict]:
     """A fresh train state, every array created in its final sharding.
@@ -234,8 +242,8 @@ def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transfo
         params = jax.device_put(params, shardings)
     # with adapters: those alone; never float8 scaling's histories
     trained, trained_sh = lora.split(fp8.split(params)[0])[0], lora.split(fp8.split(shardings)[0])[0]
-    opt_shardings = _opt_shardings(tx, jax.eval_shape(tx.init, trained), trained_sh, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(trained)
+    init, opt_sh = _opt_init(tx, config, trained, trained_sh)
+    opt_state = jax.jit(init, out_shardings=_opt_shardings(tx, jax.eval_shape(init, trained), opt_sh, mesh))(trained)
     replicated = NamedSharding(mesh, P())
     state = {
         "params": params,
@@ -260,8 +268,9 @@ def abstract_state(config: ModelConfig, mesh: Mesh, tx=None, seed: int = 0) -> t
     if tx is None:
         return graphdef, {"params": params}
     trained = lora.split(fp8.split(params)[0])[0]  # with adapters: their optimizer state alone
-    abstract_opt = jax.eval_shape(tx.init, trained)
-    opt_shardings = _opt_shardings(tx, abstract_opt, lora.split(fp8.split(shardings)[0])[0], mesh)
+    init, opt_sh = _opt_init(tx, config, trained, lora.split(fp8.split(shardings)[0])[0])
+    abstract_opt = jax.eval_shape(init, trained)
+    opt_shardings = _opt_shardings(tx, abstract_opt, opt_sh, mesh)
     opt_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
                              opt_shardings)
     replicated = NamedSharding(mesh, P())
