@@ -259,6 +259,21 @@ def test_resume_onto_another_mesh_from_an_earlier_step(tmp_path):
     assert [s["mesh"]["sp"] for s in record["starts"]] == [4, 2] and record["config"]["mesh"]["sp"] == 2
 
 
+def test_resume_with_the_optimizer_moved_to_host_memory(tmp_path):
+    """A run saved with the optimizer on the device (its state stacked) continues with --optim.offload (kept by layer
+    in host memory: the checkpoint converted as it is read): the same trajectory, and its own checkpoints resume."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", *TINY, *MESH, "--batch-size", "4", "--steps", "4", "--checkpoint-every", "2",
+                 "--run-dir", str(a)]) == 0
+    shutil.copytree(a, b)
+    assert main(["train", "--run-dir", str(b), "--resume-from", "2", "--steps", "3", "--optim.offload"]) == 0
+    assert main(["train", "--run-dir", str(b), "--resume", "--steps", "4", "--optim.offload"]) == 0
+    ra, rb = {r["step"]: r for r in records(a)}, {r["step"]: r for r in records(b)}
+    assert sorted(losses(b)) == [1, 2, 3, 4]
+    for step in (3, 4):  # the streamed update fuses differently: equal to float32 rounding
+        np.testing.assert_allclose(rb[step]["loss"], ra[step]["loss"], rtol=2e-5)
+
+
 def test_run_dir_of_another_run_is_refused(existing_run, tmp_path, capsys):
     run, corpus = existing_run
     other = write_corpus(tmp_path / "other.jsonl", seed=1)

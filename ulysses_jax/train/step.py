@@ -218,10 +218,14 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
 
 def _opt_init(tx, config: ModelConfig, trained, shardings):
     """``(init, shardings)``: the optimizer state's ``init`` of the trained parameters and the parameter shardings
-    its parameter-shaped parts follow; kept by layer where ``optimizer.layered`` says (the state in host memory)."""
-    if not optimizer.layered(tx, config.offload_params):
+    its parameter-shaped parts follow; kept by layer where ``optimizer.layered`` says, and made into host memory
+    where the state lives there (``--optim.offload``)."""
+    if not getattr(tx, "offload", False):
         return tx.init, shardings
-    return (lambda p: tx.init(optimizer.per_layer(p))), optimizer.per_layer(shardings, like=trained)
+    if not optimizer.layered(tx, config.offload_params):
+        return optimizer.initialised_in_host_memory(tx, tx.init), shardings
+    return (optimizer.initialised_in_host_memory(tx, lambda p: tx.init(optimizer.per_layer(p))),
+            optimizer.per_layer(shardings, like=trained))
 
 
 def init_state(config: ModelConfig, mesh: Mesh, tx, seed: int, *, model: Transformer | None = None
