@@ -533,7 +533,7 @@ def test_options_of_a_tool_the_run_does_not_use_are_said_or_dropped():
 def test_a_signal_stops_after_the_step_and_a_second_one_at_once():
     import threading
 
-    from ulysses_jax.train.trainer import _StopSignals
+    from ulysses_jax.train.signals import _StopSignals
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers need the main thread")

@@ -11,13 +11,13 @@ from flax import nnx
 
 from ulysses_jax.data.documents import DataConfig
 from ulysses_jax.data.pipeline import eval_batches
+from ulysses_jax.evaluation.position import PositionLoss, bucket_edges, loss_by_position
+from ulysses_jax.evaluation.token_scores import make_token_step
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.transformer import Transformer
 from ulysses_jax.train.devices import MeshConfig, build_mesh
-from ulysses_jax.evaluation.position import PositionLoss, bucket_edges, loss_by_position
+from ulysses_jax.train.eval_loss import evaluate_loss
 from ulysses_jax.train.step import make_eval_step, state_shardings
-from ulysses_jax.evaluation.token_scores import make_token_step
-from ulysses_jax.train.trainer import evaluate_loss
 
 SEQ, BATCH, BATCHES = 256, 2, 2
 

@@ -39,9 +39,9 @@ from ulysses_jax.train.devices import (
     memory_pool,
     resolve_batch,
 )
+from ulysses_jax.train.eval_loss import evaluate_loss
 from ulysses_jax.train.metrics import log_eval
 from ulysses_jax.train.step import abstract_state, make_eval_step, state_shardings
-from ulysses_jax.train.trainer import evaluate_loss
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The training job: setup and the loop (settings: ``config.py``; the step: ``step.py``; eval: ``evaluate.py``).
+"""The training job's setup (settings: ``config.py``; the step: ``step.py``; the loop: ``run_loop.py``; eval:
+``evaluate.py``).
 
 ``train(TrainConfig(...))`` is what ``ulysses-jax train`` runs (the CLI flags are generated from the dataclass).
 Everything the user can get wrong is checked in ``setup_train`` before anything is written, with a ``ValueError`` that
@@ -13,33 +14,22 @@ before its first one was complete, starts again from step 0 with the settings of
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import pathlib
-import signal
-import time
 import uuid
 
 import jax
 
 from ulysses_jax.data import lengths
-from ulysses_jax.data.documents import DataConfig, describe_sources, validate_sources
-from ulysses_jax.data.pipeline import (
-    BatchIterator,
-    check_documents_per_row,
-    check_eval_documents,
-    merge_states,
-    process_rows,
-    to_global,
-)
+from ulysses_jax.data.documents import describe_sources, validate_sources
+from ulysses_jax.data.pipeline import BatchIterator, check_eval_documents, process_rows
 from ulysses_jax.data.tokenizers import describe_tokenizer
 from ulysses_jax.interop.hf import from_hf
-from ulysses_jax.kernels.attention import device_platform
 from ulysses_jax.model import flops, lora
 from ulysses_jax.model.config import ModelConfig
 from ulysses_jax.model.hf_config import HF_CONFIG_FIELDS
 from ulysses_jax.train import cluster, resume, runconfig
-from ulysses_jax.train.checkpoint import Checkpointer, gather
+from ulysses_jax.train.checkpoint import Checkpointer
 from ulysses_jax.train.config import (
     PRESET_AND_HF,
     TrainConfig,
@@ -59,11 +49,10 @@ from ulysses_jax.train.devices import (  # noqa: F401 (MeshConfig and device_tot
     resolve_batch,
     sequence_multiple,
 )
-from ulysses_jax.train.divergence import TrainingDiverged, all_finite, diverged  # noqa: F401 (re-exported)
-from ulysses_jax.train.eval_loss import evaluate_loss
-from ulysses_jax.train.metrics import MetricsLogger, check_wandb, moe_metrics, peak_memory_bytes
+from ulysses_jax.train.divergence import TrainingDiverged  # noqa: F401 (re-exported: cli.py, tests)
+from ulysses_jax.train.metrics import check_wandb
 from ulysses_jax.train.program import optimizer_of, step_program
-from ulysses_jax.train.signals import _StopSignals
+from ulysses_jax.train.run_loop import Run, train_run  # noqa: F401 (train_run re-exported: cli.py, tests)
 from ulysses_jax.train.step import (
     abstract_state,
     check_offload_params,
@@ -110,32 +99,6 @@ def _hf_weights(folder: str | None, model: ModelConfig, mesh, seed: int = 0):
 
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model, mesh=mesh, rngs=nnx.Rngs(seed))))
     return lora.adapted(base, graphdef, model, seed)
-
-
-@dataclasses.dataclass
-class Run:
-    cfg: TrainConfig
-    model: ModelConfig
-    mesh: jax.sharding.Mesh
-    data: BatchIterator
-    checkpointer: Checkpointer
-    start_step: int
-    state: dict
-    step_fn: object
-    peak: float | None
-    profile: tuple[int, int] | None
-    planned_bytes: int | None = None  # XLA's per-device total of the compiled step (what `plan` reports)
-    batch_size: int = 2
-    record: dict = dataclasses.field(default_factory=dict)
-    summary: str = ""  # what validate_sources found
-    notes: list[str] = dataclasses.field(default_factory=list)  # what the user should know before the run starts
-    eval_step: object = None
-    data_config: DataConfig | None = None
-    loop_eval: object = None  # --eval-by-position / --eval-passkey: .metrics(params) (evaluation/loop.py)
-
-    @property
-    def run_dir(self) -> pathlib.Path:
-        return pathlib.Path(self.cfg.run_dir)
 
 
 def _continuation(cfg: TrainConfig, recorded: dict, where: runconfig.RunDir, notes: list[str]):
@@ -343,107 +306,7 @@ def setup_train(cfg: TrainConfig, loop_eval_setup=None, memory_setup=None) -> Ru
                lengths.start_line(summary, lengths_found), notes, eval_step, data_cfg, loop_eval)
 
 
-# ------------------------------------------------------------------------------------ the loop
-
-
 def train(cfg: TrainConfig, loop_eval_setup=None) -> dict:
     """Run the training job; returns a summary (first/last loss, tokens/s, paths, ``stopped_by``). In-training
     evaluations need ``loop_eval_setup`` (``setup_train``): ``ulysses_jax.evaluation.loop.train`` passes it."""
     return train_run(setup_train(cfg, loop_eval_setup))
-
-
-def _save(run: Run, step: int, state: dict) -> None:
-    run.checkpointer.save(step, state, merge_states(gather(run.data.get_state())))
-
-
-def train_run(run: Run) -> dict:
-    cfg, mesh = run.cfg, run.mesh
-    n_dev = mesh.devices.size
-    log = MetricsLogger(cfg.run_dir, total_steps=cfg.steps, first_step=run.start_step, progress=cfg.progress,
-                        wandb_project=cfg.wandb_project, wandb_id=run.record.get("wandb_id"),
-                        config=run.record.get("config"))
-    state, losses, times, evals = run.state, [], [], []
-    doc_limit = documents_limit(run.model, mesh, cfg.seq_len)
-    last_saved = run.start_step if run.start_step else None
-    stopped_by, step = None, run.start_step
-    signals = _StopSignals().__enter__()  # until the last save is written (checkpointer.close() below)
-    try:
-        for step in range(run.start_step, cfg.steps):
-            if run.profile and step == run.profile[0]:
-                jax.profiler.start_trace(str(pathlib.Path(cfg.run_dir) / "profile"))
-            local = next(run.data)
-            # this process's rows (one id for two runs; beyond cuDNN's bound), refused on every process alike
-            cluster.decide_together(check_documents_per_row, local, doc_limit, rows=run.data.row_ids)
-            batch = to_global(local, mesh, global_batch=run.data.global_batch, row_ids=run.data.row_ids)
-            step_flops = flops.batch_flops_per_device(run.model, local["segment_ids"], n_devices=n_dev,
-                                                      global_batch=run.batch_size)  # each document apart
-            t0 = time.perf_counter()
-            state, metrics = run.step_fn(state, batch)
-            loss = float(metrics["loss"])  # waits for the step
-            dt = time.perf_counter() - t0
-            if run.profile and step + 1 == run.profile[1]:
-                jax.profiler.stop_trace()
-            grad_norm = float(metrics["grad_norm"])
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update took a non-finite gradient
-                what = f"loss is {loss}" if not math.isfinite(loss) else f"the gradient's norm is {grad_norm}"
-                raise diverged(f"{what} at step {step + 1}", last_saved, run.checkpointer.directory)
-            record = {
-                "step": step + 1,
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": float(metrics["lr"]),
-                "tokens": int(metrics["tokens"]),
-                "step_time_s": dt,
-                "tokens_per_s": run.batch_size * cfg.seq_len / dt,
-                "mfu": flops.mfu(step_flops, dt, run.peak) if run.peak else None,
-                "peak_memory_bytes": peak_memory_bytes(),
-            }
-            if "expert_load" in metrics:  # experts: the load-balancing loss and the tokens each expert took
-                record.update(moe_metrics(metrics))
-            if step == run.start_step and run.planned_bytes is not None and device_platform(mesh) == "gpu":
-                # validates the planner: XLA's buffers (what `plan` predicts) beside the allocator's measured peak
-                record["planned_bytes"] = run.planned_bytes
-                measured = record["peak_memory_bytes"]
-                log.write(f"memory per device: planned {run.planned_bytes / 2**30:.2f} GiB (XLA buffers, as "
-                          f"`ulysses-jax plan` reports), measured peak "
-                          f"{'n/a' if measured is None else f'{measured / 2**30:.2f} GiB'}")
-            if run.eval_step is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                ev = evaluate_loss(run.eval_step, state["params"], run.data_config, mesh, seq_len=cfg.seq_len,
-                                   batch_size=run.batch_size, max_batches=cfg.eval_batches, doc_limit=doc_limit)
-                record.update({f"eval_{k}": v for k, v in ev.items()})
-                record.update(run.loop_eval.metrics(state["params"]) if run.loop_eval else {})
-                evals.append((step + 1, ev["loss"]))
-            log.log(record)
-            losses.append(loss)
-            times.append(dt)
-            stop = signals.stop()
-            if stop or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                if not bool(all_finite(state["params"])):  # a finite gradient times the rate can overflow
-                    raise diverged(f"the parameters are not finite after step {step + 1}", last_saved,
-                                   run.checkpointer.directory)
-                _save(run, step + 1, state)
-                last_saved = step + 1
-            if stop and step + 1 < cfg.steps:  # (a stop at the last step: the run is done, exit 0)
-                stopped_by = signal.Signals(signals.signum).name if signals.signum else "another process"
-                break
-    except BaseException as e:
-        cluster.failing(e)  # a multi-process job: the other processes are told now, not after the cleanup below
-        raise
-    finally:
-        run.checkpointer.close()  # a first signal meanwhile waits for the save: the handlers go after it
-        signals.__exit__()
-        log.close()
-    steady = times[1:] or times  # the first step compiles
-    return {
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
-        "steps": len(losses),
-        "last_step": run.start_step + len(losses),
-        "tokens_per_s": run.batch_size * cfg.seq_len * len(steady) / sum(steady) if steady else None,
-        "checkpoints": str(pathlib.Path(cfg.run_dir) / "checkpoints"),
-        "metrics": str(log.jsonl_path),
-        "tensorboard": str(log.tb_dir),
-        "losses": losses,
-        "evals": evals,
-        "stopped_by": stopped_by,
-    }
