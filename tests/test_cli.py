@@ -822,9 +822,10 @@ def test_the_loop_refuses_a_row_beyond_the_bound_before_its_step(tmp_path, capsy
     """A row with more documents than cuDNN's packed attention was compiled for (the bound forced to 1 here: no CPU
     kernel has one) reaches the training loop: refused before its step, one line naming the flag, exit 2, nothing
     trained (no metrics line, no checkpoint)."""
-    from ulysses_jax.train import trainer
+    from ulysses_jax.train import run_loop, trainer
 
-    monkeypatch.setattr(trainer, "documents_limit", lambda *a, **k: 1)
+    for module in (trainer, run_loop):  # the setup's checks and the loop's
+        monkeypatch.setattr(module, "documents_limit", lambda *a, **k: 1)
     corpus = tmp_path / "short.jsonl"  # documents of ~20 bytes: several in each 256-token row
     corpus.write_text("".join(json.dumps({"text": f"document {i} is short."}) + "\n" for i in range(80)))
     run = tmp_path / "run"

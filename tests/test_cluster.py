@@ -261,15 +261,16 @@ def test_a_failed_background_write_ends_the_job_with_one_line(tmp_path):
 
 REFUSED_ON_PROCESS_1_AT_STEP_2 = """
 import os
-from ulysses_jax.train import trainer
-trainer.documents_limit = lambda *a, **k: 4  # as cuDNN's packed attention would bound the documents per row
+from ulysses_jax.train import run_loop, trainer
+# as cuDNN's packed attention would bound the documents per row (the setup's checks and the loop's)
+trainer.documents_limit = run_loop.documents_limit = lambda *a, **k: 4
 _calls = [0]
 def check(batch, limit):  # this process's verdict on its own rows: process 1's rows of step 2 hold too many
     _calls[0] += 1
     if _calls[0] == 2 and os.environ["SLURM_PROCID"] == "1":
         raise ValueError(f"a row holds 9 documents, more than --attn-max-documents {limit} lets cuDNN's packed "
                          f"attention describe; raise --attn-max-documents or use --attention pallas")
-trainer.check_documents_per_row = check
+run_loop.check_documents_per_row = check
 """
 
 

@@ -265,6 +265,28 @@ def test_a_checkpoint_resumes_across_the_optimizer_state_layouts(tmp_path, saved
     ck.close()
 
 
+def test_a_damaged_checkpoint_of_the_other_layout_says_damaged(tmp_path):
+    """A checkpoint of the optimizer state kept by layer whose arrays are damaged, resumed with the state stacked: the
+    other layout's tree matches but its data cannot be read, and the error says so (damaged), not that the checkpoint
+    holds another model's parameters (the first try's tree mismatch)."""
+    cfg = dataclasses.replace(CFG, num_layers=2, param_dtype="bfloat16")
+    mesh = make_mesh(fsdp=2, sp=4)
+    txs = {off: make_optimizer(OptimConfig(master_weights=True, offload=off), 10) for off in (True, False)}
+    _, state = init_state(cfg, mesh, txs[True], seed=0)
+    ck = Checkpointer(tmp_path, keep=2)
+    ck.save(1, state, {})
+    ck.close()
+    data = [f for f in (tmp_path / "checkpoints" / "1" / "train").rglob("*") if f.is_file() and f.parent.name == "d"]
+    assert data
+    for f in data:  # the arrays' bytes; the tree's metadata stays readable
+        f.write_bytes(b"garbage")
+    _, target = abstract_state(cfg, mesh, txs[False])
+    ck = Checkpointer(tmp_path, keep=2)
+    with pytest.raises(ValueError, match=r"checkpoint .*checkpoints/1 is damaged or not from this run"):
+        ck.restore(1, target)
+    ck.close()
+
+
 def test_the_layers_of_the_state_split_and_stack_back():
     """``per_layer`` lists a stacked leaf's layers (arrays, ``ShapeDtypeStruct``s and shardings, the layer axis dropped
     from the spec); ``stacked_layers`` gives the stacks back; a stack sharded over its layer axis is refused in one
@@ -366,7 +388,7 @@ def test_offloaded_optimizer_equals_the_on_device_one(param_dtype, master, field
     """--optim.offload: the optimizer state in pinned host memory, updated layer by layer, gives the on-device
     optimizer's parameters and state (to float32 rounding: XLA fuses the per-layer update differently, 1-2 ulp),
     and the state keeps its dtypes, shardings and memory kinds; on a hybrid too, whose stacks have three lengths
-    (each length its own scan). The CPU backend keeps host and device in one memory: this checks values and memory
+    (each length its own loop). The CPU backend keeps host and device in one memory: this checks values and memory
     kinds, not where XLA puts the bytes (test_plan.py compiles for H100)."""
     mesh = make_mesh(fsdp=2, sp=4)
     batch = random_batch(0, rows=2)

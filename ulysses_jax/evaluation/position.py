@@ -65,7 +65,7 @@ class PositionLoss:
 def loss_by_position(token_step, params, data_cfg, mesh, *, seq_len: int, batch_size: int,
                      max_batches: int | None, doc_limit: int | None = None) -> dict:
     """The eval split's loss in position buckets (``PositionLoss.result()``) plus ``batches``: the same batches that
-    ``trainer.evaluate_loss`` reads."""
+    ``eval_loss.evaluate_loss`` reads."""
     acc, batches = PositionLoss(seq_len), 0
     rows = process_rows(mesh, batch_size, seq_len)
     for local in eval_batches(data_cfg, seq_len=seq_len, global_batch=batch_size, max_batches=max_batches,

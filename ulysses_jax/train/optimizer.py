@@ -6,11 +6,12 @@ Two choices, each an ``OptimConfig`` flag (``step.py``):
     the parameters the model computes with are that copy rounded to their own dtype. With bfloat16
     parameters the device holds 2 bytes per parameter for the model and the update is still float32's.
   * ``offload``: the optimizer state (AdamW's moments, and the master weights) lives in pinned host memory.
-    The update streams it through the device: a ``scan`` over the stacked layers moves one layer's
-    moments and master weights to the device, updates them there, and moves them back, so the device holds
-    one layer of optimizer state at a time (the other parameters, embeddings and final norm, one array
-    at a time). Stacks of different lengths (a hybrid's token mixers, each stacked over its own layers) get a
-    scan each (``stack_groups``). Gradients are clipped first, over the whole model, on the device.
+    The update streams it through the device: a loop over the stacked layers (a ``scan`` where the state is
+    stacked, below) moves one layer's moments and master weights to the device, updates them there, and moves
+    them back, so the device holds a layer or two of optimizer state at a time (the other parameters, embeddings
+    and final norm, one array at a time). Stacks of different lengths (a hybrid's token mixers, each stacked over
+    its own layers) get a loop each (``stack_groups``). Gradients are clipped first, over the whole model, on the
+    device.
 
 The state's layout in host memory (``layered``): each stacked parameter's state is a list of one array per layer
 (``per_layer``), and the update is a loop over the layers unrolled in the program, so each layer's new state goes
@@ -151,8 +152,10 @@ def other_layout(abstract):
 def relayout(state, abstract):
     """``state`` (an optimizer state, or a part of one such as the master weights) laid out as ``abstract`` (the same
     state in the other layout, ``ShapeDtypeStruct``s with shardings): a checkpoint written with the state kept by
-    layer resumed with it stacked, or the other way. One stacked parameter at a time: its layers go through the
-    device and out to ``abstract``'s memory (host or device); the inputs are donated."""
+    layer resumed with it stacked, or the other way. One stacked parameter at a time: all its layers go through the
+    device together (the largest of Qwen3-8B's, an MLP moment at fsdp 1, is 7.2 GB: a resume that converts needs
+    that much device memory beside nothing else, as it runs before the first step) and out to ``abstract``'s memory
+    (host or device); the inputs are donated. Slicing or stacking in host memory is what XLA does not compile."""
     on_device = lambda x: jax.device_put(x, jax.memory.Space.Device)  # noqa: E731  (a no-op for device arrays)
     sources = jax.tree.leaves(state, is_leaf=_is_layers)
     targets, treedef = jax.tree.flatten(abstract, is_leaf=_is_layers)
@@ -250,7 +253,8 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     """``tx``'s update (global-norm clipping, AdamW, with master weights or not) with the optimizer state in host
     memory: ``(new params, new optimizer state, gradient norm)``.
 
-    Layer by layer for the stacked parameters (a ``scan``: one layer's state on the device at a time), then the
+    Layer by layer for the stacked parameters (a loop unrolled in the program where the state is kept by layer,
+    ``per_layer``; a ``scan`` where it is stacked: a layer or two of state on the device at a time), then the
     other parameters one array at a time. ``grads`` are divided by ``denom`` (the token count; ``None``: already
     done) as each part reaches the device, and stay in their dtype until a layer's update casts them.
     ``host_params`` (``ModelConfig.offload_params``): the stacked parameters and their gradients are in host memory;
@@ -318,10 +322,11 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
     def pick(xs, mask):
         return [x for x, m in zip(xs, mask) if m]
 
-    # The state's stacks in host memory are the scan's outputs: new stacks, a second copy of the stacked state in host
-    # memory (XLA's buffer report); a loop updating them in place (dynamic_update_slice into host memory) does not
-    # compile for the compile-only H100 target (XLA: a host-to-host copy-start), so that copy stays. The parameters'
-    # stacks on the device are updated in place instead (the loop's carry, the donated parameters): as scan outputs
+    # Stacked (--offload-params), the state's stacks in host memory are the scan's outputs: new stacks, a second copy
+    # of the stacked state in host memory (XLA's buffer report); a loop updating them in place (dynamic_update_slice
+    # into host memory) does not compile for the compile-only H100 target (XLA: a host-to-host copy-start), so that
+    # copy stays there (kept by layer, loop_layers has none). The parameters' stacks on the device are updated in
+    # place instead (the loop's carry, the donated parameters): as scan outputs
     # they were zeros buffers that XLA created with the gradients' before the backward, 15 GiB held through it on
     # one H100 for Llama-3.1-8B.
     in_place = not host_params
