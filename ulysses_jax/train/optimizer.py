@@ -71,6 +71,16 @@ def _is_layers(x) -> bool:
     return isinstance(x, list)
 
 
+def _is_sharding(x) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _param_shaped(tx, state):
+    """Per leaf of ``tx``'s ``state``: True for a parameter-shaped array (moments, master weights), False for the
+    rest (step counts)."""
+    return optax.tree_map_params(tx, lambda _: True, state, transform_non_params=lambda _: False)
+
+
 def layered(tx, offload_params: bool) -> bool:
     """Whether ``tx``'s state keeps each stacked parameter's layers as separate arrays (``per_layer``): with the
     state in host memory (``offload``) and the stacked parameters on the device."""
@@ -97,19 +107,18 @@ def per_layer(tree, like=None):
     with each stacked leaf (under ``blocks``) replaced by the list of its layers. ``like``: a tree of arrays or
     ``ShapeDtypeStruct``s of the same structure giving the stacks' lengths (needed for shardings)."""
     like = tree if like is None else like
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
 
     def split(x, ref, stacked):
         if not stacked:
             return x
         n = ref.shape[0]
-        if is_sharding(x):
+        if _is_sharding(x):
             return [_layer_sharding(x)] * n
         if isinstance(x, jax.ShapeDtypeStruct):
             return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=_layer_sharding(x.sharding))] * n
         return [x[i] for i in range(n)]
 
-    return jax.tree.map(split, tree, like, stacked_flags(like), is_leaf=is_sharding)
+    return jax.tree.map(split, tree, like, stacked_flags(like), is_leaf=_is_sharding)
 
 
 def stacked_layers(tree):
@@ -137,8 +146,7 @@ def initialised_in_host_memory(tx, init):
 
     def host_init(params):
         state = init(params)
-        flags = optax.tree_map_params(tx, lambda _: True, state, transform_non_params=lambda _: False)
-        return jax.tree.map(lambda x, f: to_host(x) if f else x, state, flags)
+        return jax.tree.map(lambda x, f: to_host(x) if f else x, state, _param_shaped(tx, state))
 
     return host_init
 
@@ -410,8 +418,7 @@ def host_param_shardings(shardings):
     def host(s, stacked):
         return NamedSharding(s.mesh, s.spec, memory_kind=HOST) if stacked and isinstance(s, NamedSharding) else s
 
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    return jax.tree.map(host, shardings, stacked_flags(shardings), is_leaf=is_sharding)
+    return jax.tree.map(host, shardings, stacked_flags(shardings), is_leaf=_is_sharding)
 
 
 def host_shardings(tx, abstract_opt, shardings):
@@ -423,6 +430,5 @@ def host_shardings(tx, abstract_opt, shardings):
     def host(s):
         return NamedSharding(s.mesh, s.spec, memory_kind=HOST) if isinstance(s, NamedSharding) else s
 
-    flags = optax.tree_map_params(tx, lambda _: True, abstract_opt, transform_non_params=lambda _: False)
-    return jax.tree.map(lambda s, f: host(s) if f else s, shardings, flags,
-                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    return jax.tree.map(lambda s, f: host(s) if f else s, shardings, _param_shaped(tx, abstract_opt),
+                        is_leaf=_is_sharding)
