@@ -10,8 +10,8 @@ same GPU in one invocation, with our output checked against flash-linear-attenti
 Ours: `ulysses_jax.kernels.gated_delta.gated_delta_rule` (jnp, chunked WY form, custom_vjp), bfloat16 inputs, gates from
 random `a`, `b` as the layer computes them. The peer: `fla.ops.gated_delta_rule.chunk_gated_delta_rule` from
 `flash-linear-attention` / `fla-core` (Triton kernels; carried as wheels; fla 0.6.0 refuses its backward on Hopper GPUs
-under Triton 3.4-3.7.0, so on the lent image's Triton 3.6 only its forward is timed: the backward needs a Triton >=
-3.7.1 or tilelang with nvcc, each larger than one call may carry: experiments/results/gpu_h100_20261127), in a child
+under Triton 3.4-3.7.0, so on the lent image's Triton 3.6 only its forward is timed; `--fla-site` puts Triton 3.7.1,
+cut to 43 MiB by experiments/gpu/slim_triton.py, first on fla's path, where its backward runs), in a child
 process (torch) fed the same inputs from .npy files, its L2 norm in the kernel as transformers asks for it. Beside both:
 cuDNN's causal attention (`jax.nn.dot_product_attention`) with as many query heads as value heads, head_dim 128, the
 same sequence. Each time is the median of --iters after --warmup, forward + backward of sum(o * do), and of the forward
@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", type=pathlib.Path, default=HERE / "results")
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--fla-site", type=pathlib.Path, default=os.environ.get("FLA_SITE") or None,
+                   help="a folder put first on the path of fla's process alone (default $FLA_SITE): Triton 3.7.1 "
+                        "unpacked there (experiments/gpu/slim_triton.py) runs fla's backward on Hopper")
     p.add_argument("--fla-child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -126,7 +129,8 @@ def cudnn(seq: int, hv: int, d: int, args):
 def fla_child(spec: dict) -> int:
     """In its own process: fla's chunk_gated_delta_rule on the saved inputs; prints the forward's time, then the
     forward + backward's (or why fla refused the backward: fla >= 0.5 refuses its gated backward on Hopper under
-    Triton 3.4-3.7.0, fla issue 640, while its forward runs), and saves the output."""
+    Triton 3.4-3.7.0, fla issue 640, while its forward runs), and saves the output. The note names the Triton fla ran
+    on (``--fla-site`` puts another first on this process's path)."""
     import numpy as np
     import torch
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -162,12 +166,17 @@ def fla_child(spec: dict) -> int:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    result = {"forward_seconds": timed(forward), "seconds": None, "note": ""}
+    try:
+        import triton
+        on = f"fla on Triton {triton.__version__}"
+    except ImportError:
+        on = "fla without Triton"
+    result = {"forward_seconds": timed(forward), "seconds": None, "note": on}
     np.save(folder / "fla_out.npy", forward().float().cpu().numpy())
     try:
         result["seconds"] = timed(both)
     except RuntimeError as e:  # the backward refused: the forward's time and output still stand
-        result["note"] = f"fla backward: {str(e).splitlines()[0][:200]}"
+        result["note"] = f"fla backward: {str(e).splitlines()[0][:200]} ({on})"
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
@@ -183,6 +192,9 @@ def fla(x: dict, g, beta, args) -> tuple[float | None, float | None, object, str
         np.save(pathlib.Path(tmp) / "beta.npy", beta)
         spec = json.dumps({"dir": tmp, "iters": args.iters, "warmup": args.warmup})
         env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        site = getattr(args, "fla_site", None)
+        if site:  # its Triton before the image's, in this process alone
+            env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
         proc = subprocess.run([sys.executable, __file__, "--fla-child", spec], capture_output=True, text=True,
                               timeout=900, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

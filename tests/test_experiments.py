@@ -475,6 +475,44 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
     np.testing.assert_array_equal(out, bf(bf(x["v"]) * bf(beta)[..., None]))
 
 
+
+def test_bench_delta_puts_the_fla_site_first_on_fla_s_path_alone(tmp_path, monkeypatch):
+    """--fla-site (experiments/gpu/slim_triton.py's Triton 3.7.1 on the device): fla's child process imports the
+    Triton found there, before any other on its path, and the note names it; the parent's path is untouched."""
+    import argparse
+
+    import numpy as np
+
+    pytest.importorskip("torch")
+    stub = tmp_path / "stub" / "fla" / "ops" / "gated_delta_rule"
+    stub.mkdir(parents=True)
+    for d in (stub.parent.parent, stub.parent):
+        (d / "__init__.py").write_text("")
+    (stub / "__init__.py").write_text(
+        "def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False):\n"
+        "    return v * beta[..., None], None\n")
+    site = tmp_path / "site" / "triton"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("__version__ = '3.7.1-site'\n")
+    path = os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import bench_delta
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(4)
+    x = {k: rng.standard_normal((1, 32, h, 8)).astype(np.float32) for k, h in (("q", 2), ("k", 2), ("v", 2),
+                                                                              ("do", 2))}
+    g, beta = -rng.random((1, 32, 2)).astype(np.float32), rng.random((1, 32, 2)).astype(np.float32)
+    args = argparse.Namespace(iters=1, warmup=1, fla_site=tmp_path / "site")
+    both, fwd, _, note = bench_delta.fla(x, g, beta, args)
+    assert both > 0 and fwd > 0 and note == "fla on Triton 3.7.1-site", note
+    assert os.environ["PYTHONPATH"] == path
+    assert bench_delta.parse_args(["--fla-site", "/x"]).fla_site == pathlib.Path("/x")
+    monkeypatch.setenv("FLA_SITE", "/y")
+    assert bench_delta.parse_args([]).fla_site == pathlib.Path("/y")
+
 FILL_HLO = """HloModule fills
 
 %fused_zeros () -> (f32[4,8,16], f32[4,8,16]) {

@@ -17,7 +17,8 @@
 # Each step has its own time limit (7.5 minutes at most in all) and its log; a failing step does not stop the others.
 # Everything lands in one folder, $OUT/results (or runs/gpu_first_contact/results), packed as results.tgz beside it.
 #
-# Before the call, here: `make gpu-wheels` (the project's dependencies the image lacks, into .whl/), then carry .whl.
+# Before the call, here: `make gpu-wheels` (the project's dependencies the image lacks, into .whl/), then carry .whl;
+# for fla's backward (the delta step) also `python experiments/gpu/slim_triton.py`, then carry .triton.
 #   bash experiments/gpu/first_contact.sh              # on the GPU machine
 #   PYTHON=.venv/bin/python bash experiments/gpu/first_contact.sh --dry-run   # CPU dry run: same steps, tiny sizes
 set -u
@@ -40,6 +41,12 @@ if [ $DRY = 0 ]; then
   else
     echo "first_contact: no .whl/*.whl (make gpu-wheels here, then carry .whl): liger-kernel and fla are missing" \
       | tee "$RES/pip.log"
+  fi
+  # Triton 3.7.1 for fla's backward on Hopper (experiments/gpu/slim_triton.py; carry .triton): unpacked apart, and
+  # put first on the path of bench_delta.py's fla process alone (FLA_SITE)
+  if compgen -G ".triton/triton-*-slim.tar.xz" > /dev/null; then
+    mkdir -p /tmp/fla_site && tar -C /tmp/fla_site -xf .triton/triton-*-slim.tar.xz \
+      && export FLA_SITE=/tmp/fla_site || echo "first_contact: unpacking .triton failed; fla runs on the image's Triton"
   fi
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}

@@ -125,7 +125,8 @@ case $CALL in
       PYTEST_K="hybrid or lora_with_fp8 or pallas_delta_walk or kept_cudnn or head_groups or one_document_rows \
 or memory_flags"
     # last, where time is left: the delta rule alone at 32K, both walks at both precisions (the Pallas walk and bf16
-    # products never timed), beside cuDNN attention and fla's forward
+    # products never timed), beside cuDNN attention and fla: its forward, and its backward where .triton is carried
+    # (experiments/gpu/slim_triton.py: Triton 3.7.1, 43 MiB; .whl 7.4 MiB and the tree 5 MiB beside it)
     part c_delta STEPS="delta" DELTA_ARGS="--seq-lens 32768 --iters 3 --warmup 1" DELTA_LIMIT=90
     ;;
   D)
