@@ -8,6 +8,7 @@
 #
 #   ULYSSES_JAX_COMMIT=<commit> bash experiments/gpu/next_calls.sh A   # on the GPU machine (after `make gpu-wheels`
 #   ULYSSES_JAX_COMMIT=<commit> bash experiments/gpu/next_calls.sh B   # here; carry .whl and .baseline, made below)
+#   (call C also carries .triton: `python experiments/gpu/slim_triton.py` here, for fla's backward)
 #   PYTHON=.venv/bin/python bash experiments/gpu/next_calls.sh A --dry-run    # CPU: the same parts on tiny rows
 #
 # .baseline: `rm -rf .baseline && mkdir -p .baseline && git archive 274568a ulysses_jax | tar -x -C .baseline`, the
