@@ -475,7 +475,6 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
     np.testing.assert_array_equal(out, bf(bf(x["v"]) * bf(beta)[..., None]))
 
 
-
 def test_bench_delta_puts_the_fla_site_first_on_fla_s_path_alone(tmp_path, monkeypatch):
     """--fla-site (experiments/gpu/slim_triton.py's Triton 3.7.1 on the device): fla's child process imports the
     Triton found there, before any other on its path, and the note names it; the parent's path is untouched."""
@@ -494,6 +493,9 @@ def test_bench_delta_puts_the_fla_site_first_on_fla_s_path_alone(tmp_path, monke
     site = tmp_path / "site" / "triton"
     site.mkdir(parents=True)
     (site / "__init__.py").write_text("__version__ = '3.7.1-site'\n")
+    decoy = tmp_path / "stub" / "triton"  # already on the path: the site's must come before it
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("__version__ = '3.6.0-image'\n")
     path = os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])
     monkeypatch.setenv("PYTHONPATH", path)
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -512,6 +514,13 @@ def test_bench_delta_puts_the_fla_site_first_on_fla_s_path_alone(tmp_path, monke
     assert bench_delta.parse_args(["--fla-site", "/x"]).fla_site == pathlib.Path("/x")
     monkeypatch.setenv("FLA_SITE", "/y")
     assert bench_delta.parse_args([]).fla_site == pathlib.Path("/y")
+    # a site whose Triton breaks fla's process: fla runs again without it, and the note says so
+    (site / "__init__.py").write_text("raise RuntimeError('built for another torch')\n")
+    both, fwd, _, note = bench_delta.fla(x, g, beta, args)
+    assert both > 0 and fwd > 0, note
+    assert note.startswith("fla with --fla-site failed (RuntimeError: built for another torch), run without it: ")
+    assert note.endswith("fla on Triton 3.6.0-image"), note
+
 
 FILL_HLO = """HloModule fills
 

@@ -44,9 +44,12 @@ if [ $DRY = 0 ]; then
   fi
   # Triton 3.7.1 for fla's backward on Hopper (experiments/gpu/slim_triton.py; carry .triton): unpacked apart, and
   # put first on the path of bench_delta.py's fla process alone (FLA_SITE)
-  if compgen -G ".triton/triton-*-slim.tar.xz" > /dev/null; then
-    mkdir -p /tmp/fla_site && tar -C /tmp/fla_site -xf .triton/triton-*-slim.tar.xz \
-      && export FLA_SITE=/tmp/fla_site || echo "first_contact: unpacking .triton failed; fla runs on the image's Triton"
+  # (once per machine: the parts of one call share it; the newest archive if several)
+  TRITON_TAR=$(ls -t .triton/triton-*-slim.tar.xz 2>/dev/null | head -1)
+  if [ -n "$TRITON_TAR" ]; then
+    { [ -d /tmp/fla_site/triton ] || { mkdir -p /tmp/fla_site && tar -C /tmp/fla_site -xf "$TRITON_TAR"; }; } \
+      && export FLA_SITE=/tmp/fla_site \
+      || echo "first_contact: unpacking $TRITON_TAR failed; fla runs on the image's Triton" | tee -a "$RES/pip.log"
   fi
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}

@@ -3,12 +3,13 @@
 fla 0.6.0 refuses its backward on Hopper GPUs under Triton 3.4 to 3.7.0 (they compute the gated delta rule's
 ``chunk_bwd_dqkwg`` wrongly, its issue 640); the lent image has Triton 3.6.0, and Triton 3.7.1's wheel is 189 MiB,
 beyond the 64 MiB a call may carry. Most of it is debug information and tools the benchmark does not use: this
-unpacks the wheel, leaves out the Blackwell ``ptxas``, ``cuobjdump``, ``nvdisasm``, CUPTI, the Proton profiler
-and the test tools, strips the shared libraries' debug information (``libtriton.so``: 461 MB -> 180 MB), and writes
-``.triton/triton-<version>-slim.tar.xz`` (43 MiB). Kept: the Python package, ``libtriton.so``, the NVIDIA backend
-with its ``ptxas`` (sm_90a), libdevice, the AMD backend (the dist-info's entry points name it: Triton fails to import
-without it), and the dist-info (so the version reads 3.7.1). Checked here with Python 3.12 and no GPU: it imports and
-compiles a kernel for sm_90 down to its cubin, a ``tl.dot`` as wgmma.
+unpacks the wheel, leaves out the Blackwell ``ptxas``, ``cuobjdump``, ``nvdisasm``, CUPTI's libraries (its headers
+stay), the Proton profiler, the instrumentation and FileCheck tools, strips the shared libraries' debug information
+(``libtriton.so``: 461 MB -> 180 MB), and writes ``.triton/triton-<version>-slim.tar.xz`` (43.0 MiB). Kept: the
+Python package, ``libtriton.so``, the NVIDIA backend with its ``ptxas`` (sm_90a), libdevice, the AMD backend (the
+dist-info's entry points name it: Triton fails to import without it), and the dist-info (the version reads 3.7.1).
+Checked here with Python 3.12 and no GPU: it imports and compiles a kernel for sm_90 down to its cubin, a ``tl.dot``
+as wgmma.
 
     python experiments/gpu/slim_triton.py            # .triton/triton-3.7.1-slim.tar.xz; carry .triton to call C
 
@@ -50,11 +51,15 @@ def slim(wheel: pathlib.Path, out: pathlib.Path) -> int:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
-        for lib in site.rglob("*.so"):
+            else:
+                print(f"slim_triton.py: {rel} is not in {wheel.name} (another layout?); left as it is", file=sys.stderr)
+        for lib in (p for p in site.rglob("*.so*") if p.is_file()):
             subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
         for exe in (site / "triton/backends/nvidia/bin").glob("*"):
             exe.chmod(0o755)  # zipfile drops the executable bit
-        subprocess.run(["tar", "-C", str(site), "-cf", str(out), "--use-compress-program=xz -9 -T0", "."], check=True)
+        part = out.with_name(out.name + ".part")  # renamed when whole: a failed run leaves no archive to carry
+        subprocess.run(["tar", "-C", str(site), "-cf", str(part), "--use-compress-program=xz -9 -T0", "."], check=True)
+        part.replace(out)
     return out.stat().st_size
 
 

@@ -250,7 +250,8 @@ def _fill(values, like, mask):
 # Layers whose update the unrolled loop (loop_layers) lets run at once: each layer's inputs wait for the outputs of the
 # layer this many before it. Unchained, XLA's scheduler ran many layers' updates together: Mixtral-8x7B at 1M tokens on
 # 8 compile-only H100s (--remat offload --attn-keep, host optimizer) peaked in the update at 46.22 GiB of device
-# temporaries, 41.72 with the scan; chained at 2 (the scan's double buffering), 41.74; at 1, 42.00.
+# temporaries, 41.72 with the scan; chained at 2 (the scan's double buffering), 41.74; at 1, 42.00 (41.72 at 2 since
+# each layer's slices are taken after its barrier).
 IN_FLIGHT = 2
 
 
