@@ -430,6 +430,25 @@ def test_bench_peers_gives_xla_tokens_to_our_child_alone(monkeypatch):
     assert bench_peers.quick_chunks("--loss-chunk 4096 --mlp-chunk 8192") == "--loss-chunk 64 --mlp-chunk 64"
 
 
+def _stub_fla(tmp_path, monkeypatch, code: str):
+    """A stand-in fla package whose ``fla.ops.gated_delta_rule`` module is ``code``, first on the PYTHONPATH of the
+    processes started from here; ``(its folder, the new PYTHONPATH, experiments/bench_delta.py as a module)``."""
+    stub = tmp_path / "stub"
+    pkg = stub / "fla" / "ops" / "gated_delta_rule"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parent.parent, pkg.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(code)
+    path = os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import bench_delta
+    finally:
+        sys.path.pop(0)
+    return stub, path, bench_delta
+
+
 def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, monkeypatch):
     """bench_delta's fla child, on the CPU with a stand-in fla whose backward raises as fla >= 0.5 does on Hopper under
     Triton 3.4-3.7.0: the forward's time and output come back, the forward + backward's time is None and the note
@@ -439,11 +458,7 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
     import numpy as np
 
     pytest.importorskip("torch")
-    pkg = tmp_path / "stub" / "fla" / "ops" / "gated_delta_rule"
-    pkg.mkdir(parents=True)
-    for d in (pkg.parent.parent, pkg.parent):
-        (d / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text(
+    _, _, bench_delta = _stub_fla(tmp_path, monkeypatch,
         "import torch\n\n\n"
         "class _Refused(torch.autograd.Function):\n"
         "    @staticmethod\n"
@@ -456,12 +471,6 @@ def test_bench_delta_times_fla_forward_when_its_backward_is_refused(tmp_path, mo
         "def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False):\n"
         "    assert use_qk_l2norm_in_kernel and q.shape[2] == v.shape[2]\n"
         "    return _Refused.apply(v) * beta[..., None], None\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")]))
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import bench_delta
-    finally:
-        sys.path.pop(0)
     rng = np.random.default_rng(3)
     x = {k: rng.standard_normal((1, 64, h, 16)).astype(np.float32)
          for k, h in (("q", 2), ("k", 2), ("v", 4), ("do", 4))}
@@ -483,26 +492,15 @@ def test_bench_delta_puts_the_fla_site_first_on_fla_s_path_alone(tmp_path, monke
     import numpy as np
 
     pytest.importorskip("torch")
-    stub = tmp_path / "stub" / "fla" / "ops" / "gated_delta_rule"
-    stub.mkdir(parents=True)
-    for d in (stub.parent.parent, stub.parent):
-        (d / "__init__.py").write_text("")
-    (stub / "__init__.py").write_text(
+    stub, path, bench_delta = _stub_fla(tmp_path, monkeypatch,
         "def chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=False):\n"
         "    return v * beta[..., None], None\n")
     site = tmp_path / "site" / "triton"
     site.mkdir(parents=True)
     (site / "__init__.py").write_text("__version__ = '3.7.1-site'\n")
-    decoy = tmp_path / "stub" / "triton"  # already on the path: the site's must come before it
+    decoy = stub / "triton"  # already on the path: the site's must come before it
     decoy.mkdir()
     (decoy / "__init__.py").write_text("__version__ = '3.6.0-image'\n")
-    path = os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")])
-    monkeypatch.setenv("PYTHONPATH", path)
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import bench_delta
-    finally:
-        sys.path.pop(0)
     rng = np.random.default_rng(4)
     x = {k: rng.standard_normal((1, 32, h, 8)).astype(np.float32) for k, h in (("q", 2), ("k", 2), ("v", 2),
                                                                               ("do", 2))}

@@ -165,8 +165,8 @@ def test_vision_language_folder_trains_its_language_model_and_carries_the_vision
     assert {k: v for k, v in info.items() if len(v)} == {}, info
     with torch.no_grad():
         moved = back.eval().double()(input_ids=torch.tensor(tokens)).logits.numpy()
-    # the final norm's multiplier raised by 0.5 (1 to 1.5) scales the logits, and their float32 rounding, by 1.5: 1.04e-4 with
-    # transformers 5.24 / torch 2.13 at logits up to 14
+    # the final norm's multiplier raised by 0.5 (1 to 1.5) scales the logits, and their float32 rounding, by 1.5:
+    # 1.04e-4 with transformers 5.24 / torch 2.13 at logits up to 14
     assert np.abs(moved - logits_of(model, tokens)).max() <= 1.5 * TOL and np.abs(moved - ref).max() > 0.1
 
 

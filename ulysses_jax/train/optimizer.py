@@ -382,13 +382,14 @@ def streamed_update(tx: Optimizer, grads, opt_state, params, *, denom=None, host
         states, masters = pick(s_leaves, [k == length for k in kinds]), pick(w_leaves, flags) if master else []
         new_m, new_s = [], []
         for i in range(length):
-            w, st = [m[i] for m in masters] if master else [], [x[i] for x in states]
+            w, st = [m[i] for m in masters], [x[i] for x in states]  # (masters: [] without master weights)
             if i >= IN_FLIGHT:  # this layer's inputs wait for the outputs of the layer IN_FLIGHT before it
                 (w, st, g_stacks, stacks), _ = jax.lax.optimization_barrier(
                     ((w, st, g_stacks, stacks), (new_m[i - IN_FLIGHT], new_s[i - IN_FLIGHT])))
             # the stacks are sliced after the barrier: sliced before it, XLA made every layer's slice of the gradient
             # (and its float32 copy) in one fusion ahead of the loop, all alive at once
-            w = w if master else [p[i] for p in stacks]
+            if not master:
+                w = [p[i] for p in stacks]
             w, st, _ = run([g[i] for g in g_stacks], st, w, length)
             stacks = [jax.lax.dynamic_update_index_in_dim(p, x.astype(p.dtype), i, axis=0) for p, x in zip(stacks, w)]
             new_m.append(to_host(w) if master else [])
