@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import USERS_CPU_CODEGEN
 from flax import nnx
 
 from ulysses_jax import ModelConfig, Transformer, make_mesh, next_token_loss, shift_labels
@@ -353,7 +354,7 @@ def test_unrolled_layer_loop_same_gradients_and_no_stacked_saves(model, remat, e
     for unroll in (False, True):
         model_ = build(dataclasses.replace(cfg, scan_unroll=unroll), "fsdp2xsp4", seed)
         if not cfg.linear_layers:  # (the delta rule's own loops may run as many trips as the layer groups)
-            hlo = run.lower(*nnx.split(model_), batch).compile().as_text()
+            hlo = run.lower(*nnx.split(model_), batch).compile(USERS_CPU_CODEGEN).as_text()
             trips = re.findall(r'"known_trip_count":\{"n":"(\d+)"', hlo)
             layer_loop = str(cfg.num_layers // every) in trips
             assert layer_loop != unroll and ("dynamic-update-slice(" in hlo) != unroll, (unroll, trips)
