@@ -33,8 +33,9 @@ def _cpu_codegen_flags():
 
 
 # a jit's compiler_options override XLA_FLAGS: compiled with XLA's default CPU code generation
-USERS_CPU_CODEGEN = {"xla_cpu_use_fusion_emitters": True} if _cpu_codegen_flags() else {}
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), _cpu_codegen_flags(),
+CPU_CODEGEN_FLAGS = _cpu_codegen_flags()
+USERS_CPU_CODEGEN = {"xla_cpu_use_fusion_emitters": True} if CPU_CODEGEN_FLAGS else {}
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), CPU_CODEGEN_FLAGS,
                                                  "--xla_force_host_platform_device_count=8"]))
 # One compilation cache for the processes of a test run (the xdist workers and the CLI subprocesses they start): many
 # tests compile the same small programs (the tiny model's step, the CLI's), and compiling is most of a CPU test's
