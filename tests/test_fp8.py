@@ -4,9 +4,10 @@ hand, overflow and NaN, the delayed recipe's history, the float8 model beside th
 compiled H100 program's float8 dots and plan's estimate; slow: ten steps against bf16, the real entry point's 30-step
 run and resume, and eight devices with the tiled sublayers, remat and LoRA.
 
-Measured bounds (CPU, 2-layer model, bf16 compute, 6 seeds): the float8 model's loss is within 8e-5 (relative) of the
-bf16 model's, each parameter's gradient has cosine similarity >= 0.9937 with the bf16 one, all gradients together
->= 0.998; the tests hold loss < 5e-3, each >= 0.98, all >= 0.99.
+Two float8 runs are compared in one of two ways. Where they quantise the same tensors with the same scales, they are
+equal to float32 summation order unless that order flips a float8 rounding, and a test takes the first of its draws
+that flips none (``a_draw_flips_no_rounding``). Where their scales differ (the bf16 model, a chunk's own scales), each
+draw differs by float8's noise, and the bounds were measured over hundreds of seeds, each with its figures.
 """
 
 from __future__ import annotations
@@ -177,14 +178,42 @@ def one_device():
     return make_mesh(fsdp=1, sp=1, devices=jax.devices()[:1])
 
 
+DRAWS = 10
+
+
+def a_draw_flips_no_rounding(compare, seed, draws=DRAWS) -> int:
+    """Which of the draws ``seed``, ``seed + 1``, ... is the first that ``compare`` finds exact (at most ``draws``).
+
+    Two float8 computations that quantise the same tensors with the same scales but sum in float32 in other orders
+    are equal, unless an order moves a value across a float8 rounding boundary (e5m2 keeps two mantissa bits: the
+    element moves by up to 25%, and a moved amax rescales its whole tensor). Over 500-1,000 seeds of each test that
+    uses this, about 1 draw in 5 flips something, and the gradients then differ by any amount up to ~0.2 of their
+    largest element: no fixed bound sits above that tail (each bound held before was crossed by some seed). So
+    ``compare(s)`` asserts, on every draw, the bounds that hold whatever flips (float8's noise: a gradient lost,
+    halved or sent to other heads is far outside them) and returns ``(exact, differences)``; the first exact draw
+    ends the search, and none in ``draws`` fails the test (all ten flipping, at 1 in 5 each: ~1e-7)."""
+    seen = {}
+    for i in range(draws):
+        s = (seed + i) % 2**31
+        exact, seen[s] = compare(s)
+        if exact:
+            return i
+    raise AssertionError(f"each of {draws} draws differed beyond float32 summation order: {seen}")
+
+
 def test_float8_model_is_close_to_the_bf16_model(seed):
+    """2 layers, bf16 compute, one device. Over 400 seeds (2026-11-29): loss within 1.02e-3 (relative) of the bf16
+    model's, each parameter's gradient at cosine >= 0.9793 with the bf16 one (median 0.9885; wq and wk the lowest), all
+    together >= 0.9889 (the same figures at cbd1c4a, where this test began: the 6-seed figures it quoted, 0.9937 and
+    0.998, were not these, and 2 of 300 seeds crossed its 0.98 and 0.99). Held at 5e-3, 0.95 and 0.97: a float8 scale
+    gone wrong (448x) or a gradient lost (cosine ~0) is far outside."""
     mesh, b = one_device(), batch(seed)
     (l16, (g16, _)), (l8, (g8, _)) = (loss_and_grads(*nnx.split(build(c, mesh, seed)), b)
                                       for c in (BASE, dataclasses.replace(BASE, fp8=True)))
     assert abs(float(l8) / float(l16) - 1) < 5e-3
     f16, f8 = flat(g16), flat(g8)
-    assert min(cosine(f8[k], f16[k]) for k in f16) > 0.98
-    assert cosine(np.concatenate([f8[k].ravel() for k in f16]), np.concatenate([f16[k].ravel() for k in f16])) > 0.99
+    assert min(cosine(f8[k], f16[k]) for k in f16) > 0.95, {k: cosine(f8[k], f16[k]) for k in f16}
+    assert cosine(np.concatenate([f8[k].ravel() for k in f16]), np.concatenate([f16[k].ravel() for k in f16])) > 0.97
 
 
 CASES = {  # name -> (recipe, ModelConfig fields on fsdp 2 x sp 4; the reference: one device, plain)
@@ -205,39 +234,44 @@ def one_device_reference(cfg, seed):
 @pytest.mark.parametrize("case", list(CASES))
 def test_eight_devices_equal_one(case, seed):
     """fsdp 2 x sp 4 against one device. Plain: the same scales (each an amax over the whole tensor, an all-reduce
-    under sharding), so equal to float32 summation order, and to the float8 roundings that order flips: an element
-    on a rounding boundary (e5m2 gradients have two mantissa bits, a flip moves one element by up to 25%) moves a
-    weight gradient at its largest by 1.3e-2 relative (3 of 12 seeds: the earlier 1e-4 failed those), by 1.7e-2 with
-    cosine 0.9999837 in one full-suite run (16 more seeds: 15 exact, one flip at cosine 0.9999964). Rarer and broader
-    (presumably a float32 sum in another order moving a tensor's amax, so its scale and the rounding of many of its
-    elements; not traced): at seed 1624255179 (one of 17 seeds; the others exact to 4e-7) the loss by 1.5e-5
-    relative and the attention weights' gradients to cosine 0.9935, norms within 0.55%, max 0.124 relative (without
-    float8 the same seed agrees to 8e-8). Held at loss 1e-4, cosine 0.99 and norms within 2%: a wrong gradient, a
-    missing sum (half or twice the norm) or scale, is far outside. Tiled (mlp_chunk, attn_chunk):
-    each chunk of each device is scaled on its own, so float8 rounding differs: loss within 1e-3 (measured 6e-5),
-    gradient cosine > 0.98 (measured >= 0.983 over 6 seeds of each case) and norm within 10% of one device's; the
-    delayed recipe's history: the weights' amaxes equal, the inputs' of the first projections too."""
+    under sharding), so equal to float32 summation order (loss to 2e-6, each gradient to 1e-5 of its largest; measured
+    6.8e-7 and 9.9e-6 over 1,000 seeds), unless that order flips a float8 rounding (161 of those 1,000 seeds did: the
+    loss then up to 1.7e-4 apart, a gradient's cosine down to 0.9906 and its norm 3.2% off; the bounds held before,
+    1e-4, 0.99 and 2%, were crossed by 6 of them): every draw is held to float8's noise (loss 1e-3, cosine 0.95, norm
+    within 10%: a wrong gradient, a missing sum or scale is far outside), the first that flips nothing to the exact
+    bounds (``a_draw_flips_no_rounding``). Tiled (mlp_chunk, attn_chunk): each chunk of each device is scaled on its
+    own, so float8 rounding differs on every draw: over 400 seeds of each case the loss within 7.7e-4, each
+    gradient's cosine >= 0.9807 and norm within 6.1% of one device's (the 1e-3, 0.98 and 10% held before were
+    measured on 6 seeds; the lowest cosine of those 1,200 was 7e-4 above 0.98); held at 3e-3, 0.95 and 15%: a gradient
+    summed over too few or too many devices (half or twice the norm), or one head's of eight lost (cosine ~0.935), is
+    outside. The delayed recipe's history: the weights' amaxes equal, the inputs' of the first projections too."""
     recipe, fields = CASES[case]
     cfg = dataclasses.replace(BASE, compute_dtype="float32", fp8=True, fp8_recipe=recipe, lora=fields.get("lora"))
-    b = batch(seed, b=8)
-    l1, (g1, h1) = one_device_reference(cfg, seed)
-    l8, (g8, h8) = loss_and_grads(*nnx.split(build(dataclasses.replace(cfg, **fields), make_mesh(fsdp=2, sp=4),
-                                                   seed)), b)
-    f1, f8 = flat(g1), flat(g8)
-    assert f1.keys() == f8.keys()
+
+    def run(s):
+        l1, (g1, h1) = one_device_reference(cfg, s)
+        l8, (g8, h8) = loss_and_grads(*nnx.split(build(dataclasses.replace(cfg, **fields), make_mesh(fsdp=2, sp=4),
+                                                       s)), batch(s, b=8))
+        f1, f8 = flat(g1), flat(g8)
+        assert f1.keys() == f8.keys()
+        return float(l1), f1, h1, float(l8), f8, h8
+
     if case == "plain":
-        np.testing.assert_allclose(float(l8), float(l1), rtol=1e-4)
-        norm = {k: float(np.linalg.norm(f8[k]) / np.linalg.norm(f1[k])) for k in f1}
-        assert all(cosine(f8[k], f1[k]) > 0.99 and abs(norm[k] - 1) < 0.02 for k in f1), {
-            k: (max_rel(f8[k], f1[k]), cosine(f8[k], f1[k]), norm[k]) for k in f1}
+        def compare(s):
+            l1, f1, _, l8, f8, _ = run(s)
+            loss, norm = abs(l8 / l1 - 1), {k: float(np.linalg.norm(f8[k]) / np.linalg.norm(f1[k])) for k in f1}
+            assert loss < 1e-3 and all(cosine(f8[k], f1[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in f1), {
+                k: (max_rel(f8[k], f1[k]), cosine(f8[k], f1[k]), norm[k]) for k in f1}
+            rel = {k: max_rel(f8[k], f1[k]) for k in f1}
+            return loss < 2e-6 and max(rel.values()) < 1e-5, {"loss": loss, **rel}
+
+        a_draw_flips_no_rounding(compare, seed)
         return
-    assert abs(float(l8) / float(l1) - 1) < 1e-3
-    assert min(cosine(f8[k], f1[k]) for k in f1) > 0.98
-    # and of the same size: a gradient summed over too few or too many devices (a gather's transpose gone wrong) would
-    # keep its direction, at 1/2 or 2x the norm; measured within 3.3% of one device's (per parameter, the norm scales
-    # the farthest; 6 seeds of each tiled case)
+    l1, f1, h1, l8, f8, h8 = run(seed)
+    assert abs(l8 / l1 - 1) < 3e-3
+    assert min(cosine(f8[k], f1[k]) for k in f1) > 0.95, {k: cosine(f8[k], f1[k]) for k in f1}
     ratios = {k: float(np.linalg.norm(f8[k]) / np.linalg.norm(f1[k])) for k in f1}
-    assert all(abs(r - 1) < 0.1 for r in ratios.values()), ratios
+    assert all(abs(r - 1) < 0.15 for r in ratios.values()), ratios
     if recipe == "delayed":
         for k, h in flat(h1).items():
             got = flat(h8)[k]

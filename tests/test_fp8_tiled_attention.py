@@ -4,13 +4,14 @@ are; their gradients reach the weights through zeros that carry them (``fp8.grad
 
 One device, one chunk, one head group: the tiled sublayer quantises exactly the tensors the plain one does (the whole
 weight, the whole input, the whole output gradient), so its float8 step equals the plain float8 step but for float32
-summation order and the roundings that order flips. The output gate (Qwen3.5) shares q's weight scale as the plain path
-does, but its output gradient is scaled apart from q's, so its gradients are close, not equal. A head group's cut of a
-float8 weight equals the cut of the dequantised weight (dummy heads zero). Two compile-only H100s: the gathers of the
-tiled attention's weights are float8 ones, and no chunk or head group quantises a weight again. With float8 swapped
-for float32 (every quantisation exact) the tiled float8 path on fsdp 2 x sp 4 equals one plain float32 device to
-1e-5: what float8's noise would hide (a gradient lost, halved or sent to other heads) cannot pass. Slow: eight devices
-with head groups, dummy heads and the output gate against one plain device, in float8.
+summation order and the roundings that order flips (so the test takes the first of its draws that flips none). The
+output gate (Qwen3.5) shares q's weight scale as the plain path does, but its output gradient is scaled apart from q's,
+so its gradients are close, not equal. A head group's cut of a float8 weight equals the cut of the dequantised weight
+(dummy heads zero). Two compile-only H100s: the gathers of the tiled attention's weights are float8 ones, and no chunk
+or head group quantises a weight again. With float8 swapped for float32 (every quantisation exact) the tiled float8 path
+on fsdp 2 x sp 4 equals one plain float32 device to 1e-5: what float8's noise would hide (a gradient lost, halved or
+sent to other heads) cannot pass. Slow: eight devices with head groups, dummy heads and the output gate against one
+plain device, in float8.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_fp8 import BASE, FAST, batch, build, compiled_step_text, cosine, flat, loss_and_grads, max_rel, one_device
+from test_fp8 import (
+    BASE,
+    FAST,
+    a_draw_flips_no_rounding,
+    batch,
+    build,
+    compiled_step_text,
+    cosine,
+    flat,
+    loss_and_grads,
+    max_rel,
+    one_device,
+)
 
 from ulysses_jax import make_mesh
 from ulysses_jax.model import fp8, fp8_base
@@ -62,25 +75,30 @@ def pair(recipe, fields, seed, mesh=None, tiled=None, b=4):
 # the default suite keeps the delayed recipe (its histories too); the plain and Gemma 3 cases run with make test-slow
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c != "delayed" else c for c in EXACT])
 def test_one_chunk_equals_the_plain_float8_sublayer(case, seed):
-    """Loss to 1e-6; each gradient within 8e-2 of the plain one at its largest and cosine > 0.9995 (float8 rounding
-    flips of a different summation order, as test_fp8's fsdp 2 x sp 4 [plain] case; one run of make test-slow on
-    2026-11-28 drew [post_norms]'s wv gradient at 0.0545 and 0.99966, beyond the 5e-2 and 0.9999 held before; 48 other
-    seeds passed those); the delayed recipe's new histories: every amax the same to rtol 1e-2. An amax of an output
-    gradient moves with the forward's float8 roundings that another summation order flips, as the gradients do: 12 of
-    13 seeds drew <= 3.6e-7, CI's CPU 8.1e-6 on the attention's third history, ULYSSES_TEST_SEED=1593943418 1.42e-4
-    (beyond the 1e-6 and then 1e-4 held before): a bound for the roundings' flips, not for summation order alone. The
-    tail is longer still: ULYSSES_TEST_SEED=1386906526 draws 1.3e-2 here, and fails first on the gradients' cosine
-    (wk 0.99833); 12 of 15 seeds flip no rounding at all. Any fixed bound is a quantile of that tail."""
+    """Equal to float32 summation order (loss to 1e-6, each gradient to 1e-5 of its largest, the delayed recipe's new
+    amaxes to rtol 1e-5; over 500 seeds of [delayed] 392 drew at most 9.9e-6 and 9.1e-7), unless that order flips a
+    float8 rounding: the other 108 did, the gradients then up to 4.7e-2 apart at their largest (cosine 0.99965), an
+    amax of an output gradient 3.4e-3 (and ULYSSES_TEST_SEED=1386906526 7.9e-2, cosine 0.99833 and 1.3e-2: each
+    bound held before was crossed by some seed). So every draw is held to float8's noise (cosine 0.95, norms within
+    10%, amaxes 10%) and the first that flips nothing to the exact bounds (``test_fp8.a_draw_flips_no_rounding``)."""
     recipe, fields = EXACT[case]
-    (l0, g0, h0), (l1, g1, h1) = pair(recipe, fields, seed)
-    np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    assert g0.keys() == g1.keys()
-    assert all(max_rel(g1[k], g0[k]) < 8e-2 and cosine(g1[k], g0[k]) > 0.9995 for k in g0), {
-        k: (max_rel(g1[k], g0[k]), cosine(g1[k], g0[k])) for k in g0}
-    if recipe == "delayed":
-        for k, h in h0.items():
-            assert (h1[k][..., 0] > 0).all() and (h1[k][..., 1:] == 0).all()
-            np.testing.assert_allclose(h1[k], h, rtol=1e-2, err_msg=k)
+
+    def compare(s):
+        (l0, g0, h0), (l1, g1, h1) = pair(recipe, fields, s)
+        np.testing.assert_allclose(l1, l0, rtol=1e-6)
+        assert g0.keys() == g1.keys()
+        norm = {k: float(np.linalg.norm(g1[k]) / np.linalg.norm(g0[k])) for k in g0}
+        assert all(cosine(g1[k], g0[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in g0), {
+            k: (max_rel(g1[k], g0[k]), cosine(g1[k], g0[k]), norm[k]) for k in g0}
+        rel = {k: max_rel(g1[k], g0[k]) for k in g0}
+        if recipe == "delayed":
+            for k, h in h0.items():
+                assert (h1[k][..., 0] > 0).all() and (h1[k][..., 1:] == 0).all()
+                rel[f"amax {k}"] = float(np.max(np.abs(h1[k][..., 0] / h[..., 0] - 1)))
+                assert rel[f"amax {k}"] < 0.1, rel
+        return max(rel.values()) < 1e-5, rel
+
+    a_draw_flips_no_rounding(compare, seed)
 
 
 # name -> the fields of both models (fsdp 2 x sp 4 tiled against one plain device): 6 query heads on 4 devices (dummy
@@ -121,14 +139,17 @@ def test_the_float8_path_without_rounding_equals_float32_on_one_device(case, see
 
 def test_the_output_gate_shares_qs_weight_scale(seed):
     """Qwen3.5's gated attention (q_proj doubled, partial RoPE, qk-norm): the forward quantises the same tensors as the
-    plain path (one scale for q and the gate's weights), so the loss is equal to 1e-6 (6 seeds: equal); the backward
+    plain path (one scale for q and the gate's weights), so the loss is equal to 1e-6 (600 seeds: equal); the backward
     scales the gate's output gradient apart from q's (one e5m2 tensor in the plain path), so those roundings fall
-    elsewhere, as two float8 runs of different scales do: each gradient's cosine > 0.98 and within 0.3 of the plain
-    one at its largest (6 seeds: >= 0.9909, <= 0.177)."""
+    elsewhere, as two float8 runs of different scales do. Over 600 seeds each gradient's cosine with the plain one's
+    was >= 0.9854 and its error within 0.171 of its norm (the largest element 0.25 of the largest apart, and 2 of 300
+    more seeds crossed the 0.3 held before, measured on 6); held at 0.95 and 0.4: a gradient lost (error 1) or halved
+    (0.5), or one head's of eight lost (cosine ~0.935), is outside."""
     (l0, g0, _), (l1, g1, _) = pair("current", GATED, seed)
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
-    assert all(max_rel(g1[k], g0[k]) < 0.3 and cosine(g1[k], g0[k]) > 0.98 for k in g0), {
-        k: (max_rel(g1[k], g0[k]), cosine(g1[k], g0[k])) for k in g0}
+    error = {k: float(np.linalg.norm(g1[k] - g0[k]) / np.linalg.norm(g0[k])) for k in g0}
+    assert all(error[k] < 0.4 and cosine(g1[k], g0[k]) > 0.95 for k in g0), {
+        k: (error[k], cosine(g1[k], g0[k])) for k in g0}
 
 
 @pytest.mark.parametrize("heads, kv, sp, head_chunk", [(6, 2, 4, 1), (6, 3, 4, 1), (6, 2, 4, 0)])
