@@ -396,7 +396,8 @@ def test_a_hybrids_delta_net_runs_its_projections_in_float8(groups, seed):
     errors = {k: float(np.linalg.norm(f8[k] - f32[k])) / max(norms[k], 0.05 * median) for k in f32}
     assert max(errors.values()) < 0.45, errors
     cosines = {k: cosine(f8[k], f32[k]) for k in f32 if norms[k] >= 0.1 * median}
-    assert min(cosines.values()) > 0.9, cosines
+    # below the floor at some seed (400 seeds): A_log, dt_bias, wa, the delta-net's norm and the three norm scales
+    assert len(cosines) >= len(f32) - 7 and min(cosines.values()) > 0.9, cosines
     assert cosine(np.concatenate([f8[k].ravel() for k in f32]), np.concatenate([f32[k].ravel() for k in f32])) > 0.95
 
 
