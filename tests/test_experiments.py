@@ -609,3 +609,18 @@ def test_hlo_traffic_counts_what_each_kernel_reads_and_writes():
     assert got["add"] == (4, 4 * 12 * gib)
     assert got["compare"] == (4, 4 * 9 * gib)
     assert set(got) == {"fusion", "copy", "add", "compare"}
+
+
+def test_seed_sweep_names_the_seeds_a_test_fails(tmp_path):
+    """experiments/seed_sweep.py calls the test once a seed, with the other parameters given, and names the seeds
+    that fail (exit 1); all passing exits 0; a malformed range is refused in one line."""
+    body = "def test_even(seed, k):\n    assert (seed + k) % 2 == 0, f'odd {seed + k}'\n"
+    (tmp_path / "test_odd.py").write_text(body)
+    sweep = [sys.executable, str(ROOT / "experiments" / "seed_sweep.py"), f"{tmp_path / 'test_odd.py'}::test_even"]
+    p = subprocess.run(sweep + ["--seeds", "3:7", "--kwargs", '{"k": 1}'], capture_output=True, text=True)
+    assert p.returncode == 1, p.stderr
+    assert "seed 4: odd 5" in p.stdout and json.loads(p.stdout.splitlines()[-1])["failed"] == [4, 6]
+    p = subprocess.run(sweep + ["--seeds", "2:3", "--kwargs", '{"k": 0}'], capture_output=True, text=True)
+    assert p.returncode == 0 and json.loads(p.stdout)["failed"] == [], p.stderr
+    p = subprocess.run(sweep + ["--seeds", "7:3"], capture_output=True, text=True)
+    assert p.returncode == 2 and "--seeds '7:3' is not first:last" in p.stderr
