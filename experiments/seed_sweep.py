@@ -36,7 +36,12 @@ def main(argv=None) -> int:
         p.error(f"the test {args.test!r} is not <file>.py::<function>, e.g. tests/test_fp8.py::test_refusals")
     if not (first.isdigit() and last.isdigit() and int(first) < int(last)):
         p.error(f"--seeds {args.seeds!r} is not first:last with first < last, e.g. 0:100")
-    kwargs = json.loads(args.kwargs)
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        p.error(f"--kwargs {args.kwargs!r} is not a JSON object, e.g. '{{\"case\": \"plain\"}}'")
     folder = (ROOT / path).parent
     if not (ROOT / path).is_file():
         p.error(f"no test file {path!r} (from {ROOT}); give tests/<file>.py")

@@ -613,7 +613,7 @@ def test_hlo_traffic_counts_what_each_kernel_reads_and_writes():
 
 def test_seed_sweep_names_the_seeds_a_test_fails(tmp_path):
     """experiments/seed_sweep.py calls the test once a seed, with the other parameters given, and names the seeds
-    that fail (exit 1); all passing exits 0; a malformed range is refused in one line."""
+    that fail (exit 1); all passing exits 0; a malformed range or parameters are refused in one line."""
     body = "def test_even(seed, k):\n    assert (seed + k) % 2 == 0, f'odd {seed + k}'\n"
     (tmp_path / "test_odd.py").write_text(body)
     sweep = [sys.executable, str(ROOT / "experiments" / "seed_sweep.py"), f"{tmp_path / 'test_odd.py'}::test_even"]
@@ -624,3 +624,5 @@ def test_seed_sweep_names_the_seeds_a_test_fails(tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["failed"] == [], p.stderr
     p = subprocess.run(sweep + ["--seeds", "7:3"], capture_output=True, text=True)
     assert p.returncode == 2 and "--seeds '7:3' is not first:last" in p.stderr
+    p = subprocess.run(sweep + ["--kwargs", "k=1"], capture_output=True, text=True)
+    assert p.returncode == 2 and "--kwargs 'k=1' is not a JSON object" in p.stderr
