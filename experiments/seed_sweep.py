@@ -42,14 +42,15 @@ def main(argv=None) -> int:
         kwargs = None
     if not isinstance(kwargs, dict):
         p.error(f"--kwargs {args.kwargs!r} is not a JSON object, e.g. '{{\"case\": \"plain\"}}'")
-    folder = (ROOT / path).parent
-    if not (ROOT / path).is_file():
+    test_file = ROOT / path
+    if not test_file.is_file():
         p.error(f"no test file {path!r} (from {ROOT}); give tests/<file>.py")
+    folder = test_file.parent
     sys.path.insert(0, str(folder))
     os.environ.setdefault("ULYSSES_TEST_SEED", "0")
     if (folder / "conftest.py").exists():
         importlib.import_module("conftest")  # the suite's XLA flags and 8 CPU devices, before jax starts
-    test = getattr(importlib.import_module(pathlib.Path(path).stem), name)
+    test = getattr(importlib.import_module(test_file.stem), name)
     failed, start = [], time.time()
     for seed in range(int(first), int(last)):
         try:
