@@ -59,8 +59,16 @@ def test_a_hybrid_keeps_both_mixers_outputs_with_the_same_loss_and_gradients(rem
     kept_cfg = dataclasses.replace(base, attn_keep=True)
     kept_loss, kept = _loss_and_grads(kept_cfg, mesh, batch, seed)
     assert abs(float(kept_loss) - float(plain_loss)) <= 1e-5 * abs(float(plain_loss))
+    # The delta-net's gate gradients (A_log, dt_bias, wa) are sums over every token that nearly cancel: 2e-5 to 4e-2 of
+    # the median gradient's largest element over 300 seeds, and float32's rounding, which differs where the forward is
+    # kept instead of run again, reached 2.5e-3 of their own largest element (1e-4 failed 23 seeds of 200). So each
+    # gradient is held to 1e-4 of its largest element or of a tenth of the median gradient's, whichever is larger: at
+    # most 1.06e-5 over 450 seeds (300 save_matmuls, 150 full), every other gradient at most 1.1e-6 of its own. A gate
+    # gradient 31% wrong (in the seed where it is smallest; 0.07% at its median size) would exceed it.
+    floor = 0.1 * float(np.median([np.abs(np.asarray(w)).max() for w in jax.tree.leaves(plain)]))
     for g, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
-        assert rel_err(np.asarray(g), np.asarray(want)) < 1e-4
+        g, want = np.asarray(g, np.float64), np.asarray(want, np.float64)
+        assert np.abs(g - want).max() <= 1e-4 * max(np.abs(want).max(), floor)
     loops = {}
     for cfg in (dataclasses.replace(c, delta_impl="pallas") for c in (base, kept_cfg)):
         graphdef, state = nnx.split(Transformer(cfg, mesh=mesh, rngs=nnx.Rngs(0)))
