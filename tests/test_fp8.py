@@ -316,46 +316,70 @@ HYBRID = dict(num_layers=2, layer_pattern=("linear", "global"), linear_num_key_h
 def test_lora_base_at_rest_gives_the_per_step_values(recipe, fields, seed):
     """LoRA + --fp8 on fsdp 2 x sp 4: the base's seven projections stored in float8 once (``fp8_base``) give the loss,
     the adapters' gradients and the amax histories of quantising them in every step, bit for bit, with either recipe (a
-    frozen weight's amax never changes); the plain sublayers and the tiled MLP. The tiled attention sublayer merges the
-    adapters into the dequantised base (the values every step computed with) and quantises that: one more rounding of
-    the base, so not equal; against the model without --fp8 its gradients are about as close as the per-step path's (250
-    seeds: each gradient's cosine >= 0.9791 at rest, >= 0.9815 per step; loss within 1.06e-3 and 7.6e-4; 4 of 150 seeds
-    crossed the 0.98 held before, measured on 4; held at 0.95 and 3e-3). The stored copies: float8, the second the first
-    with the output dimensions first, the amaxes each layer's."""
+    frozen weight's amax never changes); the plain sublayers and the tiled MLP. Unless one weight's quotient sits on a
+    float8 rounding tie: the quantiser alone and the compiled step round it apart (seed 7017: one element of w_gate,
+    84.0000128 times its scale, stored as e4m3's 80, 88 in the step; with 88 stored, the loss equal bit for bit): 2 of
+    150 seeds of the plain sublayers, 1 of 100 with the tiled MLP, 4 of 100 of the hybrid (2026-11-29; the loss then
+    up to 4.9e-5 apart, a gradient's cosine >= 0.991, its norm within 2.3%). So every draw is held to float8's noise
+    (loss 1e-3, cosine 0.95, norm within 10%: a lost or misplaced gradient is far outside) and the first that rounds
+    alike to bit for bit (``a_draw_flips_no_rounding``). The tiled attention sublayer merges the adapters into the
+    dequantised base (the values every step computed with) and quantises that: one more rounding of the base, so not
+    equal; against the model without --fp8 its gradients are about as close as the per-step path's (250 seeds: each
+    gradient's cosine >= 0.9791 at rest, >= 0.9815 per step; loss within 1.06e-3 and 7.6e-4; 4 of 150 seeds crossed
+    the 0.98 held before, measured on 4; held at 0.95 and 3e-3). The stored copies, on every draw: float8, the second
+    the first with the output dimensions first, the amaxes each layer's."""
     lora_cfg = dataclasses.replace(LORA_ALL, targets="q,k,v,o,gate,up,down,in_proj_qkv,out_proj") if (
         "layer_pattern" in fields) else LORA_ALL
     cfg = dataclasses.replace(BASE, compute_dtype="float32", fp8=True, fp8_recipe=recipe, lora=lora_cfg, **fields)
-    mesh, b = make_mesh(fsdp=2, sp=4), batch(seed, b=8)
-    per_step, at_rest = build(cfg, mesh, seed, at_rest=False), build(cfg, mesh, seed)
-    weights = [("mlp", "w_up_DF", (0, 2, 1)), ("attn", "wo_NHD", (0, 3, 1, 2))]
-    if "layer_pattern" in fields:  # the delta-net's: q, k, v, z one amax per layer (one GEMM), the output its own
-        weights += [("delta", "wo_UWD", (0, 3, 1, 2))]
-        shared = [getattr(at_rest.blocks.delta, n + fp8_base.AMAX).get_value() for n in fp8_base.SHARED["delta"]]
-        ws = [np.abs(np.asarray(getattr(per_step.blocks.delta, n).get_value())) for n in fp8_base.SHARED["delta"]]
-        np.testing.assert_array_equal(np.asarray(shared[0]), np.max([w.reshape(len(w), -1).max(axis=1) for w in ws], 0))
-        assert all(np.array_equal(a, shared[0]) for a in shared)
-    for module, attr, order in weights:
-        w = np.asarray(getattr(getattr(per_step.blocks, module), attr).get_value(), np.float32)
-        stored = getattr(at_rest.blocks, module)
-        q, qt, a = (getattr(stored, attr + x).get_value() for x in ("", fp8_base.T, fp8_base.AMAX))
-        assert q.dtype == qt.dtype == fp8.E4M3 and isinstance(getattr(stored, attr), fp8_base.Frozen)
-        np.testing.assert_array_equal(np.asarray(qt), np.transpose(np.asarray(q), order))
-        np.testing.assert_array_equal(np.asarray(a), np.abs(w).reshape(len(w), -1).max(axis=1))
-        np.testing.assert_allclose(np.asarray(fp8_base.plain(stored, attr, F32)), w, rtol=0.07, atol=1e-3 * a.max())
+    mesh = make_mesh(fsdp=2, sp=4)
+
+    def models(s):
+        per_step, at_rest = build(cfg, mesh, s, at_rest=False), build(cfg, mesh, s)
+        weights = [("mlp", "w_up_DF", (0, 2, 1)), ("attn", "wo_NHD", (0, 3, 1, 2))]
+        if "layer_pattern" in fields:  # the delta-net's: q, k, v, z one amax per layer (one GEMM), the output its own
+            weights += [("delta", "wo_UWD", (0, 3, 1, 2))]
+            shared = [getattr(at_rest.blocks.delta, n + fp8_base.AMAX).get_value() for n in fp8_base.SHARED["delta"]]
+            ws = [np.abs(np.asarray(getattr(per_step.blocks.delta, n).get_value())) for n in fp8_base.SHARED["delta"]]
+            np.testing.assert_array_equal(np.asarray(shared[0]),
+                                          np.max([w.reshape(len(w), -1).max(axis=1) for w in ws], 0))
+            assert all(np.array_equal(a, shared[0]) for a in shared)
+        for module, attr, order in weights:
+            w = np.asarray(getattr(getattr(per_step.blocks, module), attr).get_value(), np.float32)
+            stored = getattr(at_rest.blocks, module)
+            q, qt, a = (getattr(stored, attr + x).get_value() for x in ("", fp8_base.T, fp8_base.AMAX))
+            assert q.dtype == qt.dtype == fp8.E4M3 and isinstance(getattr(stored, attr), fp8_base.Frozen)
+            np.testing.assert_array_equal(np.asarray(qt), np.transpose(np.asarray(q), order))
+            np.testing.assert_array_equal(np.asarray(a), np.abs(w).reshape(len(w), -1).max(axis=1))
+            np.testing.assert_allclose(np.asarray(fp8_base.plain(stored, attr, F32)), w, rtol=0.07,
+                                       atol=1e-3 * a.max())
+        return per_step, at_rest
+
+    def run(per_step, at_rest, s):
+        # bit for bit with XLA's default CPU code generation (tests/conftest.py)
+        (l0, (g0, h0)), (l1, (g1, h1)) = (loss_and_grads_as_users(*nnx.split(m), batch(s, b=8))
+                                          for m in (per_step, at_rest))
+        f0, f1 = flat(g0), flat(g1)
+        assert f0.keys() == f1.keys()
+        return float(l0), f0, h0, float(l1), f1, h1
+
     if "attn_chunk" in fields:
+        _, at_rest = models(seed)
         per_step = build(dataclasses.replace(cfg, fp8=False), mesh, seed)  # the reference: no float8 at all
-    # bit for bit with XLA's default CPU code generation (tests/conftest.py)
-    (l0, (g0, h0)), (l1, (g1, h1)) = (loss_and_grads_as_users(*nnx.split(m), b) for m in (per_step, at_rest))
-    f0, f1 = flat(g0), flat(g1)
-    assert f0.keys() == f1.keys()
-    if "attn_chunk" in fields:
-        assert abs(float(l1) / float(l0) - 1) < 3e-3
+        l0, f0, _, l1, f1, _ = run(per_step, at_rest, seed)
+        assert abs(l1 / l0 - 1) < 3e-3
         assert min(cosine(f1[k], f0[k]) for k in f0) > 0.95, {k: cosine(f1[k], f0[k]) for k in f0}
         return
-    assert float(l0) == float(l1)
-    assert all(np.array_equal(f0[k], f1[k]) for k in f0), [k for k in f0 if not np.array_equal(f0[k], f1[k])]
-    if recipe == "delayed":
-        assert all(np.array_equal(v, flat(h1)[k]) for k, v in flat(h0).items())
+
+    def compare(s):
+        l0, f0, h0, l1, f1, h1 = run(*models(s), s)
+        loss, norm = abs(l1 / l0 - 1), {k: norm_ratio(f1[k], f0[k]) for k in f0}
+        assert loss < 1e-3 and all(cosine(f1[k], f0[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in f0), {
+            k: (max_rel(f1[k], f0[k]), cosine(f1[k], f0[k]), norm[k]) for k in f0}
+        exact = l0 == l1 and all(np.array_equal(f0[k], f1[k]) for k in f0) and (
+            recipe != "delayed" or all(np.array_equal(v, flat(h1)[k]) for k, v in flat(h0).items()))
+        return exact, {"loss": loss, **{k: max_rel(f1[k], f0[k]) for k in f0 if not np.array_equal(f0[k], f1[k])}}
+
+    a_draw_flips_no_rounding(compare, seed)
 
 
 @pytest.mark.slow  # 39 s on 2 cores
