@@ -90,11 +90,11 @@ def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devi
         loss = abs(float(l1) / float(l0) - 1)
         assert loss < 1e-3 and all(cosine(f1[k], f0[k]) > 0.95 and abs(norm_ratio(f1[k], f0[k]) - 1) < 0.1
                                    for k in f0), {k: (max_rel(f1[k], f0[k]), cosine(f1[k], f0[k])) for k in f0}
-        apart = [k for k in f0 if not np.array_equal(f0[k], f1[k])]
+        apart = {str(k): max_rel(f1[k], f0[k]) for k in f0 if not np.array_equal(f0[k], f1[k])}
         if recipe == "delayed":
-            apart += [k for k, v in flat(h0).items() if not np.array_equal(v, flat(h1)[k])]
-        return float(l0) == float(l1) and not apart, {"loss": loss, **{str(k): max_rel(f1[k], f0[k]) if k in f0 else
-                                                                    "history" for k in apart}}
+            new0, new1 = flat(h0), flat(h1)
+            apart.update({f"history {k}": "apart" for k in new0 if not np.array_equal(new0[k], new1[k])})
+        return float(l0) == float(l1) and not apart, {"loss": loss, **apart}
 
     a_draw_flips_no_rounding(compare, seed)
 
