@@ -205,6 +205,14 @@ def a_draw_flips_no_rounding(compare, seed, draws=DRAWS) -> int:
     raise AssertionError(f"each of {draws} draws differed beyond float32 summation order: {seen}")
 
 
+def assert_float8_noise(got, ref):
+    """Each gradient of ``got`` within float8's noise of ``ref``'s (both ``{key: array}``): cosine above 0.95, norm
+    within 10%; what ``a_draw_flips_no_rounding``'s callers hold on every draw, exact or not."""
+    norm = {k: norm_ratio(got[k], ref[k]) for k in ref}
+    assert all(cosine(got[k], ref[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in ref), {
+        k: (max_rel(got[k], ref[k]), cosine(got[k], ref[k]), norm[k]) for k in ref}
+
+
 def test_float8_model_is_close_to_the_bf16_model(seed):
     """2 layers, bf16 compute, one device. Over 400 seeds (2026-11-29): loss within 1.02e-3 (relative) of the bf16
     model's, each parameter's gradient at cosine >= 0.9793 with the bf16 one (median 0.9885; wq and wk the lowest), all
@@ -263,9 +271,9 @@ def test_eight_devices_equal_one(case, seed):
     if case == "plain":
         def compare(s):
             l1, f1, _, l8, f8, _ = run(s)
-            loss, norm = abs(l8 / l1 - 1), {k: norm_ratio(f8[k], f1[k]) for k in f1}
-            assert loss < 1e-3 and all(cosine(f8[k], f1[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in f1), {
-                k: (max_rel(f8[k], f1[k]), cosine(f8[k], f1[k]), norm[k]) for k in f1}
+            loss = abs(l8 / l1 - 1)
+            assert loss < 1e-3, loss
+            assert_float8_noise(f8, f1)
             rel = {k: max_rel(f8[k], f1[k]) for k in f1}
             return loss < 2e-6 and max(rel.values()) < 1e-5, {"loss": loss, **rel}
 
@@ -372,9 +380,9 @@ def test_lora_base_at_rest_gives_the_per_step_values(recipe, fields, seed):
 
     def compare(s):
         l0, f0, h0, l1, f1, h1 = run(*models(s), s)
-        loss, norm = abs(l1 / l0 - 1), {k: norm_ratio(f1[k], f0[k]) for k in f0}
-        assert loss < 1e-3 and all(cosine(f1[k], f0[k]) > 0.95 and abs(norm[k] - 1) < 0.1 for k in f0), {
-            k: (max_rel(f1[k], f0[k]), cosine(f1[k], f0[k]), norm[k]) for k in f0}
+        loss = abs(l1 / l0 - 1)
+        assert loss < 1e-3, loss
+        assert_float8_noise(f1, f0)
         new0, new1 = (flat(h0), flat(h1)) if recipe == "delayed" else ({}, {})
         exact = l0 == l1 and all(np.array_equal(f0[k], f1[k]) for k in f0) and all(
             np.array_equal(new0[k], new1[k]) for k in new0)

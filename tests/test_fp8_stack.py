@@ -17,13 +17,12 @@ from test_fp8 import (
     FAST,
     HYBRID,
     a_draw_flips_no_rounding,
+    assert_float8_noise,
     batch,
     build,
     compiled_step,
-    cosine,
     flat,
     max_rel,
-    norm_ratio,
 )
 from test_kept_attention import _count
 
@@ -82,14 +81,14 @@ def test_the_stacks_quantised_before_the_loop_give_the_loops_values(recipe, devi
     assert transposes[0] == 0 and transposes[1] >= stacks, transposes
 
     def compare(s):
-        graphdef, state = nnx.split(build(cfg, mesh, s))
+        model = (graphdef, state) if s == seed else nnx.split(build(cfg, mesh, s))  # the first draw's: built above
         b = batch(s, b=2 * devices)
-        (l0, (g0, h0)), (l1, (g1, h1)) = (_loss_and_grads(graphdef, state, b, hoisted) for hoisted in (False, True))
+        (l0, (g0, h0)), (l1, (g1, h1)) = (_loss_and_grads(*model, b, hoisted) for hoisted in (False, True))
         f0, f1 = flat(g0), flat(g1)
         assert f0.keys() == f1.keys()
         loss = abs(float(l1) / float(l0) - 1)
-        assert loss < 1e-3 and all(cosine(f1[k], f0[k]) > 0.95 and abs(norm_ratio(f1[k], f0[k]) - 1) < 0.1
-                                   for k in f0), {k: (max_rel(f1[k], f0[k]), cosine(f1[k], f0[k])) for k in f0}
+        assert loss < 1e-3, loss
+        assert_float8_noise(f1, f0)
         apart = {str(k): max_rel(f1[k], f0[k]) for k in f0 if not np.array_equal(f0[k], f1[k])}
         if recipe == "delayed":
             new0, new1 = flat(h0), flat(h1)
