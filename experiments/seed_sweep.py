@@ -11,9 +11,10 @@ and a seed costs its run alone. Fixtures other than ``seed`` are not provided. P
 line of its assertion and, last, one JSON line: the test, its parameters, the seeds run, the seeds that failed.
 
 Given a file alone, every test of it in the default suite (``-m "not slow and not gpu"``, not skipped) that takes
-``seed`` is swept, each of its parametrizations in turn: one JSON line a case as it ends, cases that need another
-fixture (``tmp_path``, ...) listed as not run. Each program still compiles once a case (a test that jits a new
-function per call compiles per seed, from the persistent cache where it hits):
+``seed`` is swept, each of its parametrizations in turn: one JSON line a case as it ends; ``tmp_path`` is given (a
+new empty directory each seed), a case that needs another fixture (``monkeypatch``, ...) is listed as not run. Each
+program still compiles once a case (a test that jits a new function per call compiles per seed, from the persistent
+cache where it hits):
 
     python experiments/seed_sweep.py tests/test_kept_attention.py --seeds 7000:7020
 """
@@ -28,6 +29,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,15 +75,22 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+# fixtures the sweep gives a test beside ``seed``: ``tmp_path``, a new empty directory for each seed
+PROVIDED = ("tmp_path",)
+
+
 def _sweep(test, kwargs: dict, seeds) -> list[int]:
-    """The seeds for which ``test(**kwargs, seed=s)`` raises AssertionError, each printed with its message."""
+    """The seeds for which ``test(**kwargs, seed=s)`` raises AssertionError, each printed with its message; a test
+    that takes ``tmp_path`` gets a new empty directory for each seed."""
     failed = []
+    wants_tmp = "tmp_path" in inspect.signature(test).parameters and "tmp_path" not in kwargs
     for seed in seeds:
-        try:
-            test(**kwargs, seed=seed)
-        except AssertionError as e:
-            failed.append(seed)
-            print(f"seed {seed}: {(str(e).splitlines() or ['(no message)'])[0][:300]}", flush=True)
+        with tempfile.TemporaryDirectory(prefix=f"seed_sweep_{seed}_") as tmp:
+            try:
+                test(**kwargs, seed=seed, **({"tmp_path": pathlib.Path(tmp)} if wants_tmp else {}))
+            except AssertionError as e:
+                failed.append(seed)
+                print(f"seed {seed}: {(str(e).splitlines() or ['(no message)'])[0][:300]}", flush=True)
     return failed
 
 
@@ -114,7 +123,8 @@ def _sweep_file(test_file: pathlib.Path, seeds) -> int:
     any_failed = False
     for item in seeded.items:
         params = dict(getattr(getattr(item, "callspec", None), "params", {}))
-        others = [f for f in inspect.signature(item.function).parameters if f != "seed" and f not in params]
+        others = [f for f in inspect.signature(item.function).parameters
+                  if f != "seed" and f not in params and f not in PROVIDED]
         if others:
             print(json.dumps(dict(test=item.nodeid, not_run=f"needs the fixtures {others}")), flush=True)
             continue
