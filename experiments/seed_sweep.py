@@ -7,8 +7,9 @@ against its tail (the float8 tests' figures of 2026-11-29 came from sweeps like 
 
 The test is called as a function with ``seed=`` and the JSON ``--kwargs`` (its other parameters), in one process set
 up as ``tests/conftest.py`` sets the suite up (8 CPU devices, the same compile flags), so each program compiles once
-and a seed costs its run alone. Fixtures other than ``seed`` are not provided. Prints each failing seed with the first
-line of its assertion and, last, one JSON line: the test, its parameters, the seeds run, the seeds that failed.
+and a seed costs its run alone. Fixtures other than ``seed`` and ``tmp_path`` (a new empty directory each seed) are
+not provided. Prints each failing seed with the first line of its assertion and, last, one JSON line: the test, its
+parameters, the seeds run, the seeds that failed.
 
 Given a file alone, every test of it in the default suite (``-m "not slow and not gpu"``, not skipped) that takes
 ``seed`` is swept, each of its parametrizations in turn: one JSON line a case as it ends; ``tmp_path`` is given (a

@@ -245,8 +245,8 @@ def test_cli_plan_writes_json(tmp_path):
 ])
 def test_cli_plan_bad_input(args, message, capsys):
     """Each refusal in the process (``cli.main``, as tests/test_cli.py's train refusals): exit 2, one line naming the
-    value, no traceback; the first through ``python -m ulysses_jax`` too, the real entry point (a subprocess: 4-5 s a
-    case, which nine of them cost the default suite before)."""
+    value, no traceback; the first through ``python -m ulysses_jax`` too, the real entry point (a subprocess each:
+    4-5 s a case, 39 s for the nine when each ran one)."""
     from ulysses_jax import cli
 
     assert cli.main(["plan", "--preset", "tiny", "--no-kernels", *args]) == 2
