@@ -7,13 +7,13 @@ against its tail (the float8 tests' figures of 2026-11-29 came from sweeps like 
 
 The test is called as a function with ``seed=`` and the JSON ``--kwargs`` (its other parameters), in one process set
 up as ``tests/conftest.py`` sets the suite up (8 CPU devices, the same compile flags), so each program compiles once
-and a seed costs its run alone. Fixtures other than ``seed`` and ``tmp_path`` (a new empty directory each seed) are
-not provided. Prints each failing seed with the first line of its assertion and, last, one JSON line: the test, its
+and a seed costs its run alone. Fixtures other than ``seed``, ``tmp_path`` and ``monkeypatch`` (new for each seed)
+are not provided. Prints each failing seed with the first line of its assertion and, last, one JSON line: the test, its
 parameters, the seeds run, the seeds that failed.
 
 Given a file alone, every test of it in the default suite (``-m "not slow and not gpu"``, not skipped) that takes
-``seed`` is swept, each of its parametrizations in turn: one JSON line a case as it ends; ``tmp_path`` is given (a
-new empty directory each seed), a case that needs another fixture (``monkeypatch``, ...) is listed as not run. Each
+``seed`` is swept, each of its parametrizations in turn: one JSON line a case as it ends; ``tmp_path`` and
+``monkeypatch`` are given (new for each seed), a case that needs another fixture is listed as not run. Each
 program still compiles once a case (a test that jits a new function per call compiles per seed, from the persistent
 cache where it hits):
 
@@ -76,19 +76,23 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-# fixtures the sweep gives a test beside ``seed``: ``tmp_path``, a new empty directory for each seed
-PROVIDED = ("tmp_path",)
+# fixtures the sweep gives a test beside ``seed``, new for each seed: ``tmp_path`` (an empty directory) and
+# ``monkeypatch`` (pytest's, undone after the seed)
+PROVIDED = ("tmp_path", "monkeypatch")
 
 
 def _sweep(test, kwargs: dict, seeds) -> list[int]:
     """The seeds for which ``test(**kwargs, seed=s)`` raises AssertionError, each printed with its message; a test
-    that takes ``tmp_path`` gets a new empty directory for each seed."""
+    that takes ``tmp_path`` or ``monkeypatch`` gets a new one for each seed (``PROVIDED``)."""
+    import pytest
+
     failed = []
-    wants_tmp = "tmp_path" in inspect.signature(test).parameters and "tmp_path" not in kwargs
+    wants = [f for f in PROVIDED if f in inspect.signature(test).parameters and f not in kwargs]
     for seed in seeds:
-        with tempfile.TemporaryDirectory(prefix=f"seed_sweep_{seed}_") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"seed_sweep_{seed}_") as tmp, pytest.MonkeyPatch.context() as mp:
+            given = {"tmp_path": pathlib.Path(tmp), "monkeypatch": mp}
             try:
-                test(**kwargs, seed=seed, **({"tmp_path": pathlib.Path(tmp)} if wants_tmp else {}))
+                test(**kwargs, seed=seed, **{f: given[f] for f in wants})
             except AssertionError as e:
                 failed.append(seed)
                 print(f"seed {seed}: {(str(e).splitlines() or ['(no message)'])[0][:300]}", flush=True)

@@ -630,9 +630,9 @@ def test_seed_sweep_names_the_seeds_a_test_fails(tmp_path):
 
 def test_seed_sweep_of_a_file_sweeps_each_seeded_default_case(tmp_path):
     """Given a file alone, seed_sweep.py sweeps each parametrization of each default-suite test that takes ``seed``
-    (one JSON line a case on stdout), passes over slow, skipped and unseeded tests, gives ``tmp_path`` (a new empty
-    directory each seed), lists a case that needs another fixture as not run, and exits 1 if any seed failed; --kwargs
-    with a file is refused."""
+    (one JSON line a case on stdout), passes over slow, skipped and unseeded tests, gives ``tmp_path`` and
+    ``monkeypatch`` (new each seed: an empty directory, the last seed's setting undone), lists a case that needs another
+    fixture as not run, and exits 1 if any seed failed; --kwargs with a file is refused."""
     (tmp_path / "test_many.py").write_text(
         "import pytest\n\n"
         "@pytest.mark.parametrize('k', [0, 1])\ndef test_even(seed, k):\n    assert (seed + k) % 2 == 0, 'odd'\n\n"
@@ -641,14 +641,16 @@ def test_seed_sweep_of_a_file_sweeps_each_seeded_default_case(tmp_path):
         "def test_unseeded():\n    assert False\n\n"
         "def test_needs_tmp(seed, tmp_path):\n    assert not list(tmp_path.iterdir())\n"
         "    (tmp_path / 'x').write_text('x')\n\n"
-        "def test_needs_monkeypatch(seed, monkeypatch):\n    pass\n")
+        "import os\n\ndef test_needs_monkeypatch(seed, monkeypatch):\n    assert 'SWEEP_X' not in os.environ\n"
+        "    monkeypatch.setenv('SWEEP_X', '1')\n\n"
+        "def test_needs_capsys(seed, capsys):\n    pass\n")
     sweep = [sys.executable, str(ROOT / "experiments" / "seed_sweep.py"), str(tmp_path / "test_many.py")]
     p = subprocess.run(sweep + ["--seeds", "3:6"], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1, p.stderr
     cases = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert [(c["test"].split("::")[1], c.get("failed")) for c in cases] == [
-        ("test_even[0]", [3, 5]), ("test_even[1]", [4]), ("test_needs_tmp", []), ("test_needs_monkeypatch", None)], (
-        p.stdout)
-    assert "needs the fixtures ['monkeypatch']" in cases[-1]["not_run"]
+        ("test_even[0]", [3, 5]), ("test_even[1]", [4]), ("test_needs_tmp", []), ("test_needs_monkeypatch", []),
+        ("test_needs_capsys", None)], p.stdout
+    assert "needs the fixtures ['capsys']" in cases[-1]["not_run"]
     p = subprocess.run(sweep + ["--seeds", "4:5", "--kwargs", '{"k": 1}'], capture_output=True, text=True)
     assert p.returncode == 2 and "--kwargs is for one test" in p.stderr
