@@ -245,8 +245,8 @@ def test_cli_plan_writes_json(tmp_path):
 ])
 def test_cli_plan_bad_input(args, message, capsys):
     """Each refusal in the process (``cli.main``, as tests/test_cli.py's train refusals): exit 2, one line naming the
-    value, no traceback; the first through ``python -m ulysses_jax`` too, the real entry point (a subprocess each:
-    4-5 s a case, 39 s for the nine when each ran one)."""
+    value, no traceback (a subprocess each cost 4-5 s a case, 39 s for the nine; the real entry point's refusal is the
+    next test)."""
     from ulysses_jax import cli
 
     assert cli.main(["plan", "--preset", "tiny", "--no-kernels", *args]) == 2
@@ -254,12 +254,15 @@ def test_cli_plan_bad_input(args, message, capsys):
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], captured.err[-2000:]
     assert "Traceback" not in captured.err and not captured.out, captured.out[-1000:]
-    if args == ["--target", "a100"]:
-        r = _cli("--preset", "tiny", "--no-kernels", *args)
-        assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
-        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
-        assert "Traceback" not in r.stderr
+
+
+def test_cli_plan_bad_input_through_the_entry_point():
+    """A refusal through ``python -m ulysses_jax``, the real entry point: exit 2, one line, no traceback."""
+    r = _cli("--preset", "tiny", "--no-kernels", "--target", "a100")
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "unknown target 'a100'; choose one of h100, h200" in lines[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
 
 
 def test_missing_plugin_names_the_extra(monkeypatch):
